@@ -1,0 +1,310 @@
+#pragma once
+// Bodies of gossip::engine (included by engine.hpp).
+#include <algorithm>
+
+#include "gossip/engine.hpp"
+
+namespace gossip {
+
+inline engine_settings engine_settings::from(const options& o) {
+  engine_settings s;
+  s.timeout = std::chrono::duration<double>(o.real("timeout_s"));
+  s.send_buffers = static_cast<int>(o.integer("send_buffers"));
+  s.trace_path = o.string("trace");
+  s.trace_capacity = static_cast<std::size_t>(o.integer("trace_capacity"));
+  s.trace_skips_every = static_cast<int>(o.integer("trace_skips_every"));
+  s.stats_path = o.string("stats");
+  s.finish_rounds = static_cast<int>(o.integer("finish_rounds"));
+  if (!(s.timeout.count() > 0))
+    throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
+  if (s.send_buffers < 1 || s.send_buffers > 16)
+    throw config_error(fmt::format("{}: key 'send_buffers' must be in 1..16, got {}", o.where(), s.send_buffers));
+  if (s.trace_skips_every < 1)
+    throw config_error(fmt::format("{}: key 'trace_skips_every' must be >= 1, got {}", o.where(), s.trace_skips_every));
+  if (s.finish_rounds < -1)
+    throw config_error(fmt::format("{}: key 'finish_rounds' must be >= 0, or -1 for automatic, got {}", o.where(), s.finish_rounds));
+  return s;
+}
+
+inline engine_spec engine_spec::from(const config& cfg) {
+  engine_spec s;
+  s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
+  s.topology = cfg.topology;
+  s.protocol = cfg.protocol;
+  s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
+  s.config_fingerprint = cfg.fingerprint();
+  return s;
+}
+
+inline engine::engine(const model_view& model, int rank, int world, engine_spec spec, any_transport transport)
+    : m_rank(rank), m_world(world), m_policy(std::move(spec.policy)), m_settings(std::move(spec.settings)),
+      m_config_fingerprint(spec.config_fingerprint), m_transport(std::move(transport)) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw config_error(fmt::format("engine: rank {} is outside the world of {} ranks", rank, world));
+  if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
+  if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
+  if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
+  for (const auto& t : model.tensors()) {
+    if (t.dtype != dtype::f32)
+      throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
+    if (t.memory != memory_kind::host)
+      throw config_error(fmt::format("engine (rank {}): tensor '{}' lives in device memory; this build exchanges host tensors", rank, t.name));
+    m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
+    m_tensor_names.push_back(t.name);
+    m_elements += t.count;
+  }
+  m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
+  m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  m_protocol.prepare(m_topology.sources(), m_elements);
+
+  const auto layout = model.layout();
+  m_layout_fingerprint = fingerprint(layout);
+  m_message_bytes = sizeof(wire_header) + m_elements * sizeof(float);
+  m_message_bytes = (m_message_bytes + 63) / 64 * 64;
+
+  const auto caps = m_transport.capabilities();
+  m_copies_on_post = caps.copies_on_post;
+  const int buffers = m_copies_on_post ? 1 : m_settings.send_buffers;
+  m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers) * m_message_bytes);
+  m_settings.send_buffers = buffers;
+  m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
+  for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+  if (m_policy.wants_step_change()) m_prev.assign(m_snapshot, m_snapshot + m_elements);
+
+  m_tensor_drift.resize(m_slots.size());
+  m_received.resize(std::max<std::size_t>(m_topology.sources().size(), static_cast<std::size_t>(world)));
+  m_trace.reserve(m_settings.trace_path.empty() ? 0 : m_settings.trace_capacity);
+  m_inbox = inbox(m_topology.sources(), 2, m_message_bytes);
+
+  // Who we may send to, over all rounds: ask the topology for every round of a period.
+  std::vector<int> targets;
+  for (std::uint64_t r = 0; r < 64; ++r)
+    for (const auto& p : m_topology.peers(r))
+      if (std::find(targets.begin(), targets.end(), p.rank) == targets.end()) targets.push_back(p.rank);
+  std::sort(targets.begin(), targets.end());
+
+  m_stats.rank = rank;
+  m_stats.world = world;
+  m_stats.policy = m_policy.name();
+  m_stats.topology = m_topology.name();
+  m_stats.protocol = m_protocol.name();
+  m_stats.transport = caps.name;
+  m_peer_index.assign(static_cast<std::size_t>(world), -1);
+  std::vector<int> neighbours = m_topology.sources();
+  neighbours.insert(neighbours.end(), targets.begin(), targets.end());
+  std::sort(neighbours.begin(), neighbours.end());
+  neighbours.erase(std::unique(neighbours.begin(), neighbours.end()), neighbours.end());
+  for (int j : neighbours) {
+    m_peer_index[static_cast<std::size_t>(j)] = static_cast<int>(m_stats.peers.size());
+    m_stats.peers.push_back(peer_stats{.rank = j});
+  }
+  for (const auto& n : m_tensor_names) m_stats.tensors.push_back(tensor_stats{.name = n});
+  m_stats.dead_peers.reserve(static_cast<std::size_t>(world));
+
+  transport_setup setup;
+  setup.rank = rank;
+  setup.world = world;
+  setup.layout = layout;
+  setup.layout_fingerprint = m_layout_fingerprint;
+  setup.config_fingerprint = m_config_fingerprint;
+  setup.sources = m_topology.sources();
+  setup.targets = targets;
+  setup.message_bytes = m_message_bytes;
+  setup.inbox = &m_inbox;
+  setup.timeout = m_settings.timeout;
+  m_transport.attach(setup);
+  m_start = m_last_send_time = std::chrono::steady_clock::now();
+}
+
+inline engine::~engine() {
+  if (m_transport) m_transport.leave();
+}
+
+inline void engine::handle_failures() {
+  // m_received doubles as the scratch list of newly dead ranks.
+  const std::size_t n = m_transport.dead_peers(m_received);
+  for (std::size_t i = 0; i < n; ++i) {
+    const int r = m_received[i].sender;
+    m_topology.mark_dead(r);
+    m_protocol.forget(r);
+    if (const int k = m_peer_index[static_cast<std::size_t>(r)]; k >= 0) m_stats.peers[static_cast<std::size_t>(k)].dead = true;
+    m_stats.dead_peers.push_back(r);  // capacity reserved for world entries
+  }
+}
+
+inline step_result engine::step(const step_info& info) {
+  GOSSIP_ASSERT(!m_finished, "engine (rank {}): step() after finish()", m_rank);
+  return run_step(info, false);
+}
+
+inline step_result engine::run_step(const step_info& info, bool forced) {
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  const std::uint64_t t = m_step;
+  step_result result;
+
+  handle_failures();
+
+  // 1. merge what arrived since the last step
+  const std::size_t n = m_transport.collect(t, m_received);
+  const auto t1 = clock::now();
+  if (n > 0) {
+    m_protocol.merge(m_slots, {m_received.data(), n}, m_snapshot);
+    for (std::size_t i = 0; i < n; ++i) {
+      const int k = m_peer_index[static_cast<std::size_t>(m_received[i].sender)];
+      auto& p = m_stats.peers[static_cast<std::size_t>(k)];
+      p.bytes_received += sizeof(wire_header) + m_received[i].elements * sizeof(float);
+      ++p.messages_received;
+    }
+  }
+  m_transport.release(t);
+  result.merged = n;
+
+  // 2. measure drift: one fused pass over x and x̂ (and x_{t−1} when asked)
+  double diff = 0, ref = 0, step_sq = 0;
+  float* prev = m_prev.empty() ? nullptr : m_prev.data();
+  for (std::size_t i = 0; i < m_slots.size(); ++i) {
+    const auto& s = m_slots[i];
+    const drift_sums d = drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
+    m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
+    diff += d.diff_sq;
+    ref += d.ref_sq;
+    step_sq += d.step_sq;
+  }
+
+  // 3. decide
+  signal sig;
+  sig.step = t;
+  sig.round = t;
+  sig.diff_sq = diff;
+  sig.ref_sq = ref;
+  sig.step_sq = prev && t > 0 ? step_sq : std::numeric_limits<double>::quiet_NaN();
+  sig.tensors = m_tensor_drift;
+  sig.lr = info.lr;
+  sig.loss = info.loss;
+  sig.steps_since_send = static_cast<std::uint64_t>(static_cast<std::int64_t>(t) - m_last_send_step);
+  sig.seconds_since_send = std::chrono::duration<double>(t0 - m_last_send_time).count();
+  sig.bytes_sent = m_stats.bytes_sent;
+  const auto targets = m_topology.peers(t);
+  const std::uint64_t wire_bytes = sizeof(wire_header) + m_elements * sizeof(float);
+  sig.bytes_per_send = wire_bytes * targets.size();
+  decision d = forced ? decision::fire(reason::period) : m_policy.decide(sig);
+  result.why = d.why;
+  result.relative_drift = sig.relative_drift();
+
+  // 4. send: the copy into the send buffer becomes the new x̂
+  std::uint64_t bytes = 0;
+  std::uint32_t sent_to = 0;
+  if (d.send) {
+    const int next = m_copies_on_post ? m_current : (m_current + 1) % m_settings.send_buffers;
+    if (targets.empty()) {
+      ++m_stats.no_live_peer;
+    } else if (!m_copies_on_post && m_transport.busy(buffer(next))) {
+      ++m_stats.send_busy;
+    } else {
+      std::byte* buf = buffer(next);
+      auto* payload = reinterpret_cast<float*>(buf + sizeof(wire_header));
+      for (const auto& s : m_slots) std::memcpy(payload + s.offset, s.data, s.count * sizeof(float));
+      m_current = next;
+      m_snapshot = payload;
+      wire_header h;
+      h.sender = m_rank;
+      h.step = t;
+      h.weight = m_protocol.on_send(targets, m_topology.self_weight());
+      h.payload_bytes = m_elements * sizeof(float);
+      h.layout_fingerprint = m_layout_fingerprint;
+      std::memcpy(buf, &h, sizeof h);
+      const std::span<const std::byte> msg(buf, sizeof(wire_header) + h.payload_bytes);
+      for (const auto& p : targets) {
+        auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(p.rank)])];
+        if (m_transport.post(p.rank, msg, t) == post_status::ok) {
+          bytes += msg.size();
+          ++sent_to;
+          ps.bytes_sent += msg.size();
+          ++ps.messages_sent;
+        } else {
+          m_protocol.refund(h.weight);  // the share never left: keep push-sum mass
+          ++ps.dropped;
+          ++m_stats.dropped;
+        }
+      }
+      m_last_send_step = static_cast<std::int64_t>(t);
+      m_last_send_time = t0;
+      if (sent_to > 0) {
+        for (std::size_t i = 0; i < m_slots.size(); ++i) m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;
+        ++m_stats.sends;
+        m_stats.relative_drift_at_send_sum += result.relative_drift;
+        result.sent = true;
+      }
+    }
+  }
+  m_transport.end_step(t);
+  const auto t2 = clock::now();
+
+  // 5. record
+  if (!result.sent) ++m_stats.skips;
+  ++m_stats.by_reason[static_cast<std::size_t>(d.why)];
+  m_stats.bytes_sent += bytes;
+  m_stats.messages_sent += sent_to;
+  m_stats.relative_drift_last = result.relative_drift;
+  m_stats.relative_drift_max = std::max(m_stats.relative_drift_max, result.relative_drift);
+  for (std::size_t i = 0; i < m_slots.size(); ++i) {
+    auto& ts = m_stats.tensors[i];
+    ts.last_diff_sq = m_tensor_drift[i].diff_sq;
+    if (m_tensor_drift[i].ref_sq > 0) ts.max_relative = std::max(ts.max_relative, std::sqrt(m_tensor_drift[i].diff_sq / m_tensor_drift[i].ref_sq));
+  }
+  m_policy.observe(outcome{t, result.sent, bytes, m_stats.bytes_sent, sig.bytes_per_send});
+  if (m_trace.capacity() > m_trace.size() && (result.sent || t % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0)) {
+    m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t0 - m_start).count(),
+                                  std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
+                                  static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes});
+  }
+  ++m_stats.steps;
+  m_stats.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+  m_stats.step_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+  ++m_step;
+  return result;
+}
+
+inline void engine::flush() {
+  for (int i = 0; i < m_settings.send_buffers; ++i) {
+    std::byte* b = buffer(i);
+    detail::wait_for([&] { return !m_transport.busy(b); }, m_settings.timeout,
+                     [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
+  }
+  m_transport.flush(m_settings.timeout);
+}
+
+inline void engine::finish(int rounds) {
+  if (m_finished) return;
+  if (rounds == -2) rounds = m_settings.finish_rounds;
+  if (rounds < 0) {
+    int hops = 0;
+    while ((1 << hops) < m_world) ++hops;
+    rounds = 2 * hops;
+  }
+  for (int r = 0; r < rounds; ++r) run_step({}, true);
+  // One more collect so the last round's messages are merged.
+  if (rounds > 0) {
+    handle_failures();
+    const std::size_t n = m_transport.collect(m_step, m_received);
+    m_protocol.merge(m_slots, {m_received.data(), n}, m_snapshot);
+    m_transport.release(m_step);
+    m_transport.end_step(m_step);
+  }
+  flush();
+  m_finished = true;
+  m_transport.leave();
+  if (!m_settings.stats_path.empty()) write_stats_file(m_settings.stats_path, stats());
+  if (!m_settings.trace_path.empty()) write_chrome_trace(m_settings.trace_path, m_rank, m_trace);
+}
+
+inline const engine_stats& engine::stats() {
+  const auto c = m_transport.counters();
+  m_stats.weight = m_protocol.weight();
+  m_stats.bytes_received = c.bytes_received;
+  m_stats.messages_received = c.messages_received;
+  return m_stats;
+}
+
+}  // namespace gossip

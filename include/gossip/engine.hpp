@@ -1,0 +1,145 @@
+#pragma once
+/// The engine: the one object a training loop talks to.
+///
+///     gossip::model_view model;
+///     model.add("fc1.weight", w1).add("fc1.bias", b1);
+///     auto cfg = gossip::config::load("run.toml");
+///     gossip::engine eng(model, rank, world, cfg, fabric.endpoint(rank));
+///     for (...) {
+///       forward(); backward(); optimizer.step();
+///       eng.step({.lr = lr, .loss = loss});   // merge, measure, decide, send
+///     }
+///     eng.finish();                           // optional final averaging
+///     fmt::print("{}\n", eng.stats().to_json());
+///
+/// step() merges what peers sent, measures drift in one fused pass, asks the
+/// policy, and — if it fires — copies the model into a send buffer (that copy
+/// becomes x̂) and posts it. Every buffer is allocated here, in the
+/// constructor; step() allocates nothing and takes no lock.
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/config.hpp"
+#include "gossip/drift.hpp"
+#include "gossip/error.hpp"
+#include "gossip/model.hpp"
+#include "gossip/policy.hpp"
+#include "gossip/protocol.hpp"
+#include "gossip/stats.hpp"
+#include "gossip/topology.hpp"
+#include "gossip/transport.hpp"
+#include "gossip/wait.hpp"
+
+namespace gossip {
+
+struct engine_settings {
+  std::chrono::duration<double> timeout{60.0};
+  int send_buffers = 2;
+  std::string trace_path;               ///< Chrome-trace JSON written by finish(); empty: off
+  std::size_t trace_capacity = 100000;  ///< events kept at most (preallocated)
+  int trace_skips_every = 1;            ///< record every n-th skip; sends are always recorded
+  std::string stats_path;               ///< JSON report written by finish(); empty: off
+  int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
+
+  /// From resolved [engine] options (see engine_option_specs()).
+  static engine_settings from(const options& o);
+};
+
+/// Everything an engine is built from; config::load() produces one, or fill it in code.
+struct engine_spec {
+  any_policy policy;
+  component_config topology{"exponential", options("<code> [topology]")};
+  component_config protocol{"push-sum", options("<code> [protocol]")};
+  engine_settings settings;
+  std::uint64_t config_fingerprint = 0;  ///< ranks with different fingerprints refuse to connect
+
+  static engine_spec from(const config& cfg);
+};
+
+struct step_info {
+  double lr = 0;
+  double loss = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct step_result {
+  bool sent = false;
+  gossip::reason why = reason::never;
+  double relative_drift = 0;
+  std::size_t merged = 0;  ///< messages merged at this step
+};
+
+class engine {
+ public:
+  engine(const model_view& model, int rank, int world, engine_spec spec, any_transport transport);
+  engine(const model_view& model, int rank, int world, const config& cfg, any_transport transport)
+      : engine(model, rank, world, engine_spec::from(cfg), std::move(transport)) {}
+  engine(const engine&) = delete;
+  engine& operator=(const engine&) = delete;
+  ~engine();
+
+  /// Merge, measure, decide, send, record. Allocation- and lock-free.
+  step_result step(const step_info& info = {});
+
+  /// Waits (bounded) until no send buffer is referenced by the transport.
+  void flush();
+
+  /// Runs `rounds` forced exchange rounds without local updates (final
+  /// averaging; -1 uses the [engine] finish_rounds setting), writes the stats
+  /// and trace files if configured, and leaves the fabric. Idempotent.
+  void finish(int rounds = -2);
+
+  /// Counters, refreshed from the transport.
+  const engine_stats& stats();
+
+  double weight() const noexcept { return m_protocol.weight(); }
+  int rank() const noexcept { return m_rank; }
+  int world() const noexcept { return m_world; }
+  std::uint64_t steps() const noexcept { return m_step; }
+  /// x̂: the model as peers last received it.
+  std::span<const float> snapshot() const noexcept { return {m_snapshot, m_elements}; }
+  const std::vector<trace_event>& trace() const noexcept { return m_trace; }
+
+ private:
+  step_result run_step(const step_info& info, bool forced);
+  std::byte* buffer(int i) noexcept { return m_send_storage.get() + static_cast<std::size_t>(i) * m_message_bytes; }
+  void handle_failures();
+
+  int m_rank, m_world;
+  std::vector<tensor_slot> m_slots;
+  std::size_t m_elements = 0, m_message_bytes = 0;
+  any_policy m_policy;
+  topology m_topology;
+  protocol m_protocol;
+  engine_settings m_settings;
+  std::uint64_t m_config_fingerprint = 0, m_layout_fingerprint = 0;
+  std::vector<std::string> m_tensor_names;
+
+  // Buffers, all allocated by the constructor.
+  std::unique_ptr<std::byte[]> m_send_storage;  // send_buffers × (header + model)
+  int m_current = 0;                            // buffer whose payload is x̂
+  float* m_snapshot = nullptr;                  // x̂ = payload of buffer m_current
+  std::vector<float> m_prev;                    // x_{t−1}, only for policies that ask
+  std::vector<tensor_drift> m_tensor_drift;
+  std::vector<received> m_received;
+  std::vector<int> m_peer_index;                // rank → index in m_stats.peers, or −1
+  std::vector<trace_event> m_trace;
+  inbox m_inbox;
+  any_transport m_transport;  // after m_inbox: destroyed (and departed) first
+
+  engine_stats m_stats;
+  std::uint64_t m_step = 0;
+  std::int64_t m_last_send_step = -1;
+  std::chrono::steady_clock::time_point m_start, m_last_send_time;
+  bool m_copies_on_post = false, m_finished = false;
+};
+
+}  // namespace gossip
+#include "gossip/engine-inl.hpp"

@@ -1,0 +1,117 @@
+#pragma once
+/// A non-owning view of a worker's parameters.
+///
+///     std::vector<float> w1(784 * 128), b1(128);
+///     gossip::model_view model;
+///     model.add("fc1.weight", w1).add("fc1.bias", b1);
+///
+/// Peers compare layouts (names, element counts, dtypes) when they connect and
+/// refuse to exchange if they differ, naming the first differing tensor.
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/error.hpp"
+
+namespace gossip {
+
+enum class dtype : std::uint8_t { f32, f64, f16, bf16 };
+enum class memory_kind : std::uint8_t { host, cuda };
+
+constexpr std::size_t dtype_size(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return 4;
+    case dtype::f64: return 8;
+    case dtype::f16:
+    case dtype::bf16: return 2;
+  }
+  return 0;
+}
+
+constexpr std::string_view to_string(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return "f32";
+    case dtype::f64: return "f64";
+    case dtype::f16: return "f16";
+    case dtype::bf16: return "bf16";
+  }
+  return "?";
+}
+
+struct tensor_view {
+  std::string name;
+  void* data = nullptr;
+  std::size_t count = 0;  ///< elements, not bytes
+  gossip::dtype dtype = dtype::f32;
+  memory_kind memory = memory_kind::host;
+
+  std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
+  std::span<float> f32() const noexcept { return {static_cast<float*>(data), count}; }
+};
+
+/// The shape of a model without its data: what peers compare at connect time.
+struct layout_entry {
+  std::string name;
+  std::size_t count = 0;
+  gossip::dtype dtype = dtype::f32;
+  bool operator==(const layout_entry&) const = default;
+};
+using model_layout = std::vector<layout_entry>;
+
+/// First difference between two layouts, or nothing when they match.
+std::optional<std::string> layout_difference(const model_layout& mine, const model_layout& theirs);
+
+/// Throws layout_error naming both ranks and the first differing tensor.
+void check_layouts(const model_layout& mine, int my_rank, const model_layout& theirs, int their_rank);
+
+/// A stable 64-bit fingerprint of a layout (FNV-1a over names, counts, dtypes).
+std::uint64_t fingerprint(const model_layout& layout) noexcept;
+
+class model_view {
+ public:
+  model_view() = default;
+
+  model_view& add(std::string name, std::span<float> values, memory_kind mem = memory_kind::host) {
+    return add(tensor_view{std::move(name), values.data(), values.size(), dtype::f32, mem});
+  }
+  model_view& add(tensor_view t) {
+    if (t.name.empty()) throw error(fmt::format("model_view: tensor #{} has an empty name; give every tensor a unique name", m_tensors.size()));
+    for (const auto& u : m_tensors)
+      if (u.name == t.name) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
+    if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
+    m_tensors.push_back(std::move(t));
+    return *this;
+  }
+
+  std::span<const tensor_view> tensors() const noexcept { return m_tensors; }
+  std::size_t size() const noexcept { return m_tensors.size(); }
+  const tensor_view& operator[](std::size_t i) const noexcept { return m_tensors[i]; }
+
+  std::size_t elements() const noexcept {
+    std::size_t n = 0;
+    for (const auto& t : m_tensors) n += t.count;
+    return n;
+  }
+  std::size_t bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& t : m_tensors) n += t.bytes();
+    return n;
+  }
+  model_layout layout() const {
+    model_layout l;
+    l.reserve(m_tensors.size());
+    for (const auto& t : m_tensors) l.push_back({t.name, t.count, t.dtype});
+    return l;
+  }
+
+ private:
+  std::vector<tensor_view> m_tensors;
+};
+
+}  // namespace gossip

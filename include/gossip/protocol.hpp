@@ -1,0 +1,157 @@
+#pragma once
+/// Protocols decide how a received model changes the local one.
+///
+///  push-sum   (default) each rank keeps a weight w. A sender splits (x·w, w)
+///             among itself and its targets by the topology's weights and
+///             ships shares; a receiver adds. The user's tensors hold the
+///             de-biased model z = x/w, so a merge is the weighted average
+///             z ← (w·z + Σ w_m·z_m) / (w + Σ w_m). Σ w·z and Σ w are conserved
+///             under any pattern of skipped sends (SGP, Assran et al. 2019).
+///  pairwise   average with each received model (Jin et al. 2016 gossip):
+///             z ← (z + Σ z_m) / (1 + M).
+///  stale-copy CHOCO-style: keep the latest copy c_j of every source; when a
+///             copy arrives, z ← z + γ/(d+1) · Σ_j (c_j − x̂) over the d sources
+///             heard from so far, so silent neighbours still count.
+///
+/// The merge runs only when something arrived: never an extra pass otherwise.
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <Eigen/Core>
+#include <fmt/format.h>
+
+#include "gossip/error.hpp"
+#include "gossip/options.hpp"
+#include "gossip/registry.hpp"
+#include "gossip/topology.hpp"
+#include "gossip/transport.hpp"
+
+namespace gossip {
+
+/// One tensor of the local model, and where it sits in a message payload.
+struct tensor_slot {
+  float* data = nullptr;
+  std::size_t count = 0;
+  std::size_t offset = 0;  ///< in elements, within the payload
+};
+
+class protocol {
+ public:
+  enum class kind { push_sum, pairwise, stale_copy };
+
+  protocol() = default;
+  explicit protocol(kind k, double gamma = 1.0, std::string name = {}) : m_kind(k), m_gamma(gamma), m_name(std::move(name)) {}
+
+  /// Allocates per-source state (stale copies). Called once by the engine.
+  void prepare(std::span<const int> sources, std::size_t elements) {
+    m_sources.assign(sources.begin(), sources.end());
+    if (m_kind == kind::stale_copy) {
+      m_copies.assign(sources.size() * elements, 0.0f);
+      m_have.assign(sources.size(), 0);
+      m_elements = elements;
+    }
+  }
+
+  /// The weight stamped on every message of one send to `targets`, after which
+  /// this rank keeps `self_weight` of its own share (push-sum).
+  double on_send(std::span<const peer> targets, double self_weight) noexcept {
+    if (targets.empty()) return 0;
+    if (m_kind == kind::push_sum) {
+      const double share = m_weight * targets[0].weight;
+      m_weight *= self_weight;
+      return share;
+    }
+    return targets[0].weight;
+  }
+
+  /// A share stamped by on_send() could not be delivered: take it back.
+  void refund(double share) noexcept {
+    if (m_kind == kind::push_sum) m_weight += share;
+  }
+
+  /// Merges received messages into x. `snapshot` is x̂ (what peers last got).
+  void merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot) noexcept {
+    using vec = Eigen::Map<Eigen::ArrayXf, Eigen::Unaligned>;
+    using cvec = Eigen::Map<const Eigen::ArrayXf, Eigen::Unaligned>;
+    if (msgs.empty()) return;
+    switch (m_kind) {
+      case kind::push_sum:
+        for (const auto& m : msgs) {
+          const double total = m_weight + m.weight;
+          if (!(total > 0)) continue;
+          const auto a = static_cast<float>(m_weight / total), b = static_cast<float>(m.weight / total);
+          for (const auto& t : x) {
+            vec z(t.data, static_cast<Eigen::Index>(t.count));
+            z = a * z + b * cvec(m.data + t.offset, static_cast<Eigen::Index>(t.count));
+          }
+          m_weight = total;
+        }
+        break;
+      case kind::pairwise: {
+        float k = 1;
+        for (const auto& m : msgs) {
+          k += 1;
+          for (const auto& t : x) {
+            vec z(t.data, static_cast<Eigen::Index>(t.count));
+            z += (cvec(m.data + t.offset, static_cast<Eigen::Index>(t.count)) - z) / k;
+          }
+        }
+        break;
+      }
+      case kind::stale_copy: {
+        for (const auto& m : msgs) {
+          const std::size_t i = index_of(m.sender);
+          std::memcpy(m_copies.data() + i * m_elements, m.data, m_elements * sizeof(float));
+          m_have[i] = 1;
+        }
+        std::size_t heard = 0;
+        for (char h : m_have) heard += h;
+        const auto g = static_cast<float>(m_gamma / static_cast<double>(heard + 1));
+        for (std::size_t i = 0; i < m_have.size(); ++i) {
+          if (!m_have[i]) continue;
+          const float* c = m_copies.data() + i * m_elements;
+          for (const auto& t : x) {
+            const auto n = static_cast<Eigen::Index>(t.count);
+            vec z(t.data, n);
+            z += g * (cvec(c + t.offset, n) - cvec(snapshot + t.offset, n));
+          }
+        }
+        break;
+      }
+    }
+  }
+
+  /// A peer died: forget its stale copy so it stops pulling the model.
+  void forget(int rank) noexcept {
+    if (m_kind == kind::stale_copy)
+      for (std::size_t i = 0; i < m_sources.size(); ++i)
+        if (m_sources[i] == rank) m_have[i] = 0;
+  }
+
+  double weight() const noexcept { return m_weight; }
+  kind type() const noexcept { return m_kind; }
+  const std::string& name() const noexcept { return m_name; }
+
+ private:
+  std::size_t index_of(int rank) const noexcept {
+    for (std::size_t i = 0; i < m_sources.size(); ++i)
+      if (m_sources[i] == rank) return i;
+    return 0;
+  }
+  kind m_kind = kind::push_sum;
+  double m_gamma = 1.0;
+  std::string m_name = "push-sum";
+  double m_weight = 1.0;
+  std::vector<int> m_sources;
+  std::vector<float> m_copies;
+  std::vector<char> m_have;
+  std::size_t m_elements = 0;
+};
+
+using protocol_registry_t = registry<protocol>;
+/// Protocols by config name: push-sum, pairwise, stale-copy.
+protocol_registry_t& protocol_registry();
+
+}  // namespace gossip

@@ -1,0 +1,199 @@
+#pragma once
+/// Transports move opaque payloads between ranks.
+///
+/// The engine owns every buffer: one inbox per source rank (a ring of slots,
+/// each large enough for one message) and its send buffers. A transport writes
+/// received messages straight into those slots and never allocates on the step
+/// path. The engine does not know which transport it has; it calls:
+///
+///   attach(setup)             connect to setup.sources / setup.targets, check
+///                             layouts, register the inboxes (may block, bounded)
+///   post(peer, msg, step)     non-blocking send of one message
+///   collect(step, out)        messages to merge at `step` (slots stay owned by
+///                             the transport until release)
+///   release(step)             the engine has merged them; slots are free again
+///   end_step(step)            this rank finished `step` (sends all posted)
+///   busy(buffer)              is a send buffer still referenced by the wire?
+///   flush(timeout) / leave()  drain sends / depart (peers stop waiting for us)
+///
+/// A message is a wire_header followed by the model as float32, tensors in
+/// layout order. Byte counters count both.
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gossip/error.hpp"
+#include "gossip/model.hpp"
+
+namespace gossip {
+
+struct wire_header {
+  static constexpr std::uint32_t magic_value = 0x31505347;  // "GSP1"
+  static constexpr std::uint16_t version_value = 1;
+  std::uint32_t magic = magic_value;
+  std::uint16_t version = version_value;
+  std::uint16_t flags = 0;
+  std::int32_t sender = -1;
+  std::uint32_t reserved = 0;
+  std::uint64_t step = 0;
+  double weight = 0;                 ///< protocol weight (push-sum share, mixing weight)
+  std::uint64_t payload_bytes = 0;   ///< bytes after this header
+  std::uint64_t layout_fingerprint = 0;
+};
+static_assert(sizeof(wire_header) == 48);
+
+/// One received message: points into an engine-owned inbox slot.
+struct received {
+  int sender = -1;
+  std::uint64_t step = 0;
+  double weight = 0;
+  const float* data = nullptr;
+  std::size_t elements = 0;
+};
+
+/// Engine-owned receive buffers: `depth` slots per source rank.
+class inbox {
+ public:
+  enum : std::uint32_t { empty = 0, writing = 1, full = 2 };
+  struct slot {
+    std::atomic<std::uint32_t> state{empty};
+    std::uint64_t bytes = 0;
+    std::chrono::steady_clock::time_point ready_at{};  ///< emulated arrival time
+    std::byte* data = nullptr;
+  };
+
+  inbox() = default;
+  inbox(std::span<const int> sources, std::size_t depth, std::size_t message_bytes)
+      : m_sources(sources.begin(), sources.end()), m_depth(depth), m_message_bytes(message_bytes),
+        m_storage(std::make_unique<std::byte[]>(sources.size() * depth * message_bytes + 64)),
+        m_slots(std::make_unique<slot[]>(sources.size() * depth)) {
+    std::byte* base = m_storage.get();
+    base += (64 - reinterpret_cast<std::uintptr_t>(base) % 64) % 64;
+    for (std::size_t i = 0; i < sources.size() * depth; ++i) m_slots[i].data = base + i * message_bytes;
+  }
+
+  std::span<const int> sources() const noexcept { return m_sources; }
+  std::size_t depth() const noexcept { return m_depth; }
+  std::size_t message_bytes() const noexcept { return m_message_bytes; }
+  /// Index of `rank` among the sources, or -1.
+  int index_of(int rank) const noexcept {
+    for (std::size_t i = 0; i < m_sources.size(); ++i)
+      if (m_sources[i] == rank) return static_cast<int>(i);
+    return -1;
+  }
+  slot& at(std::size_t source_index, std::uint64_t step) noexcept {
+    return m_slots[source_index * m_depth + step % m_depth];
+  }
+
+ private:
+  std::vector<int> m_sources;
+  std::size_t m_depth = 0, m_message_bytes = 0;
+  std::unique_ptr<std::byte[]> m_storage;
+  std::unique_ptr<slot[]> m_slots;
+};
+
+/// What an engine tells its transport when it attaches.
+struct transport_setup {
+  int rank = 0;
+  int world = 1;
+  model_layout layout;
+  std::uint64_t layout_fingerprint = 0;
+  std::uint64_t config_fingerprint = 0;
+  std::vector<int> sources;  ///< ranks that may send to us
+  std::vector<int> targets;  ///< ranks we may send to (union over rounds)
+  std::size_t message_bytes = 0;
+  gossip::inbox* inbox = nullptr;
+  std::chrono::duration<double> timeout{60.0};
+};
+
+struct transport_capabilities {
+  bool deterministic = false;    ///< merge order and content independent of timing
+  bool copies_on_post = false;   ///< send buffer reusable as soon as post() returns
+  bool emulates_network = false; ///< bandwidth / latency emulated per link
+  const char* name = "?";
+};
+
+enum class post_status : std::uint8_t { ok, peer_dead, busy };
+
+struct transport_counters {
+  std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
+};
+
+template <class T>
+concept transport = requires(T& t, const transport_setup& s, int peer, std::span<const std::byte> msg, std::uint64_t step,
+                             std::span<received> out, const std::byte* buf, std::chrono::duration<double> d) {
+  { t.attach(s) };
+  { t.post(peer, msg, step) } -> std::same_as<post_status>;
+  { t.collect(step, out) } -> std::same_as<std::size_t>;
+  { t.release(step) };
+  { t.end_step(step) };
+  { t.busy(buf) } -> std::same_as<bool>;
+  { t.flush(d) };
+  { t.leave() };
+  { t.capabilities() } -> std::same_as<transport_capabilities>;
+  { t.dead_peers(out) };  // ranks detected dead since the last call (received::sender used)
+  { t.counters() } -> std::same_as<transport_counters>;
+};
+
+/// Type-erased transport so the engine is built once for all of them.
+class any_transport {
+ public:
+  any_transport() = default;
+  template <transport T>
+    requires(!std::same_as<std::remove_cvref_t<T>, any_transport>)
+  any_transport(T t) : m_self(std::make_unique<model<T>>(std::move(t))) {}
+
+  explicit operator bool() const noexcept { return m_self != nullptr; }
+  void attach(const transport_setup& s) { m_self->attach(s); }
+  [[nodiscard]] post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return m_self->post(peer, msg, step); }
+  std::size_t collect(std::uint64_t step, std::span<received> out) { return m_self->collect(step, out); }
+  void release(std::uint64_t step) { m_self->release(step); }
+  void end_step(std::uint64_t step) { m_self->end_step(step); }
+  bool busy(const std::byte* buf) const { return m_self->busy(buf); }
+  void flush(std::chrono::duration<double> d) { m_self->flush(d); }
+  void leave() { m_self->leave(); }
+  transport_capabilities capabilities() const { return m_self->capabilities(); }
+  std::size_t dead_peers(std::span<received> out) { return m_self->dead_peers(out); }
+  transport_counters counters() const { return m_self->counters(); }
+
+ private:
+  struct concept_t {
+    virtual ~concept_t() = default;
+    virtual void attach(const transport_setup&) = 0;
+    virtual post_status post(int, std::span<const std::byte>, std::uint64_t) = 0;
+    virtual std::size_t collect(std::uint64_t, std::span<received>) = 0;
+    virtual void release(std::uint64_t) = 0;
+    virtual void end_step(std::uint64_t) = 0;
+    virtual bool busy(const std::byte*) const = 0;
+    virtual void flush(std::chrono::duration<double>) = 0;
+    virtual void leave() = 0;
+    virtual transport_capabilities capabilities() const = 0;
+    virtual std::size_t dead_peers(std::span<received>) = 0;
+    virtual transport_counters counters() const = 0;
+  };
+  template <class T>
+  struct model final : concept_t {
+    explicit model(T t) : m_t(std::move(t)) {}
+    void attach(const transport_setup& s) override { m_t.attach(s); }
+    post_status post(int p, std::span<const std::byte> m, std::uint64_t s) override { return m_t.post(p, m, s); }
+    std::size_t collect(std::uint64_t s, std::span<received> o) override { return m_t.collect(s, o); }
+    void release(std::uint64_t s) override { m_t.release(s); }
+    void end_step(std::uint64_t s) override { m_t.end_step(s); }
+    bool busy(const std::byte* b) const override { return m_t.busy(b); }
+    void flush(std::chrono::duration<double> d) override { m_t.flush(d); }
+    void leave() override { m_t.leave(); }
+    transport_capabilities capabilities() const override { return m_t.capabilities(); }
+    std::size_t dead_peers(std::span<received> o) override { return static_cast<std::size_t>(m_t.dead_peers(o)); }
+    transport_counters counters() const override { return m_t.counters(); }
+    T m_t;
+  };
+  std::unique_ptr<concept_t> m_self;
+};
+
+}  // namespace gossip

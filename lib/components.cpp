@@ -1,0 +1,86 @@
+// Registries of the shipped topologies and protocols.
+#include <utility>
+#include <vector>
+
+#include "gossip/config.hpp"
+#include "gossip/protocol.hpp"
+#include "gossip/topology.hpp"
+
+namespace gossip {
+
+topology_registry_t& topology_registry() {
+  static topology_registry_t r = [] {
+    topology_registry_t t("topology");
+    t.add({"ring", "both ring neighbours every round", {}, [](const options&, int rank, int world) {
+             return topology(topologies::ring(rank, world), rank, world, "ring");
+           }});
+    t.add({"exponential", "one peer per round, 2^k hops ahead, k cycling (SGP's time-varying exponential graph)", {},
+           [](const options&, int rank, int world) {
+             return topology(topologies::exponential(rank, world), rank, world, "exponential");
+           }});
+    t.add({"random", "one uniformly random peer per round, identical on every rank for a seed",
+           {{"seed", std::int64_t{1}, "seed shared by all ranks"}},
+           [](const options& o, int rank, int world) {
+             return topology(topologies::random(rank, world, static_cast<std::uint64_t>(o.integer("seed"))), rank, world, "random");
+           }});
+    t.add({"complete", "every other rank every round", {}, [](const options&, int rank, int world) {
+             return topology(topologies::complete(rank, world), rank, world, "complete");
+           }});
+    t.add({"edges", "an explicit edge list",
+           {{"edges", int_list{}, "flattened pairs [a0, b0, a1, b1, …] or nested [[a, b], …]"},
+            {"directed", false, "edges go one way (a sends to b) instead of both"}},
+           [](const options& o, int rank, int world) {
+             const auto& flat = o.integers("edges");
+             if (flat.empty() || flat.size() % 2 != 0)
+               throw config_error(fmt::format("{}: key 'edges' must list pairs of ranks, e.g. [[0, 1], [1, 2]]; got {} integers",
+                                              o.where(), flat.size()));
+             std::vector<std::pair<int, int>> list;
+             for (std::size_t i = 0; i < flat.size(); i += 2) list.emplace_back(static_cast<int>(flat[i]), static_cast<int>(flat[i + 1]));
+             return topology(topologies::edges(rank, world, list, o.boolean("directed"), o.where()), rank, world, "edges");
+           }});
+    return t;
+  }();
+  return r;
+}
+
+protocol_registry_t& protocol_registry() {
+  static protocol_registry_t r = [] {
+    protocol_registry_t p("protocol");
+    p.add({"push-sum", "halve (x, w), ship one half, receivers add; unbiased under any skipping", {},
+           [](const options&) { return protocol(protocol::kind::push_sum, 1.0, "push-sum"); }});
+    p.add({"pairwise", "average with each received model", {},
+           [](const options&) { return protocol(protocol::kind::pairwise, 1.0, "pairwise"); }});
+    p.add({"stale-copy", "CHOCO-style: mix with the latest copy of every neighbour",
+           {{"gamma", 1.0, "consensus step size (0 < gamma <= 1)"}},
+           [](const options& o) {
+             const double g = o.real("gamma");
+             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where(), g));
+             return protocol(protocol::kind::stale_copy, g, "stale-copy");
+           }});
+    return p;
+  }();
+  return r;
+}
+
+const std::vector<option_spec>& engine_option_specs() {
+  static const std::vector<option_spec> specs = {
+      {"timeout_s", 60.0, "bound on every wait for a peer, in seconds", "GOSSIP_TIMEOUT_S"},
+      {"send_buffers", std::int64_t{2}, "send buffers for transports that send from them in the background", ""},
+      {"trace", std::string{}, "write a Chrome-trace/Perfetto JSON of decisions here ({rank} is replaced)", "GOSSIP_TRACE"},
+      {"trace_capacity", std::int64_t{100000}, "events kept at most per rank (preallocated)", ""},
+      {"trace_skips_every", std::int64_t{1}, "record every n-th skipped step (sends are always recorded)", ""},
+      {"stats", std::string{}, "write the JSON stats report here at finish() ({rank} is replaced)", "GOSSIP_STATS"},
+      {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},
+  };
+  return specs;
+}
+
+const std::vector<option_spec>& loopback_option_specs() {
+  static const std::vector<option_spec> specs = {
+      {"bandwidth_gbps", 0.0, "emulated per-rank link bandwidth in Gbit/s (0: unlimited)", "GOSSIP_LOOPBACK_GBPS"},
+      {"latency_us", 0.0, "emulated one-way latency in microseconds", "GOSSIP_LOOPBACK_LATENCY_US"},
+  };
+  return specs;
+}
+
+}  // namespace gossip

@@ -1,0 +1,123 @@
+#include "gossip/options.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include <fmt/ranges.h>
+
+namespace gossip {
+
+std::string to_string(const option_value& v) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using T = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<T, bool>)
+          return x ? "true" : "false";
+        else if constexpr (std::is_same_v<T, int_list>)
+          return fmt::format("[{}]", fmt::join(x, ", "));
+        else if constexpr (std::is_same_v<T, std::string>)
+          return fmt::format("\"{}\"", x);
+        else
+          return fmt::format("{}", x);
+      },
+      v);
+}
+
+const option_value& options::at(std::string_view key) const {
+  auto it = m_values.find(std::string(key));
+  if (it == m_values.end())
+    throw config_error(fmt::format("{}: missing key '{}' (was the option table resolved against its specs?)", m_where, key));
+  return it->second;
+}
+
+double options::real(std::string_view key) const {
+  const auto& v = at(key);
+  if (auto* d = std::get_if<double>(&v)) return *d;
+  if (auto* i = std::get_if<std::int64_t>(&v)) return static_cast<double>(*i);
+  throw config_error(fmt::format("{}: key '{}' must be a number, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+}
+
+std::int64_t options::integer(std::string_view key) const {
+  const auto& v = at(key);
+  if (auto* i = std::get_if<std::int64_t>(&v)) return *i;
+  throw config_error(fmt::format("{}: key '{}' must be an integer, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+}
+
+bool options::boolean(std::string_view key) const {
+  const auto& v = at(key);
+  if (auto* b = std::get_if<bool>(&v)) return *b;
+  throw config_error(fmt::format("{}: key '{}' must be true or false, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+}
+
+const std::string& options::string(std::string_view key) const {
+  const auto& v = at(key);
+  if (auto* s = std::get_if<std::string>(&v)) return *s;
+  throw config_error(fmt::format("{}: key '{}' must be a string, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+}
+
+const int_list& options::integers(std::string_view key) const {
+  const auto& v = at(key);
+  if (auto* s = std::get_if<int_list>(&v)) return *s;
+  throw config_error(fmt::format("{}: key '{}' must be an array of integers, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+}
+
+namespace {
+option_value parse_env(const option_spec& s, const char* text) {
+  const std::string t(text);
+  const auto bad = [&] {
+    return config_error(fmt::format("environment variable {}={} (for key '{}'): expected a {}", s.env, t, s.key,
+                                    option_type_name(s.default_value)));
+  };
+  try {
+    switch (s.default_value.index()) {
+      case 0:
+        if (t == "1" || t == "true") return true;
+        if (t == "0" || t == "false") return false;
+        throw bad();
+      case 1: {
+        std::size_t used = 0;
+        auto v = std::stoll(t, &used);
+        if (used != t.size()) throw bad();
+        return static_cast<std::int64_t>(v);
+      }
+      case 2: {
+        std::size_t used = 0;
+        auto v = std::stod(t, &used);
+        if (used != t.size()) throw bad();
+        return v;
+      }
+      case 3: return t;
+      default: throw bad();
+    }
+  } catch (const std::logic_error&) {
+    throw bad();
+  }
+}
+}  // namespace
+
+options options::resolved(std::span<const option_spec> specs, std::string_view component) const {
+  options out(m_where);
+  for (const auto& [key, value] : m_values) {
+    auto spec = std::find_if(specs.begin(), specs.end(), [&](const option_spec& s) { return s.key == key; });
+    if (spec == specs.end()) {
+      std::string known;
+      for (const auto& s : specs) known += (known.empty() ? "" : ", ") + s.key;
+      throw config_error(fmt::format("{}: unknown key '{}' for {}; known keys: {}", m_where, key, component,
+                                     known.empty() ? "(none)" : known));
+    }
+    const bool widen = std::holds_alternative<double>(spec->default_value) && std::holds_alternative<std::int64_t>(value);
+    if (value.index() != spec->default_value.index() && !widen)
+      throw config_error(fmt::format("{}: key '{}' of {} must be a {} (default {}), got {} {}", m_where, key, component,
+                                     option_type_name(spec->default_value), to_string(spec->default_value),
+                                     option_type_name(value), to_string(value)));
+    out.set(key, widen ? option_value(static_cast<double>(std::get<std::int64_t>(value))) : value);
+  }
+  for (const auto& s : specs) {
+    if (!s.env.empty())
+      if (const char* e = std::getenv(s.env.c_str()); e && *e) out.set(s.key, parse_env(s, e));
+    if (!out.has(s.key)) out.set(s.key, s.default_value);
+  }
+  return out;
+}
+
+}  // namespace gossip

@@ -1,0 +1,105 @@
+// JSON report and Chrome-trace output.
+#include "gossip/stats.hpp"
+
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "gossip/error.hpp"
+
+namespace gossip {
+namespace {
+
+std::string expand_rank(std::string path, int rank) {
+  for (auto pos = path.find("{rank}"); pos != std::string::npos; pos = path.find("{rank}"))
+    path.replace(pos, 6, std::to_string(rank));
+  return path;
+}
+
+void write_text(const std::string& path, const std::string& text, const char* what) {
+  std::ofstream out(path);
+  if (!out) throw error(fmt::format("cannot write the {} to '{}' (does the directory exist and is it writable?)", what, path));
+  out << text << '\n';
+  if (!out) throw error(fmt::format("writing the {} to '{}' failed (disk full?)", what, path));
+}
+
+}  // namespace
+
+std::string engine_stats::to_json(int indent) const {
+  nlohmann::json j;
+  j["rank"] = rank;
+  j["world"] = world;
+  j["policy"] = policy;
+  j["topology"] = topology;
+  j["protocol"] = protocol;
+  j["transport"] = transport;
+  j["steps"] = steps;
+  j["sends"] = sends;
+  j["skips"] = skips;
+  nlohmann::json reasons = nlohmann::json::object();
+  for (std::size_t i = 0; i < by_reason.size(); ++i)
+    if (by_reason[i]) reasons[to_string(static_cast<reason>(i))] = by_reason[i];
+  j["decisions"] = reasons;
+  j["send_busy"] = send_busy;
+  j["no_live_peer"] = no_live_peer;
+  j["bytes_sent"] = bytes_sent;
+  j["messages_sent"] = messages_sent;
+  j["bytes_received"] = bytes_received;
+  j["messages_received"] = messages_received;
+  j["dropped"] = dropped;
+  j["relative_drift"] = {{"last", relative_drift_last},
+                         {"max", relative_drift_max},
+                         {"mean_at_send", sends ? relative_drift_at_send_sum / static_cast<double>(sends) : 0.0}};
+  j["weight"] = weight;
+  j["step_seconds"] = step_seconds;
+  j["wait_seconds"] = wait_seconds;
+  j["peers"] = nlohmann::json::array();
+  for (const auto& p : peers)
+    j["peers"].push_back({{"rank", p.rank},
+                          {"bytes_sent", p.bytes_sent},
+                          {"messages_sent", p.messages_sent},
+                          {"bytes_received", p.bytes_received},
+                          {"messages_received", p.messages_received},
+                          {"dropped", p.dropped},
+                          {"dead", p.dead}});
+  j["tensors"] = nlohmann::json::array();
+  for (const auto& t : tensors)
+    j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
+  j["dead_peers"] = dead_peers;
+  return j.dump(indent);
+}
+
+void write_stats_file(const std::string& path, const engine_stats& stats) {
+  write_text(expand_rank(path, stats.rank), stats.to_json(), "stats report");
+}
+
+void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events) {
+  nlohmann::json list = nlohmann::json::array();
+  list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
+  for (const auto& e : events) {
+    nlohmann::json ev = {{"name", e.sent ? "send" : "skip"},
+                         {"cat", "decision"},
+                         {"pid", 0},
+                         {"tid", rank},
+                         {"ts", e.t_us},
+                         {"args",
+                          {{"step", e.step},
+                           {"reason", to_string(e.why)},
+                           {"value", e.value},
+                           {"threshold", e.threshold},
+                           {"targets", e.targets},
+                           {"bytes", e.bytes}}}};
+    if (e.sent) {
+      ev["ph"] = "X";
+      ev["dur"] = e.dur_us;
+    } else {
+      ev["ph"] = "i";
+      ev["s"] = "t";
+    }
+    list.push_back(std::move(ev));
+  }
+  write_text(expand_rank(path, rank), nlohmann::json{{"traceEvents", list}, {"displayTimeUnit", "ms"}}.dump(), "trace");
+}
+
+}  // namespace gossip

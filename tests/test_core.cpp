@@ -1,0 +1,103 @@
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+
+#include "gossip/gossip.hpp"
+
+using namespace gossip;
+
+TEST_CASE("options are checked against their specs") {
+  const std::vector<option_spec> specs = {{"threshold", 0.1, "fire above"}, {"every", std::int64_t{1}, "period"}, {"relative", true, "rel"}};
+  options o("run.toml [policy]");
+  o.set("threshold", std::int64_t{2});
+  auto r = o.resolved(specs, "policy 'drift'");
+  CHECK(r.real("threshold") == 2.0);  // an integer is widened to a number
+  CHECK(r.integer("every") == 1);
+  CHECK(r.boolean("relative"));
+
+  options bad("run.toml [policy]");
+  bad.set("treshold", 0.5);
+  CHECK_THROWS_WITH_AS(bad.resolved(specs, "policy 'drift'"),
+                       "run.toml [policy]: unknown key 'treshold' for policy 'drift'; known keys: threshold, every, relative", config_error);
+  options typed("run.toml [policy]");
+  typed.set("every", std::string("often"));
+  CHECK_THROWS_WITH_AS(typed.resolved(specs, "policy 'drift'"),
+                       "run.toml [policy]: key 'every' of policy 'drift' must be a integer (default 1), got string \"often\"", config_error);
+}
+
+TEST_CASE("an environment variable overrides the file for specs that name one") {
+  const std::vector<option_spec> specs = {{"timeout_s", 60.0, "bound", "GOSSIP_TEST_TIMEOUT"}};
+  ::setenv("GOSSIP_TEST_TIMEOUT", "2.5", 1);
+  options o("x");
+  o.set("timeout_s", 10.0);
+  CHECK(o.resolved(specs, "[engine]").real("timeout_s") == 2.5);
+  ::setenv("GOSSIP_TEST_TIMEOUT", "soon", 1);
+  CHECK_THROWS_WITH_AS(o.resolved(specs, "[engine]"), doctest::Contains("GOSSIP_TEST_TIMEOUT=soon (for key 'timeout_s'): expected a number"), config_error);
+  ::unsetenv("GOSSIP_TEST_TIMEOUT");
+}
+
+TEST_CASE("config files: sections, components and application sections") {
+  const auto cfg = config::parse(R"(
+[policy]
+name = "drift"
+threshold = 0.05
+[topology]
+name = "edges"
+edges = [[0, 1], [1, 2]]
+[train]
+epochs = 3
+)", "run.toml");
+  CHECK(cfg.policy.name == "drift");
+  CHECK(cfg.policy.opts.real("threshold") == 0.05);
+  CHECK(cfg.topology.opts.integers("edges") == int_list{0, 1, 1, 2});
+  const std::vector<option_spec> train = {{"epochs", std::int64_t{1}, "epochs"}, {"batch", std::int64_t{32}, "batch"}};
+  const auto t = cfg.section("train", train);
+  CHECK(t.integer("epochs") == 3);
+  CHECK(t.integer("batch") == 32);
+  CHECK(cfg.fingerprint() == config::parse("[policy]\nname = \"drift\"\n[topology]\nname = \"edges\"\nedges = [[0, 1], [1, 2]]\n", "b").fingerprint());
+  CHECK(cfg.fingerprint() != config::parse("[policy]\nname = \"periodic\"\n", "c").fingerprint());
+}
+
+TEST_CASE("malformed config files name the file, the key and what is expected") {
+  CHECK_THROWS_WITH_AS(config::parse("[policy\nname = 1", "bad.toml"), doctest::Contains("bad.toml:1:"), config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[policy]\nname = 3\n", "bad.toml"), "bad.toml [policy]: key 'name' must be a string", config_error);
+  CHECK_THROWS_WITH_AS(config::parse("threshold = 3\n", "bad.toml"), doctest::Contains("top-level key 'threshold' must be a section"), config_error);
+  CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
+
+  const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
+  CHECK_THROWS_WITH_AS(engine_spec::from(unknown),
+                       "run.toml [policy]: unknown policy 'sometimes'; known policies: periodic, drift, drift-lr, drift-history, budget, adacomm, never",
+                       config_error);
+  const auto typed = config::parse("[policy]\nname = \"drift\"\nthreshold = \"high\"\n", "run.toml");
+  CHECK_THROWS_WITH_AS(engine_spec::from(typed), doctest::Contains("run.toml [policy]: key 'threshold' of policy 'drift' must be a number"), config_error);
+  const auto engine_bad = config::parse("[engine]\ntimeout_s = -1\n", "run.toml");
+  CHECK_THROWS_WITH_AS(engine_spec::from(engine_bad), "run.toml [engine]: key 'timeout_s' must be > 0 seconds, got -1", config_error);
+  const auto engine_key = config::parse("[engine]\ntimeuot_s = 1\n", "run.toml");
+  CHECK_THROWS_WITH_AS(engine_spec::from(engine_key), doctest::Contains("unknown key 'timeuot_s' for [engine]; known keys: timeout_s,"), config_error);
+}
+
+TEST_CASE("layouts: the first difference is named") {
+  model_layout a{{"w", 10, dtype::f32}, {"b", 2, dtype::f32}};
+  CHECK_FALSE(layout_difference(a, a));
+  auto b = a;
+  b[1].name = "bias";
+  CHECK(*layout_difference(a, b) == "tensor #1 is named 'b' here but 'bias' there");
+  b = a;
+  b[0].dtype = dtype::f16;
+  CHECK(*layout_difference(a, b) == "tensor #0 'w' is f32 here but f16 there");
+  b = a;
+  b.pop_back();
+  CHECK(*layout_difference(a, b) == "the model has 2 tensors here but 1 there (first unmatched: 'b')");
+  CHECK_THROWS_WITH_AS(check_layouts(a, 0, b, 3), doctest::Contains("model layout of rank 0 does not match rank 3"), layout_error);
+  CHECK(fingerprint(a) == fingerprint(model_layout(a)));
+  CHECK(fingerprint(a) != fingerprint(b));
+}
+
+TEST_CASE("model_view refuses ambiguous tensors") {
+  std::vector<float> x(3);
+  model_view v;
+  v.add("w", x);
+  CHECK_THROWS_WITH_AS(v.add("w", x), doctest::Contains("tensor name 'w' is used twice"), error);
+  CHECK_THROWS_WITH_AS(v.add("", x), doctest::Contains("empty name"), error);
+  CHECK(v.bytes() == 12);
+}

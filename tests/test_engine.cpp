@@ -1,0 +1,157 @@
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <new>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.hpp"
+
+using namespace gossip;
+using gossip::test::run_ranks;
+using gossip::test::spec_of;
+using gossip::test::toy_model;
+
+// Count heap allocations made by the calling thread while counting is on.
+namespace {
+thread_local bool t_counting = false;
+thread_local std::size_t t_allocations = 0;
+}  // namespace
+// GCC cannot see that these replace the global pair and warns on free().
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t n) {
+  if (t_counting) ++t_allocations;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol") {
+  for (const auto& entry : policy_registry().entries())
+    for (const char* proto : {"push-sum", "pairwise", "stale-copy"}) {
+      const int world = 4;
+      loopback_fabric fabric(world);
+      std::vector<std::size_t> allocations(world);
+      run_ranks(world, [&](int r) {
+        toy_model m({300, 20}, 1);
+        auto spec = spec_of(policy_registry().make(entry.name, options("test")), "exponential", proto);
+        spec.settings.trace_path = "unused";  // trace buffer on, never written (finish() is not called)
+        engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+        t_counting = true;
+        for (int s = 0; s < 200; ++s) {
+          for (auto& v : m.tensors[0]) v += 0.001f * static_cast<float>(r + 1);
+          e.step({.lr = 0.1 / (1 + s / 50), .loss = 2.0 / (1 + s)});
+        }
+        t_counting = false;
+        allocations[r] = t_allocations;
+        t_allocations = 0;
+        e.flush();
+      });
+      for (int r = 0; r < world; ++r) {
+        INFO("policy ", entry.name, " protocol ", proto, " rank ", r);
+        CHECK(allocations[r] == 0);
+      }
+    }
+}
+
+TEST_CASE("after a send x̂ equals x, so the drift restarts from zero") {
+  loopback_fabric fabric(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({64}, 1);
+    engine e(m.view, r, 2, spec_of(any_policy(policies::periodic{.every = 4}, "periodic"), "ring", "pairwise"), fabric.endpoint(r));
+    for (int s = 0; s < 8; ++s) {
+      m.tensors[0][0] += 1.0f;
+      const auto res = e.step();
+      if (res.sent) CHECK(std::equal(m.tensors[0].begin(), m.tensors[0].end(), e.snapshot().begin()));
+    }
+    e.finish(0);
+  });
+}
+
+TEST_CASE("push-sum over the engine: finish() reaches the exact average on an exponential graph") {
+  const int world = 8;
+  loopback_fabric fabric(world);
+  std::vector<std::vector<float>> models(world);
+  std::vector<double> weights(world);
+  run_ranks(world, [&](int r) {
+    std::vector<float> x(16, static_cast<float>(r));
+    model_view v;
+    v.add("x", x);
+    engine e(v, r, world, spec_of(any_policy(policies::never{}, "never"), "exponential"), fabric.endpoint(r));
+    for (int s = 0; s < 5; ++s) e.step();
+    e.finish(3);  // log2(8) rounds of a butterfly average everything
+    models[r] = x;
+    weights[r] = e.weight();
+  });
+  for (int r = 0; r < world; ++r) {
+    CHECK(weights[r] == 1.0);
+    for (float v : models[r]) CHECK(v == doctest::Approx(3.5).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("an engine built from a config file reports its components, stats and trace") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / fmt::format("gossip-engine-{}", ::getpid());
+  fs::create_directories(dir);
+  const auto cfg_path = (dir / "run.toml").string();
+  {
+    std::ofstream f(cfg_path);
+    f << "[policy]\nname = \"drift\"\nthreshold = 0.05\nmax_interval = 10\n"
+         "[topology]\nname = \"ring\"\n[protocol]\nname = \"push-sum\"\n"
+         "[engine]\ntimeout_s = 20\ntrace = \""
+      << (dir / "trace-{rank}.json").string() << "\"\nstats = \"" << (dir / "stats-{rank}.json").string() << "\"\n";
+  }
+  const auto cfg = config::load(cfg_path);
+  const int world = 3;
+  loopback_fabric fabric(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({128}, 1);
+    engine e(m.view, r, world, cfg, fabric.endpoint(r));
+    for (int s = 0; s < 50; ++s) {
+      m.tensors[0][static_cast<std::size_t>(s) % 128] += 0.5f;
+      e.step({.lr = 0.1});
+    }
+    e.finish();
+  });
+  for (int r = 0; r < world; ++r) {
+    std::ifstream sf(dir / fmt::format("stats-{}.json", r));
+    REQUIRE(sf.good());
+    const auto j = nlohmann::json::parse(sf);
+    CHECK(j["policy"] == "drift");
+    CHECK(j["topology"] == "ring");
+    CHECK(j["protocol"] == "push-sum");
+    CHECK(j["transport"] == "loopback");
+    CHECK(j["steps"].get<int>() == 50 + 4);  // 50 steps + 2·⌈log2 3⌉ finish rounds
+    CHECK(j["sends"].get<int>() + j["skips"].get<int>() == j["steps"].get<int>());
+    CHECK(j["sends"].get<int>() >= 50 / 10);  // max_interval forces at least this many
+    std::ifstream tf(dir / fmt::format("trace-{}.json", r));
+    REQUIRE(tf.good());
+    const auto t = nlohmann::json::parse(tf);
+    CHECK(t["traceEvents"].size() == 1 + j["steps"].get<std::size_t>());
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("engine construction errors are clear") {
+  loopback_fabric fabric(2);
+  toy_model m({4}, 1);
+  CHECK_THROWS_WITH_AS(engine(m.view, 2, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
+                       doctest::Contains("rank 2 is outside the world of 2 ranks"), config_error);
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, engine_spec{}, fabric.endpoint(0)), doctest::Contains("no policy was given"), config_error);
+  model_view empty;
+  CHECK_THROWS_WITH_AS(engine(empty, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
+                       doctest::Contains("the model has no tensors"), config_error);
+  std::vector<float> x(4);
+  model_view dev;
+  dev.add("w", x, memory_kind::cuda);
+  CHECK_THROWS_WITH_AS(engine(dev, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
+                       doctest::Contains("tensor 'w' lives in device memory"), config_error);
+}

@@ -1,0 +1,172 @@
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+
+#include "test_support.hpp"
+
+using namespace gossip;
+using gossip::test::run_ranks;
+using gossip::test::spec_of;
+using gossip::test::toy_model;
+
+namespace {
+// Every rank trains a toy "model" by a rank-dependent pull and gossips with the given policy.
+struct run_result {
+  std::vector<std::vector<float>> models;
+  std::vector<engine_stats> stats;
+};
+
+run_result run(int world, int steps, const std::function<any_policy(int)>& policy, link_emulation link = {}, std::string topo = "exponential") {
+  loopback_fabric fabric(world, link);
+  run_result out;
+  out.models.resize(world);
+  out.stats.resize(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({100, 37}, 1);
+    engine e(m.view, r, world, spec_of(policy(r), topo), fabric.endpoint(r));
+    for (int s = 0; s < steps; ++s) {
+      for (auto& t : m.tensors)
+        for (std::size_t i = 0; i < t.size(); ++i) t[i] += 0.01f * static_cast<float>((r + 1) * ((i % 7) + 1)) * (s % 3 == 0 ? 1 : -0.5f);
+      e.step({.lr = 0.1});
+    }
+    e.finish(0);
+    out.models[r] = m.flat();
+    out.stats[r] = e.stats();
+  });
+  return out;
+}
+}  // namespace
+
+TEST_CASE("loopback is deterministic: two runs give bit-identical models and counters") {
+  auto policy = [](int r) { return any_policy(policies::drift{.threshold = 0.002 * (r + 1)}, "drift"); };
+  const auto a = run(4, 60, policy);
+  const auto b = run(4, 60, policy);
+  for (int r = 0; r < 4; ++r) {
+    CHECK(a.models[r] == b.models[r]);
+    CHECK(a.stats[r].sends == b.stats[r].sends);
+    CHECK(a.stats[r].bytes_sent == b.stats[r].bytes_sent);
+  }
+  CHECK(a.stats[0].sends > 0);
+  CHECK(a.stats[0].skips > 0);
+}
+
+TEST_CASE("a message posted at step s is merged at step s + 1, and every byte is counted") {
+  const int world = 2;
+  loopback_fabric fabric(world);
+  std::vector<std::vector<std::size_t>> merged(world);
+  std::vector<engine_stats> stats(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({10, 5}, 1);
+    engine e(m.view, r, world, spec_of(any_policy(policies::periodic{.every = 3}, "periodic"), "ring"), fabric.endpoint(r));
+    for (int s = 0; s < 9; ++s) merged[r].push_back(e.step().merged);
+    e.finish(0);
+    stats[r] = e.stats();
+  });
+  // periodic every 3 fires at steps 2, 5, 8 (steps_since_send counts the current step).
+  for (int r = 0; r < world; ++r) {
+    CHECK(merged[r] == std::vector<std::size_t>{0, 0, 0, 1, 0, 0, 1, 0, 0});
+    CHECK(stats[r].sends == 3);
+    const std::uint64_t msg = sizeof(wire_header) + 15 * sizeof(float);
+    CHECK(stats[r].bytes_sent == 3 * msg);
+    CHECK(stats[r].messages_sent == 3);
+    CHECK(stats[r].bytes_received == 3 * msg);
+    REQUIRE(stats[r].peers.size() == 1);
+    CHECK(stats[r].peers[0].bytes_sent == 3 * msg);
+    CHECK(stats[r].tensors[0].bytes_sent == 3 * 10 * sizeof(float));
+  }
+}
+
+TEST_CASE("link emulation makes a round take at least bytes / bandwidth") {
+  // 4000 floats ≈ 16 KB per message at 0.01 Gbit/s ≈ 12.8 ms per message.
+  const int world = 2, steps = 10;
+  loopback_fabric fabric(world, {.bandwidth_gbps = 0.01, .latency_us = 100});
+  std::vector<double> seconds(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({4000}, 1);
+    engine e(m.view, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int s = 0; s < steps; ++s) e.step();
+    e.finish(0);
+    seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  });
+  const double per_msg = (sizeof(wire_header) + 4000.0 * 4) * 8 / 0.01e9;
+  // Steps 1..9 each wait for the previous step's message: a lower bound, not a timing target.
+  CHECK(seconds[0] >= 0.95 * (steps - 1) * per_msg);
+  CHECK(seconds[1] >= 0.95 * (steps - 1) * per_msg);
+}
+
+TEST_CASE("a killed rank is reported dead and the others finish") {
+  const int world = 4;
+  loopback_fabric fabric(world);
+  std::vector<engine_stats> stats(world);
+  std::vector<double> final_weight(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({50}, 1);
+    engine e(m.view, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "complete", "push-sum", 10), fabric.endpoint(r));
+    for (int s = 0; s < 40; ++s) {
+      if (r == 2 && s == 15) {
+        fabric.kill(2);  // this rank "crashes": it stops stepping
+        return;
+      }
+      e.step();
+    }
+    e.finish(0);
+    stats[r] = e.stats();
+  });
+  for (int r : {0, 1, 3}) {
+    INFO("rank ", r);
+    CHECK(stats[r].steps == 40);
+    CHECK(stats[r].dead_peers == std::vector<int>{2});
+    bool saw = false;
+    for (const auto& p : stats[r].peers)
+      if (p.rank == 2) saw = p.dead;
+    CHECK(saw);
+  }
+}
+
+TEST_CASE("mismatched layouts are refused on both sides, naming the first differing tensor") {
+  const int world = 2;
+  loopback_fabric fabric(world);
+  std::vector<std::string> messages(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      toy_model m({10, r == 0 ? std::size_t{5} : std::size_t{6}}, 1);
+      try {
+        engine e(m.view, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5), fabric.endpoint(r));
+      } catch (const layout_error& ex) {
+        messages[r] = ex.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  CHECK(messages[0].find("tensor #1 't1' has 5 elements here but 6 there") != std::string::npos);
+  CHECK(messages[0].find("rank 0 does not match rank 1") != std::string::npos);
+  CHECK(messages[1].find("tensor #1 't1' has 6 elements here but 5 there") != std::string::npos);
+}
+
+TEST_CASE("a peer that never attaches is a timeout naming it, not a hang") {
+  loopback_fabric fabric(2);
+  toy_model m({10}, 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 0.3), fabric.endpoint(0)),
+                       doctest::Contains("waiting for rank 1 to attach"), timeout_error);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+}
+
+TEST_CASE("ranks built from different gossip settings refuse to connect") {
+  loopback_fabric fabric(2);
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({10}, 1);
+    auto s = spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5);
+    s.config_fingerprint = 100 + static_cast<std::uint64_t>(r);
+    try {
+      engine e(m.view, r, 2, std::move(s), fabric.endpoint(r));
+    } catch (const config_error& ex) {
+      messages[r] = ex.what();
+    }
+  });
+  CHECK(messages[0].find("rank 0 and rank 1 were built from different gossip settings") != std::string::npos);
+  CHECK(messages[1].find("rank 1 and rank 0 were built from different gossip settings") != std::string::npos);
+}

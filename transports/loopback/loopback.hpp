@@ -1,0 +1,294 @@
+#pragma once
+/// The loopback transport: ranks as threads of one process.
+///
+///     gossip::loopback_fabric fabric(4, {.bandwidth_gbps = 1.0, .latency_us = 50});
+///     // in thread r:
+///     gossip::engine e(model, r, 4, cfg, fabric.endpoint(r));
+///
+/// It is deterministic: a message posted by rank j at its step s is merged by
+/// the receiver at exactly its step s + 1, whatever the thread timing. To keep
+/// that promise the receiver waits (bounded) until each of its sources has
+/// finished step s, and a sender waits until the receiver has freed the inbox
+/// slot it is about to fill — synchronous rounds, as in D-PSGD.
+///
+/// With link emulation, each rank has one NIC of `bandwidth_gbps` that
+/// serialises its sends; a message becomes visible `latency_us` after its last
+/// byte left, and the receiver waits for it. Communication time is then paid
+/// on the training threads exactly as on a real network of that speed, so
+/// experiments can model a 1 Gbit/s commodity cluster on one machine.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/error.hpp"
+#include "gossip/transport.hpp"
+#include "gossip/wait.hpp"
+
+namespace gossip {
+
+struct link_emulation {
+  double bandwidth_gbps = 0;  ///< 0: unlimited
+  double latency_us = 0;
+};
+
+namespace detail {
+
+struct loopback_rank {
+  std::atomic<std::int64_t> posted{-1};  // last step whose sends are all posted
+  std::atomic<std::int64_t> merged{-1};  // last step whose inbound messages were merged
+  std::atomic<bool> attached{false};
+  std::atomic<bool> departed{false};     // left, or killed
+  std::atomic<bool> killed{false};
+  std::atomic<int> writers{0};
+  gossip::inbox* in = nullptr;
+  model_layout layout;
+  std::uint64_t config_fingerprint = 0;
+  std::atomic<std::uint64_t> bytes_received{0}, messages_received{0};
+};
+
+struct loopback_shared {
+  explicit loopback_shared(int world, link_emulation l) : ranks(static_cast<std::size_t>(world)), link(l) {}
+  std::vector<loopback_rank> ranks;
+  link_emulation link;
+};
+
+}  // namespace detail
+
+class loopback_transport {
+ public:
+  loopback_transport(std::shared_ptr<detail::loopback_shared> shared, int rank) : m_shared(std::move(shared)), m_rank(rank) {}
+  loopback_transport(loopback_transport&& o) noexcept { *this = std::move(o); }
+  loopback_transport& operator=(loopback_transport&& o) noexcept {
+    if (this != &o) {
+      depart();
+      m_shared = std::move(o.m_shared);
+      m_rank = o.m_rank;
+      m_setup = std::move(o.m_setup);
+      m_neighbours = std::move(o.m_neighbours);
+      m_reported = std::move(o.m_reported);
+      m_nic_free = o.m_nic_free;
+      m_counters = o.m_counters;
+    }
+    return *this;
+  }
+  ~loopback_transport() { depart(); }
+
+  void attach(const transport_setup& s) {
+    GOSSIP_ASSERT(s.inbox != nullptr, "loopback: attach without an inbox");
+    const int world = static_cast<int>(m_shared->ranks.size());
+    if (s.world != world)
+      throw config_error(fmt::format("loopback: rank {} was built for a world of {} ranks but the fabric has {}", s.rank, s.world, world));
+    if (s.rank != m_rank)
+      throw config_error(fmt::format("loopback: endpoint of rank {} attached as rank {}", m_rank, s.rank));
+    m_setup = s;
+    auto& me = self();
+    me.in = s.inbox;
+    me.layout = s.layout;
+    me.config_fingerprint = s.config_fingerprint;
+    me.attached.store(true, std::memory_order_release);
+
+    m_neighbours = s.sources;
+    for (int t : s.targets)
+      if (std::find(m_neighbours.begin(), m_neighbours.end(), t) == m_neighbours.end()) m_neighbours.push_back(t);
+    std::sort(m_neighbours.begin(), m_neighbours.end());
+    m_reported.assign(m_shared->ranks.size(), 0);
+
+    // Connect: wait for every neighbour, then compare layouts and configs.
+    for (int j : m_neighbours) {
+      auto& p = peer(j);
+      detail::wait_for([&] { return p.attached.load(std::memory_order_acquire) || p.departed.load(); }, s.timeout,
+                       [&] { return fmt::format("rank {} to attach to the loopback fabric (rank {} connecting)", j, m_rank); });
+      if (p.departed.load() && !p.attached.load()) continue;
+      check_layouts(me.layout, m_rank, p.layout, j);
+      if (p.config_fingerprint != me.config_fingerprint)
+        throw config_error(fmt::format("rank {} and rank {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
+                                       "give every rank the same config file",
+                                       m_rank, j, me.config_fingerprint, p.config_fingerprint));
+      if (std::find(s.targets.begin(), s.targets.end(), j) != s.targets.end() && p.in->index_of(m_rank) < 0)
+        throw config_error(fmt::format("rank {} may send to rank {}, but rank {} does not expect messages from it; "
+                                       "every rank must use the same topology", m_rank, j, j));
+    }
+  }
+
+  post_status post(int to, std::span<const std::byte> msg, std::uint64_t step) {
+    auto& p = peer(to);
+    if (p.departed.load()) {
+      ++m_counters.dropped;
+      return post_status::peer_dead;
+    }
+    // The slot for `step` last held the message of step − 2, which the peer
+    // merges at its step − 1: wait until it has.
+    const auto need = static_cast<std::int64_t>(step) - 1;
+    detail::wait_for([&] { return p.merged.load(std::memory_order_acquire) >= need || p.departed.load(); }, m_setup.timeout,
+                     [&] { return fmt::format("rank {} to merge step {} before rank {} can send to it", to, need, m_rank); });
+    p.writers.fetch_add(1);
+    if (p.departed.load()) {
+      p.writers.fetch_sub(1);
+      ++m_counters.dropped;
+      return post_status::peer_dead;
+    }
+    const int idx = p.in->index_of(m_rank);
+    GOSSIP_ASSERT(idx >= 0, "rank {} is not a source of rank {}", m_rank, to);
+    GOSSIP_ASSERT(msg.size() <= p.in->message_bytes(), "message of {} bytes exceeds the inbox slot of {}", msg.size(), p.in->message_bytes());
+    auto& slot = p.in->at(static_cast<std::size_t>(idx), step);
+    GOSSIP_ASSERT(slot.state.load(std::memory_order_acquire) == inbox::empty, "rank {} inbox slot for rank {} still full at step {}", to, m_rank, step);
+    std::memcpy(slot.data, msg.data(), msg.size());
+    slot.bytes = msg.size();
+    slot.ready_at = arrival(msg.size());
+    slot.state.store(inbox::full, std::memory_order_release);
+    p.writers.fetch_sub(1);
+    p.bytes_received.fetch_add(msg.size(), std::memory_order_relaxed);
+    p.messages_received.fetch_add(1, std::memory_order_relaxed);
+    m_counters.bytes_sent += msg.size();
+    ++m_counters.messages_sent;
+    return post_status::ok;
+  }
+
+  std::size_t collect(std::uint64_t step, std::span<received> out) {
+    if (step == 0) return 0;
+    const std::uint64_t from = step - 1;
+    auto* in = self().in;
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < in->sources().size(); ++i) {
+      const int j = in->sources()[i];
+      auto& p = peer(j);
+      detail::wait_for(
+          [&] { return p.posted.load(std::memory_order_acquire) >= static_cast<std::int64_t>(from) || p.departed.load(); },
+          m_setup.timeout, [&] { return fmt::format("rank {} to finish step {} (rank {} merges it at step {})", j, from, m_rank, step); });
+      auto& slot = in->at(i, from);
+      if (slot.state.load(std::memory_order_acquire) != inbox::full) continue;
+      wire_header h;
+      std::memcpy(&h, slot.data, sizeof h);
+      GOSSIP_ASSERT(h.step == from && h.sender == j, "rank {} inbox slot from rank {} holds step {} of rank {}, expected step {}", m_rank, j, h.step, h.sender, from);
+      if (slot.ready_at > std::chrono::steady_clock::now()) std::this_thread::sleep_until(slot.ready_at);
+      GOSSIP_ASSERT(n < out.size(), "collect: output span too small");
+      out[n++] = received{j, h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof(wire_header)),
+                          h.payload_bytes / sizeof(float)};
+    }
+    return n;
+  }
+
+  void release(std::uint64_t step) {
+    auto& me = self();
+    if (step > 0)
+      for (std::size_t i = 0; i < me.in->sources().size(); ++i) me.in->at(i, step - 1).state.store(inbox::empty, std::memory_order_release);
+    me.merged.store(static_cast<std::int64_t>(step), std::memory_order_release);
+  }
+
+  void end_step(std::uint64_t step) { self().posted.store(static_cast<std::int64_t>(step), std::memory_order_release); }
+  bool busy(const std::byte*) const noexcept { return false; }
+  void flush(std::chrono::duration<double>) noexcept {}
+  /// Graceful departure: first wait (bounded) until every live source has
+  /// posted our last step, so what they send us is delivered — and counted —
+  /// the same way whatever the thread timing; then stop being waited for.
+  void leave() {
+    if (!m_shared) return;
+    auto& me = self();
+    const std::int64_t last = me.posted.load();
+    if (me.in && !me.departed.load()) {
+      for (int j : me.in->sources()) {
+        auto& p = peer(j);
+        try {
+          detail::wait_for([&] { return p.posted.load(std::memory_order_acquire) >= last || p.departed.load(); }, m_setup.timeout,
+                           [&] { return fmt::format("rank {} to finish step {} before rank {} leaves", j, last, m_rank); });
+        } catch (const timeout_error&) {
+          break;  // leaving anyway; the peer will see us gone
+        }
+      }
+    }
+    depart();
+  }
+
+  transport_capabilities capabilities() const noexcept {
+    return {.deterministic = true, .copies_on_post = true, .emulates_network = m_shared->link.bandwidth_gbps > 0 || m_shared->link.latency_us > 0,
+            .name = "loopback"};
+  }
+
+  std::size_t dead_peers(std::span<received> out) {
+    std::size_t n = 0;
+    for (int j : m_neighbours) {
+      if (m_reported[static_cast<std::size_t>(j)] || !peer(j).departed.load(std::memory_order_acquire)) continue;
+      if (n == out.size()) break;
+      m_reported[static_cast<std::size_t>(j)] = 1;
+      out[n++].sender = j;
+    }
+    return n;
+  }
+
+  transport_counters counters() const noexcept {
+    transport_counters c = m_counters;
+    if (m_shared) {
+      const auto& me = m_shared->ranks[static_cast<std::size_t>(m_rank)];
+      c.bytes_received = me.bytes_received.load();
+      c.messages_received = me.messages_received.load();
+    }
+    return c;
+  }
+
+ private:
+  detail::loopback_rank& self() noexcept { return m_shared->ranks[static_cast<std::size_t>(m_rank)]; }
+  detail::loopback_rank& peer(int j) noexcept { return m_shared->ranks[static_cast<std::size_t>(j)]; }
+
+  std::chrono::steady_clock::time_point arrival(std::size_t bytes) noexcept {
+    const auto now = std::chrono::steady_clock::now();
+    const auto& link = m_shared->link;
+    if (link.bandwidth_gbps <= 0 && link.latency_us <= 0) return now;
+    const auto start = std::max(now, m_nic_free);
+    const double wire_s = link.bandwidth_gbps > 0 ? static_cast<double>(bytes) * 8.0 / (link.bandwidth_gbps * 1e9) : 0.0;
+    m_nic_free = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(wire_s));
+    return m_nic_free + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(link.latency_us * 1e-6));
+  }
+
+  // Peers stop waiting for us; wait out any writer still copying into our inbox,
+  // since the inbox belongs to an engine that is about to go away.
+  void depart() noexcept {
+    if (!m_shared) return;
+    auto& me = self();
+    me.departed.store(true);
+    while (me.writers.load() != 0) std::this_thread::yield();
+  }
+
+  std::shared_ptr<detail::loopback_shared> m_shared;
+  int m_rank = 0;
+  transport_setup m_setup;
+  std::vector<int> m_neighbours;
+  std::vector<char> m_reported;
+  std::chrono::steady_clock::time_point m_nic_free{};
+  transport_counters m_counters;
+};
+static_assert(transport<loopback_transport>);
+
+/// N ranks in one process; hands out one endpoint per rank.
+class loopback_fabric {
+ public:
+  explicit loopback_fabric(int world, link_emulation link = {}) {
+    if (world < 1) throw config_error(fmt::format("loopback_fabric: world size must be >= 1, got {}", world));
+    if (link.bandwidth_gbps < 0 || link.latency_us < 0)
+      throw config_error("loopback_fabric: bandwidth_gbps and latency_us must be >= 0");
+    m_shared = std::make_shared<detail::loopback_shared>(world, link);
+  }
+  loopback_transport endpoint(int rank) const {
+    if (rank < 0 || rank >= world()) throw config_error(fmt::format("loopback_fabric: rank {} is outside the world of {}", rank, world()));
+    return {m_shared, rank};
+  }
+  /// Simulates the crash of `rank`: its peers stop waiting for it, drop what
+  /// they would send it, and report it through dead_peers().
+  void kill(int rank) {
+    auto& r = m_shared->ranks.at(static_cast<std::size_t>(rank));
+    r.killed.store(true);
+    r.departed.store(true);
+  }
+  int world() const noexcept { return static_cast<int>(m_shared->ranks.size()); }
+  const link_emulation& link() const noexcept { return m_shared->link; }
+
+ private:
+  std::shared_ptr<detail::loopback_shared> m_shared;
+};
+
+}  // namespace gossip
