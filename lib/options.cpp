@@ -97,7 +97,9 @@ option_value parse_env(const option_spec& s, const char* text) {
 
 options options::resolved(std::span<const option_spec> specs, std::string_view component) const {
   options out(m_where);
-  for (const auto& [key, value] : m_values) {
+  for (const auto& entry : m_values) {
+    const std::string& key = entry.first;
+    const option_value& value = entry.second;
     auto spec = std::find_if(specs.begin(), specs.end(), [&](const option_spec& s) { return s.key == key; });
     if (spec == specs.end()) {
       std::string known;

@@ -21,7 +21,7 @@ struct toy_model {
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       auto& t = tensors.emplace_back(sizes[i]);
       for (auto& v : t) v = scale * (static_cast<float>(g() % 2001) / 1000.0f - 1.0f);
-      view.add("t" + std::to_string(i), t);
+      view.add(fmt::format("t{}", i), t);
     }
   }
   std::vector<float> flat() const {
