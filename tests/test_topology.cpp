@@ -49,14 +49,19 @@ TEST_CASE("mixing weights sum to one and peers are never self") {
     }
 }
 
-TEST_CASE("sources are exactly the ranks that ever target us") {
+TEST_CASE("sources and destinations are exactly the ranks that ever target us and that we target") {
   for (const auto& name : names)
     for (int world : {2, 3, 5, 8}) {
       std::vector<std::set<int>> in(static_cast<std::size_t>(world));
       for (int j = 0; j < world; ++j) {
         auto t = make(name, j, world);
+        std::set<int> out;
         for (std::uint64_t round = 0; round < 4096; ++round)
-          for (const auto& p : t.peers(round)) in[static_cast<std::size_t>(p.rank)].insert(j);
+          for (const auto& p : t.peers(round)) {
+            in[static_cast<std::size_t>(p.rank)].insert(j);
+            out.insert(p.rank);
+          }
+        CHECK(std::set<int>(t.destinations().begin(), t.destinations().end()) == out);
       }
       for (int i = 0; i < world; ++i) {
         auto t = make(name, i, world);

@@ -76,12 +76,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_trace.reserve(m_settings.trace_path.empty() ? 0 : m_settings.trace_capacity);
   m_inbox = inbox(m_topology.sources(), 2, m_message_bytes);
 
-  // Who we may send to, over all rounds: ask the topology for every round of a period.
-  std::vector<int> targets;
-  for (std::uint64_t r = 0; r < 64; ++r)
-    for (const auto& p : m_topology.peers(r))
-      if (std::find(targets.begin(), targets.end(), p.rank) == targets.end()) targets.push_back(p.rank);
-  std::sort(targets.begin(), targets.end());
+  const std::vector<int>& targets = m_topology.destinations();
 
   m_stats.rank = rank;
   m_stats.world = world;

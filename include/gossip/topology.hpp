@@ -5,7 +5,9 @@
 ///   std::size_t targets(std::uint64_t round, std::span<int> out) const noexcept;
 ///   std::vector<int> sources() const;   // every rank that may ever send to us
 /// `targets` writes the ranks this rank sends to at `round` (ignoring failures)
-/// and returns how many. gossip::topology wraps one, removes dead peers and
+/// and returns how many. A topology may also define
+///   std::vector<int> destinations() const;  // every rank we may ever send to
+/// otherwise it is found by asking `targets` for many rounds. gossip::topology wraps one, removes dead peers and
 /// assigns mixing weights that sum to one:
 ///
 ///     gossip::topology t(gossip::topologies::ring{rank, world}, rank, world);
@@ -116,6 +118,7 @@ struct random {
       if (j != rank) s.push_back(j);
     return s;
   }
+  std::vector<int> destinations() const { return sources(); }
 };
 
 /// Every other rank, every round.
@@ -179,15 +182,17 @@ class topology {
   template <topology_like T>
     requires(!std::same_as<std::remove_cvref_t<T>, topology>)
   topology(T t, int rank, int world, std::string name = {})
-      : m_self(std::make_unique<model<T>>(std::move(t))), m_name(std::move(name)), m_rank(rank), m_world(world),
+      : m_self(make_model(std::move(t), world)), m_name(std::move(name)), m_rank(rank), m_world(world),
         m_alive(static_cast<std::size_t>(world), 1), m_raw(static_cast<std::size_t>(world)),
         m_peers(static_cast<std::size_t>(world)) {
     if (world < 1 || rank < 0 || rank >= world)
       throw config_error(fmt::format("topology '{}': rank {} is outside the world of {} ranks", m_name, rank, world));
     m_sources = m_self->sources();
-    for (int s : m_sources)
-      if (s < 0 || s >= world || s == rank)
-        throw config_error(fmt::format("topology '{}': source rank {} is invalid for rank {} of {}", m_name, s, rank, world));
+    m_destinations = m_self->destinations();
+    for (const auto* list : {&m_sources, &m_destinations})
+      for (int s : *list)
+        if (s < 0 || s >= world || s == rank)
+          throw config_error(fmt::format("topology '{}': peer rank {} is invalid for rank {} of {}", m_name, s, rank, world));
   }
   topology(topology&&) noexcept = default;
   topology& operator=(topology&&) noexcept = default;
@@ -219,6 +224,8 @@ class topology {
 
   /// Every rank that may ever send to this one (what a transport connects to).
   const std::vector<int>& sources() const noexcept { return m_sources; }
+  /// Every rank this one may ever send to.
+  const std::vector<int>& destinations() const noexcept { return m_destinations; }
 
   void mark_dead(int r) noexcept {
     if (r >= 0 && r < m_world) m_alive[static_cast<std::size_t>(r)] = 0;
@@ -233,21 +240,45 @@ class topology {
     virtual ~concept_t() = default;
     virtual std::size_t targets(std::uint64_t, std::span<int>) const noexcept = 0;
     virtual std::vector<int> sources() const = 0;
+    virtual std::vector<int> destinations() const = 0;
   };
   template <class T>
   struct model final : concept_t {
     explicit model(T t) : m_t(std::move(t)) {}
     std::size_t targets(std::uint64_t r, std::span<int> out) const noexcept override { return m_t.targets(r, out); }
     std::vector<int> sources() const override { return m_t.sources(); }
+    std::vector<int> destinations() const override {
+      if constexpr (requires { m_t.destinations(); }) {
+        return m_t.destinations();
+      } else {
+        // Periodic topologies repeat within a few rounds; 64 + 4·world covers them.
+        std::vector<int> d, buf(static_cast<std::size_t>(m_world_hint));
+        for (std::uint64_t r = 0; r < 64 + 4 * static_cast<std::uint64_t>(m_world_hint); ++r) {
+          const std::size_t n = m_t.targets(r, buf);
+          for (std::size_t i = 0; i < n; ++i)
+            if (std::find(d.begin(), d.end(), buf[i]) == d.end()) d.push_back(buf[i]);
+        }
+        std::sort(d.begin(), d.end());
+        return d;
+      }
+    }
     T m_t;
+    int m_world_hint = 1;
   };
+  template <class T>
+  static std::unique_ptr<concept_t> make_model(T t, int world) {
+    auto m = std::make_unique<model<T>>(std::move(t));
+    m->m_world_hint = std::max(world, 1);
+    return m;
+  }
+
   std::unique_ptr<concept_t> m_self;
   std::string m_name;
   int m_rank = 0, m_world = 1;
   std::vector<char> m_alive;
   std::vector<int> m_raw;
   std::vector<peer> m_peers;
-  std::vector<int> m_sources;
+  std::vector<int> m_sources, m_destinations;
   double m_self_weight = 1;
 };
 
