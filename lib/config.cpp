@@ -105,6 +105,39 @@ config config::load(const std::string& path) {
   return parse(ss.str(), path);
 }
 
+void config::apply_override(std::string_view assignment) {
+  const std::string text(assignment);
+  const auto eq = text.find('=');
+  const auto dot = text.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
+    throw config_error(fmt::format("override '{}': expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
+  const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1), value = text.substr(eq + 1);
+  const std::string where = fmt::format("override '{}'", text);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value, where);
+  } catch (const toml::parse_error&) {
+    // A bare word is taken as a string, so policy.name=drift works without quotes.
+    try {
+      parsed = toml::parse("v = \"" + value + "\"", where);
+    } catch (const toml::parse_error& e) {
+      throw config_error(fmt::format("{}: the value is not valid TOML ({})", where, e.description()));
+    }
+  }
+  component_config* comp = section == "policy" ? &policy : section == "topology" ? &topology : section == "protocol" ? &protocol
+                         : section == "transport" ? &transport : nullptr;
+  const toml::node& v = *parsed.get("v");
+  if (comp && key == "name") {
+    auto str = v.as_string();
+    if (!str) throw config_error(fmt::format("{}: a component name must be a string", where));
+    if (str->get() != comp->name) *comp = {str->get(), options(fmt::format("{} [{}]", source, section))};
+    return;
+  }
+  options& target = comp ? comp->opts : section == "engine" ? engine
+                  : sections.try_emplace(section, options(fmt::format("{} [{}]", source, section))).first->second;
+  target.set(key, to_value(v, where, key));
+}
+
 options config::section(std::string_view name, std::span<const option_spec> specs) const {
   auto it = sections.find(name);
   if (it == sections.end()) return options(fmt::format("{} [{}]", source, name)).resolved(specs, fmt::format("[{}]", name));

@@ -101,3 +101,22 @@ TEST_CASE("model_view refuses ambiguous tensors") {
   CHECK_THROWS_WITH_AS(v.add("", x), doctest::Contains("empty name"), error);
   CHECK(v.bytes() == 12);
 }
+
+TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
+  auto cfg = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[train]\nepochs = 3\n", "run.toml");
+  cfg.apply_override("policy.threshold=0.1");
+  cfg.apply_override("train.epochs=1");
+  cfg.apply_override("train.partition=by_label");  // a bare word is a string
+  cfg.apply_override("topology.name=ring");
+  cfg.apply_override("engine.timeout_s=5");
+  CHECK(cfg.policy.opts.real("threshold") == 0.1);
+  CHECK(cfg.sections.at("train").integer("epochs") == 1);
+  CHECK(cfg.sections.at("train").string("partition") == "by_label");
+  CHECK(cfg.topology.name == "ring");
+  CHECK(cfg.engine.real("timeout_s") == 5.0);
+  cfg.apply_override("policy.name=periodic");  // switching the policy drops the old one's options
+  CHECK(cfg.policy.name == "periodic");
+  CHECK_FALSE(cfg.policy.opts.has("threshold"));
+  CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
+}

@@ -59,10 +59,13 @@ int main(int argc, char** argv) {
   app.add_option("-o,--out", out_dir, "directory for traffic.json and traffic.png");
   app.add_flag("--quick", quick, "fewer epochs (the [bench] quick_* settings): a few minutes on 2 cores");
   app.add_option("--seeds", seeds, "override [bench] seeds")->check(CLI::Range(1, 100));
+  std::vector<std::string> overrides;
+  app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.workers=8");
   CLI11_PARSE(app, argc, argv);
 
   try {
-    const config base = config::load(config_path);
+    config base = config::load(config_path);
+    for (const auto& o : overrides) base.apply_override(o);
     const auto bench = base.section("bench", bench_specs());
     const int n_seeds = seeds ? seeds : static_cast<int>(bench.integer("seeds"));
     auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));

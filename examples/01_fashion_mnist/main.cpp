@@ -32,6 +32,8 @@ int main(int argc, char** argv) {
   app.add_option("--partition", partition, "override [train] partition (iid or by_label)");
   app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)");
   app.add_option("--json", json_path, "write the run report as JSON here");
+  std::vector<std::string> overrides;
+  app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");
   std::string help_settings;
   for (const auto& s : examples::train_option_specs()) help_settings += fmt::format("  {:<20} {:<10} {}\n", s.key, to_string(s.default_value), s.help);
   app.footer("[train] settings (key, default, meaning):\n" + help_settings);
@@ -39,15 +41,15 @@ int main(int argc, char** argv) {
 
   try {
     config cfg = config_path.empty() ? config{} : config::load(config_path);
-    if (!policy.empty() && policy != cfg.policy.name) cfg.policy = {policy, options("--policy")};
-    if (!topology.empty() && topology != cfg.topology.name) cfg.topology = {topology, options("--topology")};
-    if (!protocol.empty() && protocol != cfg.protocol.name) cfg.protocol = {protocol, options("--protocol")};
-    if (bandwidth >= 0) cfg.transport.opts.set("bandwidth_gbps", bandwidth);
-    auto& train_raw = cfg.sections.try_emplace("train", options(cfg.source + " [train]")).first->second;
-    if (workers) train_raw.set("workers", std::int64_t{workers});
-    if (epochs) train_raw.set("epochs", std::int64_t{epochs});
-    if (seed >= 0) train_raw.set("seed", seed);
-    if (!partition.empty()) train_raw.set("partition", partition);
+    if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
+    if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
+    if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);
+    if (bandwidth >= 0) cfg.apply_override(fmt::format("transport.bandwidth_gbps={}", bandwidth));
+    if (workers) cfg.apply_override(fmt::format("train.workers={}", workers));
+    if (epochs) cfg.apply_override(fmt::format("train.epochs={}", epochs));
+    if (seed >= 0) cfg.apply_override(fmt::format("train.seed={}", seed));
+    if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
+    for (const auto& o : overrides) cfg.apply_override(o);
     const auto settings = examples::train_settings::from(cfg.section("train", examples::train_option_specs()));
 
     fmt::print("libgossip {} — Fashion-MNIST, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION,

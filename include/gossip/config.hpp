@@ -46,6 +46,12 @@ struct config {
   /// Parses TOML text; `source` names it in messages.
   static config parse(std::string_view text, const std::string& source = "<string>");
 
+  /// Applies "section.key=value" (value in TOML syntax: 3, 0.5, true, "ring",
+  /// [1, 2]) on top of the file, e.g. from a --set command-line option. Setting
+  /// `policy.name` (or topology/protocol/transport) switches the component and
+  /// drops the options of the old one.
+  void apply_override(std::string_view assignment);
+
   /// An application section checked against `specs` (missing section: all defaults).
   options section(std::string_view name, std::span<const option_spec> specs) const;
 
