@@ -161,6 +161,9 @@ class any_transport {
   transport_capabilities capabilities() const { return m_self->capabilities(); }
   std::size_t dead_peers(std::span<received> out) { return m_self->dead_peers(out); }
   transport_counters counters() const { return m_self->counters(); }
+  /// Whether every message peers sent us has been consumed. Transports that
+  /// deliver in lockstep (or have no such handshake) are always drained.
+  bool drained() { return m_self->drained(); }
 
  private:
   struct concept_t {
@@ -176,6 +179,7 @@ class any_transport {
     virtual transport_capabilities capabilities() const = 0;
     virtual std::size_t dead_peers(std::span<received>) = 0;
     virtual transport_counters counters() const = 0;
+    virtual bool drained() = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -191,6 +195,12 @@ class any_transport {
     transport_capabilities capabilities() const override { return m_t.capabilities(); }
     std::size_t dead_peers(std::span<received> o) override { return static_cast<std::size_t>(m_t.dead_peers(o)); }
     transport_counters counters() const override { return m_t.counters(); }
+    bool drained() override {
+      if constexpr (requires { m_t.drained(); })
+        return m_t.drained();
+      else
+        return true;
+    }
     T m_t;
   };
   std::unique_ptr<concept_t> m_self;

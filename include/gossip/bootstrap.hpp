@@ -1,0 +1,92 @@
+#pragma once
+/// Bootstrap: who am I, how many are we, and where are my peers.
+///
+///     auto id = gossip::bootstrap::identity_from_env();   // rank, world
+///     gossip::bootstrap boot = gossip::bootstrap::from_env();
+///     boot.put("ucx/3", my_address_blob);
+///     auto blob = boot.get("ucx/5");                     // bounded wait
+///
+/// Rank and world size come from the first set pair of
+///   GOSSIP_RANK / GOSSIP_WORLD_SIZE, OMPI_COMM_WORLD_RANK / OMPI_COMM_WORLD_SIZE,
+///   SLURM_PROCID / SLURM_NTASKS, RANK / WORLD_SIZE (torchrun).
+/// Blobs are exchanged through a small key-value rendezvous served by rank 0 at
+/// GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT (blocking POSIX sockets, every call
+/// bounded by poll timeouts). Each rank publishes one blob and fetches only the
+/// blobs of the peers its topology needs — no full mesh. Rank 0 serves until
+/// its bootstrap object is destroyed, so it must outlive the other ranks'
+/// connect phase (the transport that uses it keeps it alive).
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gossip/error.hpp"
+
+namespace gossip {
+
+struct rank_identity {
+  int rank = 0;
+  int world = 1;
+  std::string source;  ///< which variables it came from, e.g. "GOSSIP_RANK/GOSSIP_WORLD_SIZE"
+};
+
+class bootstrap {
+ public:
+  using blob = std::vector<std::byte>;
+
+  /// Rank and world size from the environment; config_error listing the
+  /// variables when none is set or a value is invalid.
+  static rank_identity identity_from_env();
+
+  /// identity_from_env() plus GOSSIP_MASTER_ADDR (default 127.0.0.1) and
+  /// GOSSIP_MASTER_PORT (required when world > 1).
+  static bootstrap from_env(std::chrono::duration<double> timeout = std::chrono::duration<double>(60.0));
+
+  /// Rank 0 listens on address:port (0.0.0.0 or a local address); the others
+  /// connect to it. A world of one needs no rendezvous (port may be 0).
+  bootstrap(int rank, int world, std::string address, std::uint16_t port,
+            std::chrono::duration<double> timeout = std::chrono::duration<double>(60.0));
+  bootstrap(bootstrap&&) noexcept;
+  bootstrap& operator=(bootstrap&&) noexcept;
+  ~bootstrap();
+
+  int rank() const noexcept { return m_rank; }
+  int world() const noexcept { return m_world; }
+  std::chrono::duration<double> timeout() const noexcept { return m_timeout; }
+  /// "address:port" of the rendezvous, for messages.
+  std::string where() const;
+
+  /// Publishes `value` under `key` (overwrites).
+  void put(const std::string& key, const blob& value);
+  /// Fetches `key`, waiting until some rank has published it; timeout_error
+  /// naming `waiting_for` (e.g. "rank 3's UCX address") and the rendezvous.
+  blob get(const std::string& key, const std::string& waiting_for);
+  blob get(const std::string& key, const std::string& waiting_for, std::chrono::duration<double> timeout);
+  /// One look-up without waiting: the blob, or nothing when no rank has published `key` yet.
+  std::optional<blob> try_get(const std::string& key);
+  /// Every rank calls it with the same name; returns when all `world` have.
+  /// Rank 0 returns last, so it may exit (and stop serving) right after.
+  void barrier(const std::string& name);
+
+  /// Per-bootstrap counter so that several transports built in one process
+  /// (in the same order on every rank) use distinct keys.
+  std::uint64_t next_generation() noexcept { return m_generation++; }
+
+ private:
+  struct server;
+  blob request(char op, const std::string& key, const blob* value, std::chrono::steady_clock::time_point deadline, bool& found);
+
+  int m_rank = 0, m_world = 1;
+  std::string m_address;
+  std::uint16_t m_port = 0;
+  std::chrono::duration<double> m_timeout{60.0};
+  std::uint64_t m_generation = 0;
+  std::unique_ptr<server> m_server;  // rank 0 only
+};
+
+}  // namespace gossip

@@ -1,0 +1,433 @@
+#include "gossip/bootstrap.hpp"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+
+namespace gossip {
+
+namespace {
+
+using clock = std::chrono::steady_clock;
+constexpr char magic[4] = {'G', 'R', 'V', '1'};
+constexpr std::uint64_t max_blob = 64ull << 20;
+
+clock::time_point deadline_after(std::chrono::duration<double> d) { return clock::now() + std::chrono::duration_cast<clock::duration>(d); }
+
+int remaining_ms(clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now()).count();
+  return static_cast<int>(std::clamp<long long>(left, 0, 1000));
+}
+
+struct fd_guard {
+  int fd = -1;
+  explicit fd_guard(int f = -1) : fd(f) {}
+  fd_guard(const fd_guard&) = delete;
+  fd_guard& operator=(const fd_guard&) = delete;
+  ~fd_guard() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Outcome of a socket operation that may be retried or reported by the caller.
+enum class io { ok, timeout, closed, failed };
+
+io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline) {
+  const auto* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<std::size_t>(k);
+      continue;
+    }
+    if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+      return errno == EPIPE || errno == ECONNRESET ? io::closed : io::failed;
+    if (clock::now() >= deadline) return io::timeout;
+    pollfd pfd{fd, POLLOUT, 0};
+    ::poll(&pfd, 1, remaining_ms(deadline));
+  }
+  return io::ok;
+}
+
+io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline) {
+  auto* p = static_cast<char*>(data);
+  while (n > 0) {
+    const ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (k > 0) {
+      p += k;
+      n -= static_cast<std::size_t>(k);
+      continue;
+    }
+    if (k == 0) return io::closed;
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno == ECONNRESET ? io::closed : io::failed;
+    if (clock::now() >= deadline) return io::timeout;
+    pollfd pfd{fd, POLLIN, 0};
+    ::poll(&pfd, 1, remaining_ms(deadline));
+  }
+  return io::ok;
+}
+
+void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) | O_NONBLOCK); }
+
+struct endpoint {
+  int family = 0, socktype = 0, protocol = 0;
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+};
+
+std::vector<endpoint> resolve(const std::string& address, std::uint16_t port, bool passive, std::string& error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = ::getaddrinfo(address.empty() ? nullptr : address.c_str(), service.c_str(), &hints, &res);
+  std::vector<endpoint> out;
+  if (rc != 0) {
+    error = ::gai_strerror(rc);
+    return out;
+  }
+  for (addrinfo* a = res; a; a = a->ai_next) {
+    endpoint e{a->ai_family, a->ai_socktype, a->ai_protocol, {}, a->ai_addrlen};
+    std::memcpy(&e.addr, a->ai_addr, a->ai_addrlen);
+    out.push_back(e);
+  }
+  ::freeaddrinfo(res);
+  return out;
+}
+
+std::optional<long long> parse_int(const char* s) {
+  if (!s || !*s) return std::nullopt;
+  long long v = 0;
+  const char* end = s + std::strlen(s);
+  auto [p, ec] = std::from_chars(s, end, v);
+  if (ec != std::errc{} || p != end) return std::nullopt;
+  return v;
+}
+
+void put_u32(bootstrap::blob& b, std::uint32_t v) {
+  const auto* p = reinterpret_cast<const std::byte*>(&v);
+  b.insert(b.end(), p, p + 4);
+}
+void put_u64(bootstrap::blob& b, std::uint64_t v) {
+  const auto* p = reinterpret_cast<const std::byte*>(&v);
+  b.insert(b.end(), p, p + 8);
+}
+
+}  // namespace
+
+rank_identity bootstrap::identity_from_env() {
+  static constexpr const char* pairs[][2] = {{"GOSSIP_RANK", "GOSSIP_WORLD_SIZE"},
+                                             {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"},
+                                             {"SLURM_PROCID", "SLURM_NTASKS"},
+                                             {"RANK", "WORLD_SIZE"}};
+  for (const auto& p : pairs) {
+    const char* r = std::getenv(p[0]);
+    const char* w = std::getenv(p[1]);
+    if (!r && !w) continue;
+    const auto rank = parse_int(r), world = parse_int(w);
+    if (!r || !w)
+      throw config_error(
+          fmt::format("bootstrap: {} is set but {} is not; set both (rank and world size)", r ? p[0] : p[1], r ? p[1] : p[0]));
+    if (!world || *world < 1 || *world > 1 << 20)
+      throw config_error(fmt::format("bootstrap: {}='{}' is not a valid world size (an integer >= 1)", p[1], w));
+    if (!rank || *rank < 0 || *rank >= *world)
+      throw config_error(
+          fmt::format("bootstrap: {}='{}' is not a valid rank for {}={} (an integer in 0..{})", p[0], r, p[1], *world, *world - 1));
+    return {static_cast<int>(*rank), static_cast<int>(*world), fmt::format("{}/{}", p[0], p[1])};
+  }
+  throw config_error(
+      "bootstrap: no rank and world size in the environment; set GOSSIP_RANK and GOSSIP_WORLD_SIZE, or launch with "
+      "mpirun (OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE), srun (SLURM_PROCID/SLURM_NTASKS) or torchrun (RANK/WORLD_SIZE)");
+}
+
+bootstrap bootstrap::from_env(std::chrono::duration<double> timeout) {
+  const auto id = identity_from_env();
+  const char* addr = std::getenv("GOSSIP_MASTER_ADDR");
+  const char* port_s = std::getenv("GOSSIP_MASTER_PORT");
+  std::uint16_t port = 0;
+  if (port_s) {
+    const auto p = parse_int(port_s);
+    if (!p || *p < 1 || *p > 65535)
+      throw config_error(fmt::format("bootstrap: GOSSIP_MASTER_PORT='{}' is not a TCP port (1..65535)", port_s));
+    port = static_cast<std::uint16_t>(*p);
+  } else if (id.world > 1) {
+    throw config_error(
+        fmt::format("bootstrap: rank {} of {} ({}) needs GOSSIP_MASTER_PORT (and GOSSIP_MASTER_ADDR, default 127.0.0.1): "
+                    "the TCP rendezvous that rank 0 serves",
+                    id.rank, id.world, id.source));
+  }
+  return bootstrap(id.rank, id.world, addr && *addr ? addr : "127.0.0.1", port, timeout);
+}
+
+// Rank 0's key-value store and the thread that serves it.
+struct bootstrap::server {
+  std::mutex mutex;
+  std::map<std::string, blob, std::less<>> store;
+  int listen_fd = -1;
+  int stop_pipe[2] = {-1, -1};
+  std::thread thread;
+
+  ~server() {
+    if (stop_pipe[1] >= 0) {
+      const char c = 'x';
+      [[maybe_unused]] auto n = ::write(stop_pipe[1], &c, 1);
+    }
+    if (thread.joinable()) thread.join();
+    for (int fd : {listen_fd, stop_pipe[0], stop_pipe[1]})
+      if (fd >= 0) ::close(fd);
+  }
+
+  void serve() {
+    for (;;) {
+      pollfd pfd[2] = {{listen_fd, POLLIN, 0}, {stop_pipe[0], POLLIN, 0}};
+      if (::poll(pfd, 2, -1) < 0 && errno != EINTR) return;
+      if (pfd[1].revents) return;
+      if (!(pfd[0].revents & POLLIN)) continue;
+      const int c = ::accept(listen_fd, nullptr, nullptr);
+      if (c < 0) continue;
+      fd_guard g(c);
+      set_nonblocking(c);
+      handle(c);
+    }
+  }
+
+  // One request per connection; a stuck or foreign client costs at most 5 s.
+  void handle(int c) {
+    const auto deadline = deadline_after(std::chrono::duration<double>(5.0));
+    char hdr[4 + 1 + 4];
+    if (recv_all(c, hdr, sizeof hdr, deadline) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
+    const char op = hdr[4];
+    std::uint32_t klen;
+    std::memcpy(&klen, hdr + 5, 4);
+    if (klen > 4096) return;
+    std::string key(klen, '\0');
+    if (recv_all(c, key.data(), klen, deadline) != io::ok) return;
+    blob reply_value;
+    char status = 'N';
+    if (op == 'P') {
+      std::uint64_t vlen;
+      if (recv_all(c, &vlen, 8, deadline) != io::ok || vlen > max_blob) return;
+      blob v(vlen);
+      if (recv_all(c, v.data(), vlen, deadline) != io::ok) return;
+      std::lock_guard lock(mutex);
+      store[key] = std::move(v);
+      status = 'Y';
+    } else if (op == 'G') {
+      std::lock_guard lock(mutex);
+      if (auto it = store.find(key); it != store.end()) {
+        reply_value = it->second;
+        status = 'Y';
+      }
+    } else {
+      return;
+    }
+    // Reply: magic, status, length, value (assembled with memcpy into one buffer).
+    blob out(4 + 1 + 8 + reply_value.size());
+    const std::uint64_t n = reply_value.size();
+    std::memcpy(out.data(), magic, 4);
+    out[4] = static_cast<std::byte>(status);
+    std::memcpy(out.data() + 5, &n, 8);
+    if (n) std::memcpy(out.data() + 13, reply_value.data(), n);
+    send_all(c, out.data(), out.size(), deadline);
+  }
+};
+
+bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t port, std::chrono::duration<double> timeout)
+    : m_rank(rank), m_world(world), m_address(std::move(address)), m_port(port), m_timeout(timeout) {
+  if (world < 1 || rank < 0 || rank >= world)
+    throw config_error(fmt::format("bootstrap: rank {} is outside the world of {} ranks", rank, world));
+  if (!(timeout.count() > 0)) throw config_error(fmt::format("bootstrap: timeout must be > 0 s, got {}", timeout.count()));
+  if (world > 1 && port == 0)
+    throw config_error(fmt::format("bootstrap: rank {} of {} needs a rendezvous port (GOSSIP_MASTER_PORT)", rank, world));
+  if (rank != 0) return;
+  m_server = std::make_unique<server>();
+  if (world == 1) return;  // no one to talk to; the store is used locally
+
+  std::string err;
+  auto addrs = resolve(m_address, port, true, err);
+  if (addrs.empty())
+    throw transport_error(fmt::format("bootstrap: rank 0 cannot resolve the rendezvous address {} (GOSSIP_MASTER_ADDR): {}", where(), err));
+  int last_errno = 0;
+  for (const auto& a : addrs) {
+    const int fd = ::socket(a.family, a.socktype | SOCK_CLOEXEC, a.protocol);
+    if (fd < 0) {
+      last_errno = errno;
+      continue;
+    }
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, reinterpret_cast<const sockaddr*>(&a.addr), a.len) == 0 && ::listen(fd, 128) == 0) {
+      m_server->listen_fd = fd;
+      break;
+    }
+    last_errno = errno;
+    ::close(fd);
+  }
+  if (m_server->listen_fd < 0)
+    throw transport_error(
+        fmt::format("bootstrap: rank 0 cannot listen on the rendezvous {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT): {}; "
+                    "pick a free port and an address of this host",
+                    where(), std::strerror(last_errno)));
+  set_nonblocking(m_server->listen_fd);
+  if (::pipe2(m_server->stop_pipe, O_CLOEXEC) != 0) throw transport_error(fmt::format("bootstrap: pipe: {}", std::strerror(errno)));
+  m_server->thread = std::thread([s = m_server.get()] { s->serve(); });
+}
+
+bootstrap::bootstrap(bootstrap&&) noexcept = default;
+bootstrap& bootstrap::operator=(bootstrap&&) noexcept = default;
+bootstrap::~bootstrap() = default;
+
+std::string bootstrap::where() const {
+  return m_address.find(':') != std::string::npos ? fmt::format("[{}]:{}", m_address, m_port) : fmt::format("{}:{}", m_address, m_port);
+}
+
+bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* value, clock::time_point deadline, bool& found) {
+  std::string err;
+  const auto addrs = resolve(m_address, m_port, false, err);
+  if (addrs.empty())
+    throw transport_error(
+        fmt::format("bootstrap: rank {} cannot resolve the rendezvous address {} (GOSSIP_MASTER_ADDR): {}", m_rank, where(), err));
+  std::string last = "no attempt";
+  const auto describe = [&] {
+    return fmt::format(
+        "timed out after {:.1f} s waiting for rank 0's rendezvous at {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT), rank {} "
+        "connecting: {}; check that rank 0 is running and that the address and port are right",
+        m_timeout.count(), where(), m_rank, last);
+  };
+  for (unsigned attempt = 0;; ++attempt) {
+    if (attempt > 0) {
+      if (clock::now() >= deadline) throw timeout_error(describe());
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));
+    }
+    for (const auto& a : addrs) {
+      fd_guard s(::socket(a.family, a.socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a.protocol));
+      if (s.fd < 0) {
+        last = std::strerror(errno);
+        continue;
+      }
+      if (::connect(s.fd, reinterpret_cast<const sockaddr*>(&a.addr), a.len) != 0) {
+        if (errno != EINPROGRESS) {
+          last = std::strerror(errno);
+          continue;
+        }
+        pollfd pfd{s.fd, POLLOUT, 0};
+        while (::poll(&pfd, 1, remaining_ms(deadline)) == 0 && clock::now() < deadline) {
+        }
+        int e = 0;
+        socklen_t len = sizeof e;
+        ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &e, &len);
+        if (!(pfd.revents & POLLOUT) || e != 0) {
+          last = e ? std::strerror(e) : "connection not established";
+          continue;
+        }
+      }
+      const int one = 1;
+      ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      blob req;
+      req.insert(req.end(), reinterpret_cast<const std::byte*>(magic), reinterpret_cast<const std::byte*>(magic) + 4);
+      req.push_back(static_cast<std::byte>(op));
+      put_u32(req, static_cast<std::uint32_t>(key.size()));
+      req.insert(req.end(), reinterpret_cast<const std::byte*>(key.data()), reinterpret_cast<const std::byte*>(key.data()) + key.size());
+      if (value) {
+        put_u64(req, value->size());
+        req.insert(req.end(), value->begin(), value->end());
+      }
+      io r = send_all(s.fd, req.data(), req.size(), deadline);
+      char head[4 + 1 + 8];
+      if (r == io::ok) r = recv_all(s.fd, head, sizeof head, deadline);
+      if (r == io::timeout) {
+        last = "it accepted the connection but did not answer";
+        throw timeout_error(describe());
+      }
+      if (r != io::ok || std::memcmp(head, magic, 4) != 0)
+        throw transport_error(
+            fmt::format("bootstrap: rank {}: {} accepted the connection but {}; it is not a gossip rendezvous "
+                        "(wrong GOSSIP_MASTER_PORT?)",
+                        m_rank, where(), r != io::ok ? "closed it without answering" : "answered in a foreign protocol"));
+      std::uint64_t len;
+      std::memcpy(&len, head + 5, 8);
+      if (len > max_blob)
+        throw transport_error(
+            fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
+      blob out(len);
+      if (recv_all(s.fd, out.data(), len, deadline) != io::ok)
+        throw transport_error(fmt::format("bootstrap: rank {}: the reply from {} was cut short", m_rank, where()));
+      found = head[4] == 'Y';
+      return out;
+    }
+  }
+}
+
+void bootstrap::put(const std::string& key, const blob& value) {
+  if (value.size() > max_blob)
+    throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
+  if (m_server) {
+    std::lock_guard lock(m_server->mutex);
+    m_server->store[key] = value;
+    return;
+  }
+  bool found = false;
+  request('P', key, &value, deadline_after(m_timeout), found);
+}
+
+bootstrap::blob bootstrap::get(const std::string& key, const std::string& waiting_for) { return get(key, waiting_for, m_timeout); }
+
+bootstrap::blob bootstrap::get(const std::string& key, const std::string& waiting_for, std::chrono::duration<double> timeout) {
+  const auto deadline = deadline_after(timeout);
+  for (unsigned i = 0;; ++i) {
+    if (m_server) {
+      std::lock_guard lock(m_server->mutex);
+      if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
+    } else {
+      bool found = false;
+      blob b = request('G', key, nullptr, deadline, found);
+      if (found) return b;
+    }
+    if (clock::now() >= deadline)
+      throw timeout_error(fmt::format("timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}')",
+                                      timeout.count(), waiting_for, where(), m_rank, key));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
+  }
+}
+
+std::optional<bootstrap::blob> bootstrap::try_get(const std::string& key) {
+  if (m_server) {
+    std::lock_guard lock(m_server->mutex);
+    if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
+    return std::nullopt;
+  }
+  bool found = false;
+  blob b = request('G', key, nullptr, deadline_after(m_timeout), found);
+  if (found) return b;
+  return std::nullopt;
+}
+
+void bootstrap::barrier(const std::string& name) {
+  // Two phases, so that rank 0 — which serves the store — returns last and
+  // may exit right after without stranding a rank still asking.
+  put(fmt::format("{}/arrive/{}", name, m_rank), blob{});
+  for (int r = 0; r < m_world; ++r)
+    if (r != m_rank) get(fmt::format("{}/arrive/{}", name, r), fmt::format("rank {} to reach barrier '{}'", r, name));
+  put(fmt::format("{}/ack/{}", name, m_rank), blob{});
+  if (m_rank == 0)
+    for (int r = 1; r < m_world; ++r) get(fmt::format("{}/ack/{}", name, r), fmt::format("rank {} to leave barrier '{}'", r, name));
+}
+
+}  // namespace gossip

@@ -1,0 +1,599 @@
+// Multi-process tests of the UCX transport and the bootstrap rendezvous.
+// Every rank is a fork()ed process on 127.0.0.1; every child runs under
+// alarm() and the parent kills (by PID) what outlives its deadline.
+#include <arpa/inet.h>
+#include <doctest/doctest.h>
+#include <fmt/ranges.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <thread>
+
+#include "gossip/bootstrap.hpp"
+#include "gossip/gossip.hpp"
+#include "gossip/transports/ucx/ucx.hpp"
+#include "test_support.hpp"
+
+using namespace gossip;
+using namespace std::chrono_literals;
+using clock_type = std::chrono::steady_clock;
+
+namespace {
+
+std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Exit with 77 (meson: skipped) when UCX cannot make a context here. The probe
+// runs in a child so that the parent never holds UCX state across fork().
+void require_ucx() {
+  static bool checked = false;
+  if (checked) return;
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::setenv("UCX_NET_DEVICES", "lo", 0);
+    const std::string why = ucx_transport::probe();
+    [[maybe_unused]] auto n = ::write(fds[1], why.data(), why.size());
+    ::_exit(why.empty() ? 0 : 77);
+  }
+  ::close(fds[1]);
+  char buf[512] = {};
+  [[maybe_unused]] auto n = ::read(fds[0], buf, sizeof buf - 1);
+  ::close(fds[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "SKIP: UCX cannot create a context and worker here: %s\n", buf);
+    std::exit(77);
+  }
+  checked = true;
+}
+
+struct outcome_of {
+  bool exited = false;
+  int code = -1;   // exit code when exited
+  int signal = 0;  // terminating signal otherwise
+};
+
+// Runs fn(rank) in `world` forked processes with the given UCX_TLS; returns how each ended.
+std::vector<outcome_of> run_procs(int world, const char* tls, int timeout_s, const std::function<int(int)>& fn) {
+  std::fflush(nullptr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::alarm(static_cast<unsigned>(timeout_s));
+      ::setenv("UCX_TLS", tls, 1);
+      ::setenv("UCX_NET_DEVICES", "lo", 1);
+      int rc = 1;
+      try {
+        rc = fn(r);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d (UCX_TLS=%s): %s\n", r, tls, e.what());
+        rc = 100;
+      }
+      std::fflush(nullptr);
+      ::_exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<outcome_of> out(static_cast<std::size_t>(world));
+  std::vector<bool> done(static_cast<std::size_t>(world), false);
+  const auto deadline = clock_type::now() + std::chrono::seconds(timeout_s + 5);
+  for (std::size_t left = pids.size(); left > 0;) {
+    for (std::size_t i = 0; i < pids.size(); ++i) {
+      if (done[i]) continue;
+      int status = 0;
+      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
+        done[i] = true;
+        --left;
+        out[i].exited = WIFEXITED(status);
+        out[i].code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        out[i].signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      }
+    }
+    if (left > 0 && clock_type::now() > deadline) {
+      for (std::size_t i = 0; i < pids.size(); ++i)
+        if (!done[i]) ::kill(pids[i], SIGKILL);  // only our own children, by PID
+    }
+    if (left > 0) std::this_thread::sleep_for(5ms);
+  }
+  return out;
+}
+
+// A deterministic payload: raw 32-bit patterns (NaNs and denormals included),
+// compared bit for bit.
+void fill(std::byte* p, std::size_t elements, int sender, std::uint64_t step) {
+  std::mt19937 g(static_cast<std::uint32_t>(sender * 1000003 + static_cast<int>(step) * 7919 + 17));
+  for (std::size_t i = 0; i < elements; ++i) {
+    const std::uint32_t v = g();
+    std::memcpy(p + i * 4, &v, 4);
+  }
+}
+
+// Rank 0 serves the rendezvous, so it must be the last to leave: everyone
+// arrives, rank 0 releases, everyone acknowledges, rank 0 returns.
+void final_barrier(bootstrap& b, const std::string& name, const std::vector<int>& ranks) {
+  b.put(name + "/arrive/" + std::to_string(b.rank()), {});
+  for (int r : ranks)
+    if (r != b.rank()) b.get(name + "/arrive/" + std::to_string(r), fmt::format("rank {} at barrier {}", r, name));
+  b.put(name + "/ack/" + std::to_string(b.rank()), {});
+  if (b.rank() == 0)
+    for (int r : ranks)
+      if (r != 0) b.get(name + "/ack/" + std::to_string(r), fmt::format("rank {} to acknowledge barrier {}", r, name));
+}
+
+// One rank driving a ucx_transport directly (no engine): the transport contract.
+struct direct {
+  int rank, world;
+  std::size_t elements, message_bytes;
+  std::shared_ptr<bootstrap> boot;
+  model_layout layout;
+  std::vector<int> others;
+  inbox in;
+  std::vector<std::byte> send[2];
+  ucx_transport t;
+  std::vector<received> got;
+  std::vector<std::uint64_t> next_step;  // per rank: the step expected next
+  std::size_t received_total = 0;
+
+  direct(int r, int w, std::uint16_t port, std::size_t n, std::size_t layout_extra = 0, ucx_options o = {})
+      : rank(r),
+        world(w),
+        elements(n),
+        message_bytes((sizeof(wire_header) + n * 4 + 63) / 64 * 64),
+        boot(std::make_shared<bootstrap>(r, w, "127.0.0.1", port, std::chrono::duration<double>(20.0))),
+        t(boot, o),
+        got(static_cast<std::size_t>(4 * w)),
+        next_step(static_cast<std::size_t>(w), 0) {
+    layout = {{"w", n + layout_extra, dtype::f32}};
+    for (int j = 0; j < w; ++j)
+      if (j != r) others.push_back(j);
+    in = inbox(others, 2, message_bytes);
+    for (auto& s : send) s.assign(message_bytes, std::byte{0});
+  }
+
+  void attach() {
+    transport_setup s;
+    s.rank = rank;
+    s.world = world;
+    s.layout = layout;
+    s.layout_fingerprint = fingerprint(layout);
+    s.config_fingerprint = 42;
+    s.sources = others;
+    s.targets = others;
+    s.message_bytes = message_bytes;
+    s.inbox = &in;
+    s.timeout = std::chrono::duration<double>(20.0);
+    t.attach(s);
+  }
+
+  // Collects, verifies order and content bit for bit, releases. Returns messages seen.
+  std::size_t poll_once() {
+    const std::size_t n = t.collect(0, got);
+    std::vector<std::byte> expect(elements * 4);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto& m = got[i];
+      auto& want = next_step.at(static_cast<std::size_t>(m.sender));
+      if (m.step != want) {
+        std::string all;
+        for (std::size_t k = 0; k < n; ++k) all += fmt::format(" {}:{}", got[k].sender, got[k].step);
+        throw error(
+            fmt::format("rank {}: from rank {} got step {}, expected {} (lost or reordered); batch{}", rank, m.sender, m.step, want, all));
+      }
+      ++want;
+      if (m.elements != elements)
+        throw error(fmt::format("rank {}: {} elements from rank {}, expected {}", rank, m.elements, m.sender, elements));
+      if (m.weight != static_cast<double>(m.step) + 0.25) throw error(fmt::format("rank {}: wrong weight from rank {}", rank, m.sender));
+      fill(expect.data(), elements, m.sender, m.step);
+      if (std::memcmp(expect.data(), m.data, elements * 4) != 0)
+        throw error(fmt::format("rank {}: payload of step {} from rank {} differs from what was sent", rank, m.step, m.sender));
+    }
+    t.release(0);
+    received_total += n;
+    return n;
+  }
+
+  // Posts step `s` to `targets` from buffer s % 2, waiting (bounded, while receiving) for that buffer.
+  std::vector<post_status> post_step(std::uint64_t s, const std::vector<int>& targets) {
+    auto& buf = send[s % 2];
+    const auto deadline = clock_type::now() + 20s;
+    while (t.busy(buf.data())) {
+      poll_once();
+      if (clock_type::now() > deadline) throw timeout_error(fmt::format("rank {}: send buffer still busy", rank));
+      std::this_thread::sleep_for(100us);
+    }
+    wire_header h;
+    h.sender = rank;
+    h.step = s;
+    h.weight = static_cast<double>(s) + 0.25;
+    h.payload_bytes = elements * 4;
+    h.layout_fingerprint = fingerprint(layout);
+    std::memcpy(buf.data(), &h, sizeof h);
+    fill(buf.data() + sizeof h, elements, rank, s);
+    std::vector<post_status> st;
+    for (int j : targets) st.push_back(t.post(j, {buf.data(), sizeof h + elements * 4}, s));
+    return st;
+  }
+
+  void receive_until(std::size_t total, std::chrono::seconds limit) {
+    const auto deadline = clock_type::now() + limit;
+    while (received_total < total) {
+      if (poll_once() == 0) std::this_thread::sleep_for(200us);
+      if (clock_type::now() > deadline)
+        throw timeout_error(fmt::format("rank {}: received {} of {} messages", rank, received_total, total));
+    }
+  }
+};
+
+// Every rank sends `rounds` models to every other rank; all arrive, in order, bit for bit.
+int exchange(int rank, int world, std::uint16_t port, std::size_t elements, int rounds) {
+  direct d(rank, world, port, elements);
+  d.attach();
+  for (int s = 0; s < rounds; ++s)
+    for (auto st : d.post_step(static_cast<std::uint64_t>(s), d.others))
+      if (st != post_status::ok) throw error(fmt::format("rank {}: post failed at step {}", rank, s));
+  d.receive_until(static_cast<std::size_t>(rounds * (world - 1)), 20s);
+  d.t.flush(std::chrono::duration<double>(10.0));
+  const auto c = d.t.counters();
+  if (c.messages_received != static_cast<std::uint64_t>(rounds * (world - 1)) || c.messages_sent != c.messages_received || c.dropped != 0)
+    throw error(fmt::format("rank {}: counters sent {} received {} dropped {}", rank, c.messages_sent, c.messages_received, c.dropped));
+  final_barrier(*d.boot, "end", [&] {
+    std::vector<int> all(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) all[static_cast<std::size_t>(r)] = r;
+    return all;
+  }());
+  d.t.leave();
+  return 0;
+}
+
+void check_all_ok(const std::vector<outcome_of>& out) {
+  for (std::size_t r = 0; r < out.size(); ++r) {
+    INFO("rank " << r << " exited=" << out[r].exited << " code=" << out[r].code << " signal=" << out[r].signal);
+    CHECK((out[r].exited && out[r].code == 0));
+  }
+}
+
+struct env_guard {
+  static constexpr const char* names[] = {
+      "GOSSIP_RANK", "GOSSIP_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+      "RANK",        "WORLD_SIZE",        "GOSSIP_MASTER_ADDR",   "GOSSIP_MASTER_PORT"};
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  env_guard() {
+    for (const char* n : names) {
+      const char* v = std::getenv(n);
+      saved.emplace_back(n, v ? std::optional<std::string>(v) : std::nullopt);
+      ::unsetenv(n);
+    }
+  }
+  ~env_guard() {
+    for (auto& [n, v] : saved)
+      if (v)
+        ::setenv(n.c_str(), v->c_str(), 1);
+      else
+        ::unsetenv(n.c_str());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("bootstrap: rank and world size from the environment, in order of precedence") {
+  env_guard g;
+  CHECK_THROWS_WITH_AS(bootstrap::identity_from_env(), doctest::Contains("GOSSIP_RANK"), config_error);
+  ::setenv("RANK", "1", 1);
+  ::setenv("WORLD_SIZE", "4", 1);
+  CHECK(bootstrap::identity_from_env().rank == 1);
+  ::setenv("SLURM_PROCID", "2", 1);
+  ::setenv("SLURM_NTASKS", "4", 1);
+  CHECK(bootstrap::identity_from_env().rank == 2);
+  ::setenv("OMPI_COMM_WORLD_RANK", "3", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  CHECK(bootstrap::identity_from_env().rank == 3);
+  ::setenv("GOSSIP_RANK", "0", 1);
+  ::setenv("GOSSIP_WORLD_SIZE", "2", 1);
+  const auto id = bootstrap::identity_from_env();
+  CHECK(id.rank == 0);
+  CHECK(id.world == 2);
+  CHECK(id.source == "GOSSIP_RANK/GOSSIP_WORLD_SIZE");
+  ::setenv("GOSSIP_RANK", "2", 1);
+  CHECK_THROWS_WITH_AS(bootstrap::identity_from_env(), doctest::Contains("GOSSIP_RANK='2'"), config_error);
+  ::setenv("GOSSIP_RANK", "x", 1);
+  CHECK_THROWS_AS(bootstrap::identity_from_env(), config_error);
+  ::unsetenv("GOSSIP_WORLD_SIZE");
+  CHECK_THROWS_WITH_AS(bootstrap::identity_from_env(), doctest::Contains("GOSSIP_WORLD_SIZE is not"), config_error);
+  ::setenv("GOSSIP_RANK", "1", 1);
+  ::setenv("GOSSIP_WORLD_SIZE", "2", 1);
+  CHECK_THROWS_WITH_AS(bootstrap::from_env(), doctest::Contains("GOSSIP_MASTER_PORT"), config_error);
+  ::setenv("GOSSIP_MASTER_PORT", "70000", 1);
+  CHECK_THROWS_AS(bootstrap::from_env(), config_error);
+}
+
+TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(1.0);
+
+  SUBCASE("nothing listens: timeout_error naming the address") {
+    const auto t0 = clock_type::now();
+    bootstrap b(1, 2, "127.0.0.1", port, timeout);
+    CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains(fmt::format("127.0.0.1:{}", port).c_str()), timeout_error);
+    CHECK_THROWS_AS(b.put("k", {}), timeout_error);
+    CHECK(clock_type::now() - t0 < 4s);
+  }
+  SUBCASE("a foreign server: transport_error saying it is not a rendezvous") {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(fd, 8) == 0);
+    std::atomic<bool> silent{false}, stop{false};
+    std::thread server([&] {
+      while (!stop) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        const int c = ::accept(fd, nullptr, nullptr);
+        if (c < 0) continue;
+        if (silent) {
+          std::this_thread::sleep_for(1500ms);
+        } else {
+          const char reply[] = "HTTP/1.0 400 Bad Request\r\n\r\n";
+          [[maybe_unused]] auto n = ::write(c, reply, sizeof reply - 1);
+        }
+        ::close(c);
+      }
+    });
+    bootstrap b(1, 2, "127.0.0.1", port, timeout);
+    CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("not a gossip rendezvous"), transport_error);
+    silent = true;
+    const auto t0 = clock_type::now();
+    CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains(fmt::format("127.0.0.1:{}", port).c_str()), timeout_error);
+    CHECK(clock_type::now() - t0 < 3s);
+    stop = true;
+    server.join();
+    ::close(fd);
+  }
+  SUBCASE("an address that does not resolve") {
+    bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
+    CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("no-such-host.invalid"), transport_error);
+  }
+}
+
+TEST_CASE("bootstrap: put, get and barrier across processes") {
+  const std::uint16_t port = free_port();
+  const auto out = run_procs(3, "tcp", 20, [&](int r) {
+    bootstrap b(r, 3, "127.0.0.1", port, std::chrono::duration<double>(10.0));
+    bootstrap::blob mine(static_cast<std::size_t>(1000 * (r + 1)), static_cast<std::byte>(r));
+    b.put(fmt::format("x/{}", r), mine);
+    for (int j = 0; j < 3; ++j) {
+      const auto v = b.get(fmt::format("x/{}", j), "a blob");
+      if (v != bootstrap::blob(static_cast<std::size_t>(1000 * (j + 1)), static_cast<std::byte>(j))) return 1;
+    }
+    b.barrier("end");
+    return 0;
+  });
+  check_all_ok(out);
+}
+
+TEST_CASE("ucx: 2 and 4 processes exchange models bit for bit (eager and rendezvous sizes)") {
+  require_ucx();
+  for (const char* tls : {"tcp", "posix,self"}) {
+    for (int world : {2, 4}) {
+      // 1 KiB-ish messages go eager; 1 MiB ones use rendezvous straight into the inbox slot.
+      for (std::size_t elements : {std::size_t{300}, std::size_t{1} << 18}) {
+        CAPTURE(tls);
+        CAPTURE(world);
+        CAPTURE(elements);
+        const std::uint16_t port = free_port();
+        const int rounds = elements > 1000 ? 6 : 20;
+        check_all_ok(run_procs(world, tls, 60, [&](int r) { return exchange(r, world, port, elements, rounds); }));
+      }
+    }
+  }
+}
+
+TEST_CASE("ucx: a layout mismatch is refused on both sides") {
+  require_ucx();
+  const std::uint16_t port = free_port();
+  const auto out = run_procs(2, "tcp", 30, [&](int r) {
+    direct d(r, 2, port, 100, r == 1 ? 1 : 0);
+    int rc = 2;
+    try {
+      d.attach();
+    } catch (const layout_error& e) {
+      const std::string what = e.what();
+      rc = what.find("rank 0") != std::string::npos && what.find("rank 1") != std::string::npos && what.find("'w'") != std::string::npos
+               ? 0
+               : 3;
+      if (rc != 0) std::fprintf(stderr, "rank %d: unexpected message: %s\n", r, e.what());
+    }
+    final_barrier(*d.boot, "mismatch", {0, 1});
+    return rc;
+  });
+  check_all_ok(out);
+}
+
+TEST_CASE("ucx: kill -9 of one rank; the others see it in dead_peers() and continue") {
+  require_ucx();
+  for (const char* tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(3, tls, 60, [&](int r) {
+      direct d(r, 3, port, 256);
+      d.attach();
+      std::uint64_t s = 0;
+      for (; s < 5; ++s) {
+        (void)d.post_step(s, d.others);
+        d.poll_once();
+        std::this_thread::sleep_for(5ms);
+      }
+      d.receive_until(5 * 2, 20s);  // everyone heard everyone
+      final_barrier(*d.boot, "ready", {0, 1, 2});
+      if (r == 2) ::raise(SIGKILL);
+
+      // Survivors keep going until rank 2 is reported dead, then a few more rounds.
+      const int other = 1 - r;
+      bool dead = false;
+      int after = 0;
+      const auto deadline = clock_type::now() + 20s;
+      while (after < 10) {
+        if (clock_type::now() > deadline) throw timeout_error(fmt::format("rank {}: rank 2's death not reported within 20 s", r));
+        (void)d.post_step(s++, d.others);  // to rank 2: ok until detected, then peer_dead
+        std::vector<received> dp(3);
+        const std::size_t n = d.t.dead_peers(dp);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (dp[i].sender != 2) throw error(fmt::format("rank {}: rank {} reported dead", r, dp[i].sender));
+          dead = true;
+        }
+        if (dead) ++after;
+        d.poll_once();
+        std::this_thread::sleep_for(10ms);
+      }
+      // After the report, posts to rank 2 fail fast and rank `other` still gets everything.
+      if (d.t.post(2, {d.send[0].data(), sizeof(wire_header) + 256 * 4}, s) != post_status::peer_dead)
+        throw error(fmt::format("rank {}: a post to dead rank 2 did not return peer_dead", r));
+      d.t.flush(std::chrono::duration<double>(10.0));
+      d.receive_until(0, 1s);
+      // The other survivor posted its steps 0..want-1 to us: every one arrives.
+      d.boot->put(fmt::format("posted/{}", r),
+                  bootstrap::blob(reinterpret_cast<const std::byte*>(&s), reinterpret_cast<const std::byte*>(&s) + 8));
+      const auto b = d.boot->get(fmt::format("posted/{}", other), "the other survivor's step count");
+      std::uint64_t want = 0;
+      std::memcpy(&want, b.data(), 8);
+      const auto until = clock_type::now() + 20s;
+      while (d.next_step[static_cast<std::size_t>(other)] < want) {
+        if (clock_type::now() > until)
+          throw timeout_error(
+              fmt::format("rank {}: only {} of {} messages from rank {}", r, d.next_step[static_cast<std::size_t>(other)], want, other));
+        d.poll_once();
+        std::this_thread::sleep_for(1ms);
+      }
+      final_barrier(*d.boot, "survivors", {0, 1});
+      d.t.leave();
+      return 0;
+    });
+    REQUIRE(out.size() == 3);
+    CHECK(out[2].signal == SIGKILL);
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code);
+      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
+    }
+  }
+}
+
+TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept and the rest counted as dropped") {
+  require_ucx();
+  const std::uint16_t port = free_port();
+  check_all_ok(run_procs(2, "tcp", 30, [&](int r) {
+    direct d(r, 2, port, 64, 0, ucx_options{.backlog = 1});
+    d.attach();
+    if (r == 0) {
+      for (std::uint64_t s = 0; s < 10; ++s)
+        if (d.post_step(s, {1})[0] != post_status::ok) throw error("post failed");
+      d.t.flush(std::chrono::duration<double>(10.0));
+    } else {
+      const auto deadline = clock_type::now() + 10s;
+      while (d.t.counters().messages_received + d.t.counters().dropped < 9) {  // 2 landed + 7 dropped; 1 held
+        if (clock_type::now() > deadline) throw timeout_error("rank 1: the 10 messages did not arrive");
+        std::this_thread::sleep_for(1ms);
+      }
+      std::vector<std::uint64_t> steps;
+      while (steps.size() < 3) {
+        if (clock_type::now() > deadline) throw timeout_error("rank 1: the backlog was not landed after release");
+        const std::size_t n = d.t.collect(0, d.got);
+        for (std::size_t i = 0; i < n; ++i) steps.push_back(d.got[i].step);
+        d.t.release(0);
+        std::this_thread::sleep_for(1ms);
+      }
+      if (steps != std::vector<std::uint64_t>{0, 1, 9} || d.t.counters().dropped != 7)
+        throw error(fmt::format("rank 1: got steps {}, dropped {}", fmt::join(steps, ","), d.t.counters().dropped));
+    }
+    final_barrier(*d.boot, "end", {0, 1});
+    return 0;
+  }));
+}
+
+namespace {
+// Periodic for the first `until` steps, silent afterwards (so the test can drain).
+struct periodic_until {
+  std::uint64_t until = 50;
+  policies::periodic p{};
+  decision decide(const gossip::signal& s) const noexcept { return s.step < until ? p.decide(s) : decision::skip(reason::not_due); }
+};
+}  // namespace
+
+TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total weight") {
+  require_ucx();
+  for (const char* tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(2, tls, 60, [&](int r) {
+      auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+      test::toy_model m({1000, 37}, static_cast<std::uint64_t>(r + 1));
+      engine e(m.view, r, 2, test::spec_of(any_policy(periodic_until{}, "periodic-until"), "exponential", "push-sum", 20),
+               ucx_transport(boot));
+      for (int s = 0; s < 50; ++s) {
+        for (auto& t : m.tensors)
+          for (std::size_t i = 0; i < t.size(); ++i) t[i] += 0.001f * static_cast<float>((r + 1) * static_cast<int>(i % 5));
+        e.step({.lr = 0.1});
+        std::this_thread::sleep_for(2ms);  // "compute": lets most sends complete before the next step
+      }
+      e.flush();
+      const auto sent = e.stats().messages_sent;
+      if (sent < 10) throw error(fmt::format("rank {}: only {} of 50 sends left (send_busy {})", r, sent, e.stats().send_busy));
+      boot->put(fmt::format("sent/{}", r),
+                bootstrap::blob(reinterpret_cast<const std::byte*>(&sent), reinterpret_cast<const std::byte*>(&sent) + 8));
+      const auto b = boot->get(fmt::format("sent/{}", 1 - r), "the peer's send count");
+      std::uint64_t expect = 0;
+      std::memcpy(&expect, b.data(), 8);
+      // Silent steps merge what is still on its way.
+      const auto deadline = clock_type::now() + 20s;
+      while (e.stats().peers.at(0).messages_received < expect) {
+        if (clock_type::now() > deadline)
+          throw timeout_error(fmt::format("rank {}: merged {} of {}", r, e.stats().peers.at(0).messages_received, expect));
+        e.step();
+        std::this_thread::sleep_for(1ms);
+      }
+      const double w = e.weight();
+      boot->put(fmt::format("w/{}", r),
+                bootstrap::blob(reinterpret_cast<const std::byte*>(&w), reinterpret_cast<const std::byte*>(&w) + 8));
+      double other = 0;
+      const auto wb = boot->get(fmt::format("w/{}", 1 - r), "the peer's weight");
+      std::memcpy(&other, wb.data(), 8);
+      const auto c = e.stats();
+      if (std::abs(w + other - 2.0) > 1e-9 || c.dropped != 0)
+        throw error(fmt::format("rank {}: weights {} + {} = {} (expected 2), dropped {}", r, w, other, w + other, c.dropped));
+      if (std::getenv("GOSSIP_TEST_VERBOSE"))
+        std::fprintf(stderr, "rank %d (%s): %llu sends, %llu skipped busy, weight %.17g, sum %.17g\n", r, tls,
+                     static_cast<unsigned long long>(c.sends), static_cast<unsigned long long>(c.send_busy), w, w + other);
+      final_barrier(*boot, "end", {0, 1});
+      e.finish(0);
+      return 0;
+    });
+    check_all_ok(out);
+  }
+}

@@ -1,0 +1,230 @@
+// gossip-run: start N local ranks of a program with the libgossip environment.
+//
+//   gossip-run -n 4 [--config run.toml] -- ./train --epochs 2
+//
+// Each rank gets GOSSIP_RANK, GOSSIP_WORLD_SIZE, GOSSIP_MASTER_ADDR/PORT (a free
+// loopback port; rank 0 serves the rendezvous) and, with --config,
+// GOSSIP_CONFIG. Output lines are prefixed with the rank. SIGINT/SIGTERM are
+// forwarded. If a rank fails, the others get SIGTERM, then SIGKILL after the
+// grace period, and gossip-run exits non-zero naming the rank and its status.
+// Under mpirun or srun, start the program directly: bootstrap reads their
+// variables instead.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+namespace {
+
+volatile std::sig_atomic_t g_signal = 0;
+void on_signal(int s) { g_signal = s; }
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  ::close(fd);
+  return port;
+}
+
+struct child {
+  int rank = 0;
+  pid_t pid = -1;
+  int out = -1, err = -1;  // read ends
+  std::string out_buf, err_buf;
+  bool exited = false;
+  int status = 0;
+};
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return fmt::format("exit status {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return fmt::format("status {}", status);
+}
+
+// Writes complete lines of `buf` with the rank prefix; keeps a partial tail.
+void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
+  std::size_t start = 0;
+  for (std::size_t nl; (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
+    fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
+  buf.erase(0, start);
+  if (all && !buf.empty()) {
+    fmt::print(to, "[{}] {}\n", rank, buf);
+    buf.clear();
+  }
+  std::fflush(to);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Start N local ranks of a libgossip program, each with its rank's environment."};
+  int n = 0;
+  std::string config, master_addr = "127.0.0.1";
+  int master_port = 0;
+  double grace = 5.0;
+  std::vector<std::string> command;
+  app.add_option("-n,--ranks", n, "number of ranks to start")->required()->check(CLI::Range(1, 1024));
+  app.add_option("--config", config, "config file, passed to every rank as GOSSIP_CONFIG")->check(CLI::ExistingFile);
+  app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)");
+  app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(CLI::Range(0, 65535));
+  app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL");
+  app.add_option("command", command, "the program and its arguments (after --)")->required();
+  app.allow_extras(false);
+  CLI11_PARSE(app, argc, argv);
+
+  if (master_port == 0) master_port = free_port();
+  if (master_port == 0) {
+    fmt::print(stderr, "gossip-run: could not find a free port on 127.0.0.1; pass --master-port\n");
+    return 1;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  std::vector<child> kids(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    int po[2], pe[2];
+    if (::pipe(po) != 0 || ::pipe(pe) != 0) {
+      fmt::print(stderr, "gossip-run: pipe failed: {}\n", std::strerror(errno));
+      return 1;
+    }
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      fmt::print(stderr, "gossip-run: fork of rank {} failed: {}\n", r, std::strerror(errno));
+      for (auto& k : kids)
+        if (k.pid > 0) ::kill(k.pid, SIGTERM);
+      return 1;
+    }
+    if (pid == 0) {
+      ::setpgid(0, 0);  // its own process group: signals reach what the rank starts too
+      ::dup2(po[1], STDOUT_FILENO);
+      ::dup2(pe[1], STDERR_FILENO);
+      ::close(po[0]);
+      ::close(pe[0]);
+      ::close(po[1]);
+      ::close(pe[1]);
+      ::setenv("GOSSIP_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("GOSSIP_WORLD_SIZE", std::to_string(n).c_str(), 1);
+      ::setenv("GOSSIP_MASTER_ADDR", master_addr.c_str(), 1);
+      ::setenv("GOSSIP_MASTER_PORT", std::to_string(master_port).c_str(), 1);
+      if (!config.empty()) ::setenv("GOSSIP_CONFIG", config.c_str(), 1);
+      std::vector<char*> args;
+      for (auto& a : command) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execvp(args[0], args.data());
+      std::fprintf(stderr, "gossip-run: cannot start '%s': %s\n", args[0], std::strerror(errno));
+      ::_exit(127);
+    }
+    ::close(po[1]);
+    ::close(pe[1]);
+    auto& k = kids[static_cast<std::size_t>(r)];
+    k.rank = r;
+    k.pid = pid;
+    k.out = po[0];
+    k.err = pe[0];
+  }
+
+  int failed_rank = -1, failed_status = 0, forwarded = 0;
+  auto stop_at = std::chrono::steady_clock::time_point::max();
+  auto stop_others = [&](int sig) {
+    for (auto& k : kids)
+      if (!k.exited) ::kill(-k.pid, sig);
+  };
+  std::size_t running = kids.size();
+  std::vector<pollfd> fds;
+  // After the last rank exits, output still buffered in the pipes is read for
+  // a moment; a process the rank left behind must not keep us waiting.
+  auto drain_until = std::chrono::steady_clock::time_point::max();
+  while (running > 0 || (std::any_of(kids.begin(), kids.end(), [](const child& k) { return k.out >= 0 || k.err >= 0; }) &&
+                         std::chrono::steady_clock::now() < drain_until)) {
+    if (running == 0 && drain_until == std::chrono::steady_clock::time_point::max())
+      drain_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+    if (g_signal && forwarded != g_signal) {
+      forwarded = g_signal;
+      fmt::print(stderr, "gossip-run: forwarding signal {} to {} rank(s)\n", static_cast<int>(g_signal), running);
+      stop_others(g_signal);
+      stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
+    }
+    fds.clear();
+    for (auto& k : kids) {
+      if (k.out >= 0) fds.push_back({k.out, POLLIN, 0});
+      if (k.err >= 0) fds.push_back({k.err, POLLIN, 0});
+    }
+    if (!fds.empty()) ::poll(fds.data(), fds.size(), 100);
+    else ::usleep(50000);
+    char buf[65536];
+    for (auto& k : kids)
+      for (auto* fd : {&k.out, &k.err}) {
+        if (*fd < 0) continue;
+        pollfd p{*fd, POLLIN, 0};
+        if (::poll(&p, 1, 0) <= 0) continue;
+        const ssize_t got = ::read(*fd, buf, sizeof buf);
+        auto& acc = fd == &k.out ? k.out_buf : k.err_buf;
+        FILE* to = fd == &k.out ? stdout : stderr;
+        if (got > 0) {
+          acc.append(buf, static_cast<std::size_t>(got));
+          flush_lines(acc, k.rank, to, false);
+        } else if (got == 0 || (errno != EINTR && errno != EAGAIN)) {
+          flush_lines(acc, k.rank, to, true);
+          ::close(*fd);
+          *fd = -1;
+        }
+      }
+    int status = 0;
+    for (pid_t pid; (pid = ::waitpid(-1, &status, WNOHANG)) > 0;) {
+      for (auto& k : kids)
+        if (k.pid == pid && !k.exited) {
+          k.exited = true;
+          k.status = status;
+          --running;
+          const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+          if (!ok && failed_rank < 0 && !g_signal) {
+            failed_rank = k.rank;
+            failed_status = status;
+            fmt::print(stderr, "gossip-run: rank {} (pid {}) failed with {}; stopping the other ranks\n", k.rank, pid, describe(status));
+            stop_others(SIGTERM);
+            stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
+          }
+        }
+    }
+    if (running > 0 && std::chrono::steady_clock::now() > stop_at) {
+      fmt::print(stderr, "gossip-run: {} rank(s) still running {:.1f} s after SIGTERM; sending SIGKILL\n", running, grace);
+      stop_others(SIGKILL);
+      stop_at = std::chrono::steady_clock::time_point::max();
+    }
+  }
+  for (auto& k : kids) {
+    flush_lines(k.out_buf, k.rank, stdout, true);
+    flush_lines(k.err_buf, k.rank, stderr, true);
+  }
+  if (failed_rank >= 0) {
+    fmt::print(stderr, "gossip-run: failed: rank {} ended with {}\n", failed_rank, describe(failed_status));
+    return WIFEXITED(failed_status) ? WEXITSTATUS(failed_status) : 128 + WTERMSIG(failed_status);
+  }
+  if (g_signal) return 128 + static_cast<int>(g_signal);
+  return 0;
+}

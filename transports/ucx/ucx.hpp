@@ -1,0 +1,102 @@
+#pragma once
+/// The UCX transport: ranks are processes (or machines) talking UCP active
+/// messages.
+///
+///     auto boot = std::make_shared<gossip::bootstrap>(gossip::bootstrap::from_env());
+///     gossip::engine e(model, boot->rank(), boot->world(), cfg, gossip::ucx_transport(boot));
+///
+/// Connect. attach() creates one ucp_context + ucp_worker (UCX_TLS,
+/// UCX_NET_DEVICES and every other UCX_* variable are honoured), publishes
+/// the worker address together with the model layout and the config
+/// fingerprint at the bootstrap rendezvous, fetches the blobs of its
+/// neighbours only (sources ∪ targets — no full mesh), refuses a neighbour
+/// whose layout or settings differ (both sides throw), and creates one
+/// endpoint per neighbour with peer error handling. A failed endpoint marks
+/// the peer dead: dead_peers() reports it once and post() to it returns
+/// post_status::peer_dead.
+///
+/// Wire. One active message per model: the 48-byte wire_header is the AM
+/// header, the float32 payload is the AM data. Eager messages are copied once
+/// from UCX's receive buffer into the inbox slot; rendezvous messages are
+/// fetched by ucp_am_recv_data_nbx straight into the engine-owned slot, with
+/// no intermediate copy.
+///
+/// Progress. A progress thread per transport makes every UCX call after
+/// attach (worker in UCS_THREAD_MODE_SERIALIZED: attach hands the worker to
+/// the thread, leave takes it back after joining). The engine thread never
+/// touches UCX: post() pushes onto a lock-free single-producer queue and
+/// wakes the thread through an eventfd; collect()/release() only read and
+/// write the inbox slot states (atomics). So step() never blocks on the
+/// network, and large rendezvous transfers move while the training computes.
+/// When idle the thread sleeps in poll() on the worker's event fd (or at most
+/// a few milliseconds, so UCX keepalive still runs).
+///
+/// Delivery. All messages, in order per source (not only the newest): a
+/// push-sum weight must be merged exactly once. A source has `depth` inbox
+/// slots; a message arriving while they are all full is kept inside UCX
+/// (persistent eager data, or an unstarted rendezvous — whose sender then
+/// stays busy(), which is natural back-pressure) in a backlog of
+/// `backlog` messages per source; when that overflows too, the oldest is
+/// dropped and counted in counters().dropped.
+///
+/// Peer failure. tcp sees a killed peer as a reset connection; shared memory
+/// only through UCX keepalive, whose interval this transport sets to
+/// `keepalive_s` unless UCX_KEEPALIVE_INTERVAL is set. Error handling on the
+/// posix/sysv transports is off by default in UCX 1.13
+/// (UCX_POSIX_ERROR_HANDLING=n), which would exclude them under peer error
+/// mode; attach turns it on unless the variable is set.
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "gossip/bootstrap.hpp"
+#include "gossip/transport.hpp"
+
+namespace gossip {
+
+struct ucx_options {
+  /// Messages per source held inside UCX beyond the inbox slots. Cheap: an eager
+  /// message is small, a rendezvous one is only a descriptor (its data waits at the sender).
+  std::size_t backlog = 64;
+  double keepalive_s = 1.0;      ///< UCX keepalive interval, unless UCX_KEEPALIVE_INTERVAL is set
+  double close_timeout_s = 5.0;  ///< bound on the graceful endpoint close in leave()
+};
+
+class ucx_transport {
+ public:
+  explicit ucx_transport(std::shared_ptr<gossip::bootstrap> boot, ucx_options options = {});
+  ucx_transport(ucx_transport&&) noexcept;
+  ucx_transport& operator=(ucx_transport&&) noexcept;
+  ~ucx_transport();
+
+  void attach(const transport_setup& setup);
+  [[nodiscard]] post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step);
+  std::size_t collect(std::uint64_t step, std::span<received> out);
+  void release(std::uint64_t step);
+  void end_step(std::uint64_t step) noexcept;
+  bool busy(const std::byte* buffer) const noexcept;
+  void flush(std::chrono::duration<double> timeout);
+  void leave();
+  transport_capabilities capabilities() const noexcept;
+  std::size_t dead_peers(std::span<received> out);
+  /// True once every live source's messages have been consumed (see engine::finish).
+  bool drained();
+  transport_counters counters() const noexcept;
+
+  /// The UCX transports the worker selected, e.g. for a log line ("" before attach).
+  std::string describe() const;
+
+  /// Can UCX create a context and worker here (with the current UCX_* environment)?
+  /// Returns an empty string when it can, else the reason. Does not start threads
+  /// that outlive the call.
+  static std::string probe();
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> m;
+};
+static_assert(transport<ucx_transport>);
+
+}  // namespace gossip
