@@ -57,6 +57,19 @@ protocol_registry_t& protocol_registry() {
              if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where(), g));
              return protocol(protocol::kind::stale_copy, g, "stale-copy");
            }});
+    p.add({"switch-aggregate", "through an aggregation switch: all-reduce (sync) or shared aggregate of deltas (async); transport 'switch'",
+           {{"mode", std::string("auto"), "sync, async, or auto (periodic policy: sync; others: async)"},
+            {"gamma", 1.0, "step towards the group average (0 < gamma <= 1)"}},
+           [](const options& o) {
+             const double g = o.real("gamma");
+             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where(), g));
+             const auto& m = o.string("mode");
+             if (m != "auto" && m != "sync" && m != "async")
+               throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", o.where(), m));
+             // "auto" reaching here was not resolved from a config's policy (engine built in code): async.
+             return protocol(protocol::kind::switch_aggregate, g, "switch-aggregate",
+                             m == "sync" ? protocol::payload::model : protocol::payload::delta);
+           }});
     return p;
   }();
   return r;

@@ -12,11 +12,23 @@
 ///  stale-copy CHOCO-style: keep the latest copy c_j of every source; when a
 ///             copy arrives, z ← z + γ/(d+1) · Σ_j (c_j − x̂) over the d sources
 ///             heard from so far, so silent neighbours still count.
+///  switch-aggregate  through an aggregation switch (transport "switch"): one
+///             post reaches the whole group, and what comes back is the group
+///             average m. In sync mode the payload is the model and m the
+///             all-reduced mean; in async mode the payload is the delta x − x̂
+///             and m is S/n, the mean of every member's last-sent model. Either
+///             way z ← z + γ (m − x̂): the average plus the local progress made
+///             since the send.
+///
+///     [protocol]
+///     name = "switch-aggregate"
+///     mode = "auto"   # periodic policy → sync, any other policy → async
 ///
 /// The merge runs only when something arrived: never an extra pass otherwise.
 #include <cstring>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <Eigen/Core>
@@ -39,10 +51,18 @@ struct tensor_slot {
 
 class protocol {
  public:
-  enum class kind { push_sum, pairwise, stale_copy };
+  enum class kind { push_sum, pairwise, stale_copy, switch_aggregate };
+  /// What a message carries: the model x, or the change x − x̂ since the last send.
+  enum class payload { model, delta };
 
   protocol() = default;
-  explicit protocol(kind k, double gamma = 1.0, std::string name = {}) : m_kind(k), m_gamma(gamma), m_name(std::move(name)) {}
+  explicit protocol(kind k, double gamma = 1.0, std::string name = {}, payload p = payload::model)
+      : m_kind(k), m_payload(p), m_gamma(gamma), m_name(std::move(name)) {}
+
+  /// The engine's send pass writes x − x̂ (and refreshes x̂) instead of x.
+  bool sends_delta() const noexcept { return m_payload == payload::delta; }
+  /// One post reaches every member through an aggregator; replies come from it.
+  bool aggregated() const noexcept { return m_kind == kind::switch_aggregate; }
 
   /// Allocates per-source state (stale copies). Called once by the engine.
   void prepare(std::span<const int> sources, std::size_t elements) {
@@ -100,6 +120,17 @@ class protocol {
         }
         break;
       }
+      case kind::switch_aggregate: {
+        // A later reply supersedes an earlier one: it already includes it.
+        const auto& m = msgs.back();
+        const auto g = static_cast<float>(m_gamma);
+        for (const auto& t : x) {
+          const auto n = static_cast<Eigen::Index>(t.count);
+          vec z(t.data, n);
+          z += g * (cvec(m.data + t.offset, n) - cvec(snapshot + t.offset, n));
+        }
+        break;
+      }
       case kind::stale_copy: {
         for (const auto& m : msgs) {
           const std::size_t i = index_of(m.sender);
@@ -141,6 +172,7 @@ class protocol {
     return 0;
   }
   kind m_kind = kind::push_sum;
+  payload m_payload = payload::model;
   double m_gamma = 1.0;
   std::string m_name = "push-sum";
   double m_weight = 1.0;
@@ -150,8 +182,18 @@ class protocol {
   std::size_t m_elements = 0;
 };
 
+/// The switch mode a `switch-aggregate` run uses: `requested` when it is
+/// "sync" or "async"; for "auto", sync for the periodic policy (every member
+/// sends at the same steps, so an all-reduce fits) and async for any other.
+///
+///     switch_mode("auto", "drift") == "async"
+inline std::string switch_mode(std::string_view requested, std::string_view policy) {
+  if (requested == "sync" || requested == "async") return std::string(requested);
+  return policy == "periodic" ? "sync" : "async";
+}
+
 using protocol_registry_t = registry<protocol>;
-/// Protocols by config name: push-sum, pairwise, stale-copy.
+/// Protocols by config name: push-sum, pairwise, stale-copy, switch-aggregate.
 protocol_registry_t& protocol_registry();
 
 }  // namespace gossip

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# bench/switch — all-reduce of 4 KiB .. 64 MiB among N workers:
+#   switch-dpdk  gossip-switch (DPDK, net_af_packet on veths) between worker namespaces
+#   switch-udp   the same aggregation code as a kernel-UDP process in the switch's
+#                place (a bridge in the switch namespace)
+#   host-udp     the same code as a kernel-UDP process on the host, workers on loopback
+# Every result is checked against the reference sum. Writes results/switch.json.
+#
+#   bench/switch/run.sh [BUILD_DIR] [--workers N] [--sizes "4K 64K 1M 16M 64M"] [--reps R] [--out DIR]
+#
+# Pinning (2 cores): the aggregator on CPU 1, the workers on CPU 0.
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-$SRC/build}; [[ $# -gt 0 && $1 != --* ]] && shift
+N=2; SIZES="4K 64K 1M 16M 64M"; REPS=3; OUT=$SRC/results; WINDOW=128
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --workers) N=$2; shift 2 ;;
+    --sizes) SIZES=$2; shift 2 ;;
+    --reps) REPS=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --window) WINDOW=$2; shift 2 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+done
+B=$BUILD/transports/switch
+source "$SRC/transports/switch/netns.sh"
+set +e; gsw_can_run; rc=$?; set -e
+[[ $rc == 0 ]] || exit "$rc"
+TAG=${GSW_TAG:-4}
+TMP=$(mktemp -d /tmp/gsw-bench.XXXXXX)
+mkdir -p "$OUT"
+PID=
+cleanup() {
+  if [[ -n $PID ]] && kill -0 "$PID" 2>/dev/null; then kill -INT "$PID"; sleep 0.5; kill -KILL "$PID" 2>/dev/null || true; fi
+  gsw_down "$TAG"
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+GROUP="id=1,mode=sync,members=$N,slots=$WINDOW"
+wait_ready() {  # $1 log, $2 pattern
+  for _ in $(seq 100); do grep -q "$2" "$1" && return 0; kill -0 "$PID" 2>/dev/null || break; sleep 0.1; done
+  echo "aggregator did not start:"; cat "$1"; exit 1
+}
+stop() { kill -INT "$PID"; for _ in $(seq 50); do kill -0 "$PID" 2>/dev/null || break; sleep 0.1; done; wait "$PID" 2>/dev/null || true; PID=; }
+run() { "$B/switch_bench" run --workers "$N" --sizes $SIZES --reps "$REPS" --window "$WINDOW" --cpus 0 --timeout 120 "$@"; }
+
+echo "== switch-dpdk ($N workers)"
+gsw_up "$N" dpdk "$TAG"
+ip netns exec "${GSW_P}-sw" "$B/gossip-switch" -l 1 --no-huge -m 1024 --no-pci --no-shconf --no-telemetry $(gsw_vdevs "$N" "$TAG") \
+  -- --ip "$GSW_IP" --group "$GROUP" --mbufs 32767 --stats-json "$OUT/switch-dpdk-stats.json" >"$TMP/dpdk.log" 2>&1 &
+PID=$!
+wait_ready "$TMP/dpdk.log" "polling on lcore"
+run --mode switch-dpdk --address "$GSW_IP" --netns-prefix "${GSW_P}-w" --out "$TMP/dpdk.json"
+stop; tail -3 "$TMP/dpdk.log"
+
+echo "== switch-udp ($N workers)"
+gsw_up "$N" kernel "$TAG"
+ip netns exec "${GSW_P}-sw" "$B/gossip-switch-udp" --bind "$GSW_IP" --group "$GROUP" --cpu 1 --stats-json "$OUT/switch-udp-stats.json" >"$TMP/sudp.log" 2>&1 &
+PID=$!
+wait_ready "$TMP/sudp.log" "serving"
+run --mode switch-udp --address "$GSW_IP" --netns-prefix "${GSW_P}-w" --out "$TMP/sudp.json"
+stop; tail -3 "$TMP/sudp.log"
+gsw_down "$TAG"
+
+echo "== host-udp ($N workers)"
+"$B/gossip-switch-udp" --bind 127.0.0.1 --port 47077 --group "$GROUP" --cpu 1 --stats-json "$OUT/host-udp-stats.json" >"$TMP/host.log" 2>&1 &
+PID=$!
+wait_ready "$TMP/host.log" "serving"
+run --mode host-udp --address 127.0.0.1 --port 47077 --out "$TMP/host.json"
+stop; tail -3 "$TMP/host.log"
+
+echo
+"$B/switch_bench" report "$TMP/dpdk.json" "$TMP/sudp.json" "$TMP/host.json" --out "$OUT/switch.json"

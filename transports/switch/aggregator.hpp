@@ -1,0 +1,346 @@
+#pragma once
+/// The aggregation logic of the switch, free of DPDK and of sockets: the same
+/// code runs inside gossip-switch (DPDK), inside gossip-switch-udp (kernel
+/// UDP, the host baseline) and in the unit tests.
+///
+///     gossip::sw::aggregator agg({gossip::sw::group_config::parse("id=1,mode=sync,members=4")});
+///     auto why = agg.handle({data, len}, [&](std::uint16_t worker, std::span<const std::byte> reply) {
+///       send_to(address_of(worker), reply);   // called once per destination
+///     });
+///
+/// Sync groups (all-reduce, the SwitchML/OmniReduce protocol on a CPU): a pool
+/// of 2·slots chunk buffers, the second half the shadow copies. Chunk c of an
+/// all-reduce goes to slot c % slots; a worker sends its next chunk on a slot
+/// only after it received the result of the previous one, flipping the shadow
+/// bit each time. Per slot and set the switch keeps a contributor bitmap and a
+/// count; the first contribution overwrites, later ones add; when all members
+/// contributed the sum goes back to each of them. A contribution from a
+/// worker whose bit is already set is a retransmission: if the set is complete
+/// the stored result is sent again to that worker only (its result was lost),
+/// otherwise it is ignored. A contribution to set v clears the worker's bit in
+/// set 1 − v: it proves the worker holds the result of that set, so the shadow
+/// copy can be reused once every member moved on.
+///
+/// Async groups (shared aggregate): S holds, per chunk, the sum of every
+/// member's last-sent model. A delta with sequence k from worker w on chunk c
+/// is applied iff k is the next one expected for (w, c); an older k is a
+/// duplicate (not applied, answered); a newer one means an earlier delta was
+/// never applied and is dropped (sequence_gap) — the client only sends k + 1
+/// after k was acknowledged. The reply carries S / joined for the chunk, where
+/// joined counts the members whose first delta for the chunk was applied (a
+/// first delta is the full model, sent against x̂ = 0).
+///
+/// Not thread-safe: one polling thread owns an aggregator.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "packet.hpp"
+
+namespace gossip::sw {
+
+enum class group_mode : std::uint8_t { sync, async };
+
+inline std::string_view to_string(group_mode m) noexcept { return m == group_mode::sync ? "sync" : "async"; }
+
+/// One aggregation group as configured on the switch.
+struct group_config {
+  std::uint16_t id = 1;
+  group_mode mode = group_mode::sync;
+  std::uint16_t members = 2;              ///< 1..64
+  std::uint16_t chunk = default_chunk;    ///< float32 values per packet, 1..max_chunk
+  std::uint16_t slots = 128;              ///< sync: slots per set (the pool holds 2·slots)
+  std::uint64_t elements = 0;             ///< async: model size (required); sync: 0 = any
+
+  std::uint64_t chunks() const noexcept { return (elements + chunk - 1) / chunk; }
+  /// Exact length of `c` when the model size is known, else the chunk size.
+  std::uint16_t chunk_length(std::uint64_t c) const noexcept {
+    if (elements == 0) return chunk;
+    return static_cast<std::uint16_t>(std::min<std::uint64_t>(chunk, elements - c * chunk));
+  }
+
+  /// Parses "id=1,mode=sync,members=4,chunk=256,slots=128,elements=0" (any
+  /// order, defaults as above). Throws std::invalid_argument naming the key.
+  static group_config parse(std::string_view text) {
+    group_config g;
+    auto fail = [&](const std::string& what) {
+      throw std::invalid_argument("group '" + std::string(text) + "': " + what +
+                                  " (expected e.g. id=1,mode=sync,members=4,chunk=256,slots=128 or id=2,mode=async,members=4,elements=1000000)");
+    };
+    while (!text.empty()) {
+      const auto comma = text.find(',');
+      const auto item = text.substr(0, comma);
+      text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+      const auto eq = item.find('=');
+      if (eq == std::string_view::npos) fail("item '" + std::string(item) + "' is not key=value");
+      const auto key = item.substr(0, eq), value = item.substr(eq + 1);
+      auto number = [&](std::uint64_t lo, std::uint64_t hi) {
+        std::uint64_t v = 0;
+        if (value.empty()) fail("key '" + std::string(key) + "' has no value");
+        for (char ch : value) {
+          if (ch < '0' || ch > '9') fail("key '" + std::string(key) + "' must be an integer, got '" + std::string(value) + "'");
+          v = v * 10 + static_cast<std::uint64_t>(ch - '0');
+          if (v > hi) break;
+        }
+        if (v < lo || v > hi)
+          fail("key '" + std::string(key) + "' must be in " + std::to_string(lo) + ".." + std::to_string(hi) + ", got " + std::string(value));
+        return v;
+      };
+      if (key == "id") g.id = static_cast<std::uint16_t>(number(0, 65535));
+      else if (key == "members") g.members = static_cast<std::uint16_t>(number(1, 64));
+      else if (key == "chunk") g.chunk = static_cast<std::uint16_t>(number(1, max_chunk));
+      else if (key == "slots") g.slots = static_cast<std::uint16_t>(number(1, 4096));
+      else if (key == "elements") g.elements = number(0, std::uint64_t{1} << 32);
+      else if (key == "mode") {
+        if (value == "sync") g.mode = group_mode::sync;
+        else if (value == "async") g.mode = group_mode::async;
+        else fail("key 'mode' must be sync or async, got '" + std::string(value) + "'");
+      } else {
+        fail("unknown key '" + std::string(key) + "'");
+      }
+    }
+    if (g.mode == group_mode::async && g.elements == 0) fail("an async group needs elements=<model size in float32 values>");
+    return g;
+  }
+};
+
+/// Counters of one aggregator (the switch adds its own port counters).
+struct aggregator_stats {
+  std::array<std::uint64_t, drop_reason_count> drops{};  ///< [accepted] counts accepted packets
+  std::uint64_t aggregations_completed = 0;  ///< sync slot sets that got every member
+  std::uint64_t results_resent = 0;          ///< sync: stored result sent again to one worker
+  std::uint64_t retransmissions_seen = 0;    ///< contributions or deltas seen before (sync and async)
+  std::uint64_t deltas_applied = 0;          ///< async
+  std::uint64_t replies = 0;                 ///< reply datagrams emitted
+
+  std::uint64_t dropped() const noexcept {
+    std::uint64_t n = 0;
+    for (std::size_t i = 1; i < drops.size(); ++i) n += drops[i];
+    return n;
+  }
+  std::uint64_t accepted() const noexcept { return drops[0]; }
+};
+
+/// A deterministic loss injector (xorshift64*): drop(p) is true with probability p.
+class drop_injector {
+ public:
+  explicit drop_injector(double probability = 0, std::uint64_t seed = 0x9e3779b97f4a7c15ull)
+      : m_threshold(probability <= 0 ? 0 : probability >= 1 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(probability * 18446744073709551615.0)),
+        m_state(seed | 1) {}
+  bool enabled() const noexcept { return m_threshold != 0; }
+  bool drop() noexcept {
+    if (m_threshold == 0) return false;
+    m_state ^= m_state >> 12;
+    m_state ^= m_state << 25;
+    m_state ^= m_state >> 27;
+    return m_state * 2685821657736338717ull < m_threshold;
+  }
+
+ private:
+  std::uint64_t m_threshold;
+  std::uint64_t m_state;
+};
+
+class aggregator {
+ public:
+  explicit aggregator(std::vector<group_config> groups) {
+    for (const auto& g : groups) {
+      if (find(g.id)) throw std::invalid_argument("group id " + std::to_string(g.id) + " is configured twice");
+      if (g.members < 1 || g.members > 64) throw std::invalid_argument("group " + std::to_string(g.id) + ": members must be in 1..64");
+      if (g.chunk < 1 || g.chunk > max_chunk) throw std::invalid_argument("group " + std::to_string(g.id) + ": chunk must be in 1.." + std::to_string(max_chunk));
+      if (g.mode == group_mode::async && g.elements == 0) throw std::invalid_argument("group " + std::to_string(g.id) + ": async needs elements");
+      auto st = std::make_unique<group_state>();
+      st->cfg = g;
+      if (g.mode == group_mode::sync) {
+        st->sets.resize(2 * static_cast<std::size_t>(g.slots));
+        st->pool.assign(2 * static_cast<std::size_t>(g.slots) * g.chunk, 0.0f);
+      } else {
+        st->sum.assign(g.elements, 0.0f);
+        st->next_seq.assign(static_cast<std::size_t>(g.members) * g.chunks(), 1);
+        st->joined.assign(g.chunks(), 0);
+      }
+      m_groups.push_back(std::move(st));
+    }
+  }
+
+  std::size_t groups() const noexcept { return m_groups.size(); }
+  const group_config* config(std::uint16_t id) const noexcept {
+    const auto* g = const_cast<aggregator*>(this)->find(id);
+    return g ? &g->cfg : nullptr;
+  }
+  const aggregator_stats& stats() const noexcept { return m_stats; }
+  aggregator_stats& stats() noexcept { return m_stats; }
+  /// Counts a drop decided outside (loss injection, L2/L3 checks of the switch).
+  void count_drop(drop_reason r) noexcept { ++m_stats.drops[static_cast<std::size_t>(r)]; }
+
+  /// The async aggregate S of a group (tests and checks).
+  std::span<const float> async_sum(std::uint16_t id) const noexcept {
+    const auto* g = const_cast<aggregator*>(this)->find(id);
+    return g ? std::span<const float>(g->sum) : std::span<const float>{};
+  }
+
+  /// Checks a datagram against the group configuration; reads nothing past `pkt`.
+  drop_reason validate(std::span<const std::byte> pkt, packet_header& h) const noexcept {
+    if (!read_header(pkt.data(), pkt.size(), h)) return drop_reason::too_short;
+    if (h.magic != packet_header::magic_value) return drop_reason::bad_magic;
+    if (h.version != packet_header::version_value) return drop_reason::bad_version;
+    if (h.type != packet_type::sync_contribution && h.type != packet_type::async_delta) return drop_reason::bad_type;
+    const auto* g = const_cast<aggregator*>(this)->find(h.group);
+    if (!g) return drop_reason::unknown_group;
+    const auto& c = g->cfg;
+    if ((h.type == packet_type::sync_contribution) != (c.mode == group_mode::sync)) return drop_reason::wrong_mode;
+    if (h.worker >= c.members) return drop_reason::bad_worker;
+    if (h.elements == 0 || h.elements > c.chunk) return drop_reason::bad_elements;
+    if (pkt.size() != packet_bytes(h.elements)) return drop_reason::bad_length;
+    if (c.elements != 0) {
+      if (h.chunk >= c.chunks()) return drop_reason::bad_chunk;
+      if (h.elements != c.chunk_length(h.chunk)) return drop_reason::bad_elements;
+    }
+    if (c.mode == group_mode::sync) {
+      if (h.slot >= c.slots || h.chunk % c.slots != h.slot) return drop_reason::bad_slot;
+      if (h.flags > 1) return drop_reason::bad_slot;
+    } else {
+      if (h.slot != 0 || h.flags != 0) return drop_reason::bad_slot;
+      if (h.sequence == 0) return drop_reason::sequence_gap;
+    }
+    return drop_reason::accepted;
+  }
+
+  /// Handles one datagram; `emit(worker, reply)` is called for every reply.
+  /// Returns why it was dropped, or accepted (also for answered duplicates).
+  template <class Emit>
+  drop_reason handle(std::span<const std::byte> pkt, Emit&& emit) {
+    packet_header h;
+    drop_reason why = validate(pkt, h);
+    if (why == drop_reason::accepted) {
+      auto& g = *find(h.group);
+      const auto* values = pkt.data() + sizeof(packet_header);
+      why = g.cfg.mode == group_mode::sync ? handle_sync(g, h, values, emit) : handle_async(g, h, values, emit);
+    }
+    ++m_stats.drops[static_cast<std::size_t>(why)];
+    return why;
+  }
+
+ private:
+  struct slot_set {
+    std::uint64_t seen = 0;      // contributor bitmap
+    std::uint16_t count = 0;
+    std::uint16_t elements = 0;
+    bool complete = false;
+    bool used = false;
+    std::uint32_t chunk = 0;
+    std::uint64_t sequence = 0;
+  };
+  struct group_state {
+    group_config cfg;
+    std::vector<slot_set> sets;          // [set · slots + slot]
+    std::vector<float> pool;             // same index, × chunk
+    std::vector<float> sum;              // async S
+    std::vector<std::uint64_t> next_seq; // async [worker · chunks + chunk]
+    std::vector<std::uint16_t> joined;   // async, per chunk
+  };
+
+  group_state* find(std::uint16_t id) noexcept {
+    for (auto& g : m_groups)
+      if (g->cfg.id == id) return g.get();
+    return nullptr;
+  }
+
+  template <class Emit>
+  void reply(const packet_header& h, const float* values, std::uint16_t n, std::uint16_t worker, Emit& emit) {
+    packet_header r = h;
+    r.worker = worker;
+    r.elements = n;
+    std::memcpy(m_reply.data(), &r, sizeof r);
+    std::memcpy(m_reply.data() + sizeof r, values, n * sizeof(float));
+    ++m_stats.replies;
+    emit(worker, std::span<const std::byte>(m_reply.data(), packet_bytes(n)));
+  }
+
+  template <class Emit>
+  drop_reason handle_sync(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
+    const auto& c = g.cfg;
+    const std::size_t set = h.flags & 1u;
+    const std::size_t index = set * c.slots + h.slot;
+    auto& s = g.sets[index];
+    float* acc = g.pool.data() + index * c.chunk;
+    const std::uint64_t bit = std::uint64_t{1} << h.worker;
+    packet_header out = h;
+    out.type = packet_type::sync_result;
+    out.count = c.members;
+    if ((s.seen & bit) && s.complete && (s.chunk != h.chunk || s.sequence != h.sequence)) {
+      // Within a session a worker's bit is cleared before it reuses a set, so
+      // this is a new session (workers restarted after a finished run): the set
+      // starts over.
+      s.seen = 0;
+    }
+    if (s.seen & bit) {
+      ++m_stats.retransmissions_seen;
+      if (s.complete) {
+        ++m_stats.results_resent;
+        reply(out, acc, s.elements, h.worker, emit);
+      }
+      return drop_reason::accepted;
+    }
+    if (s.used && !s.complete && (s.chunk != h.chunk || s.sequence != h.sequence || s.elements != h.elements))
+      return drop_reason::slot_conflict;
+    g.sets[(1 - set) * c.slots + h.slot].seen &= ~bit;
+    if (!s.used || s.complete) {
+      s = slot_set{.seen = 0, .count = 0, .elements = h.elements, .complete = false, .used = true, .chunk = h.chunk, .sequence = h.sequence};
+      std::memcpy(acc, values, h.elements * sizeof(float));
+    } else {
+      // memcpy: the receive buffer need not be float-aligned.
+      float v[max_chunk];
+      std::memcpy(v, values, h.elements * sizeof(float));
+      for (std::size_t i = 0; i < h.elements; ++i) acc[i] += v[i];
+    }
+    s.seen |= bit;
+    if (++s.count == c.members) {
+      s.complete = true;
+      ++m_stats.aggregations_completed;
+      for (std::uint16_t w = 0; w < c.members; ++w) reply(out, acc, s.elements, w, emit);
+    }
+    return drop_reason::accepted;
+  }
+
+  template <class Emit>
+  drop_reason handle_async(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
+    const auto& c = g.cfg;
+    auto& next = g.next_seq[static_cast<std::size_t>(h.worker) * c.chunks() + h.chunk];
+    if (h.sequence > next) return drop_reason::sequence_gap;
+    float* s = g.sum.data() + static_cast<std::size_t>(h.chunk) * c.chunk;
+    if (h.sequence == next) {
+      float v[max_chunk];
+      std::memcpy(v, values, h.elements * sizeof(float));
+      for (std::size_t i = 0; i < h.elements; ++i) s[i] += v[i];
+      if (next == 1) ++g.joined[h.chunk];
+      ++next;
+      ++m_stats.deltas_applied;
+    } else {
+      ++m_stats.retransmissions_seen;
+    }
+    const std::uint16_t joined = g.joined[h.chunk];
+    // A division, not a multiplication by 1/joined: exact whenever S is a multiple of joined.
+    const float div = joined ? static_cast<float>(joined) : 1.0f;
+    float avg[max_chunk];
+    for (std::size_t i = 0; i < h.elements; ++i) avg[i] = s[i] / div;
+    packet_header out = h;
+    out.type = packet_type::async_reply;
+    out.count = joined;
+    reply(out, avg, h.elements, h.worker, emit);
+    return drop_reason::accepted;
+  }
+
+  std::vector<std::unique_ptr<group_state>> m_groups;
+  aggregator_stats m_stats;
+  alignas(64) std::array<std::byte, max_packet_bytes> m_reply{};
+};
+
+}  // namespace gossip::sw

@@ -1,0 +1,317 @@
+#pragma once
+/// The worker side of the switch protocol over kernel UDP sockets
+/// (sendmmsg/recvmmsg batches, poll with timeouts, retransmission with
+/// exponential backoff). Used by the switch transport, the tests and
+/// bench/switch.
+///
+///     gossip::sw::client c({.address = "10.77.0.1", .group = 1, .worker = rank, .members = 4});
+///     c.allreduce(x, sum);           // sync group: sum = Σ over members of x
+///     c.push_delta(d, average);      // async group: S += d, average = S / joined
+///
+/// Both calls block until every chunk is answered, or throw
+/// gossip::timeout_error after `timeout_s` naming the group, worker, chunk and
+/// switch address. Chunks are pipelined: `window` packets in flight (at most
+/// the switch's slots per set in sync mode).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/error.hpp"
+#include "packet.hpp"
+
+namespace gossip::sw {
+
+struct client_config {
+  std::string address = "127.0.0.1";  ///< the switch's IPv4 address
+  std::uint16_t port = default_port;
+  std::string bind_address = "0.0.0.0";
+  std::uint16_t bind_port = 0;        ///< 0: any
+  std::uint16_t group = 1;
+  std::uint16_t worker = 0;
+  std::uint16_t members = 1;
+  std::uint16_t chunk = default_chunk;
+  std::uint16_t window = 128;         ///< sync: must equal the group's slots
+  double rto_s = 0.005;               ///< first retransmission timeout
+  double rto_max_s = 0.2;
+  double timeout_s = 30;              ///< bound on one call
+};
+
+struct client_counters {
+  std::uint64_t packets_sent = 0, packets_received = 0, bytes_sent = 0, bytes_received = 0;
+  std::uint64_t retransmits = 0;  ///< packets sent again after a timeout
+  std::uint64_t stale = 0;        ///< replies for chunks already answered (duplicates)
+  std::uint64_t malformed = 0;    ///< replies that failed validation
+};
+
+class client {
+ public:
+  explicit client(client_config cfg) : m_cfg(std::move(cfg)) {
+    if (m_cfg.chunk < 1 || m_cfg.chunk > max_chunk)
+      throw config_error(fmt::format("switch client: chunk must be in 1..{}, got {}", max_chunk, m_cfg.chunk));
+    if (m_cfg.window < 1) throw config_error("switch client: window must be >= 1");
+    if (m_cfg.members < 1 || m_cfg.members > 64 || m_cfg.worker >= m_cfg.members)
+      throw config_error(fmt::format("switch client: worker {} is outside a group of {} members (1..64)", m_cfg.worker, m_cfg.members));
+    m_fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (m_fd < 0) throw transport_error(fmt::format("switch client: socket(): {}", std::strerror(errno)));
+    const int buf = 8 << 20;
+    // FORCE variants need root; the plain ones are capped by net.core.*mem_max.
+    if (::setsockopt(m_fd, SOL_SOCKET, SO_RCVBUFFORCE, &buf, sizeof buf) != 0) ::setsockopt(m_fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+    if (::setsockopt(m_fd, SOL_SOCKET, SO_SNDBUFFORCE, &buf, sizeof buf) != 0) ::setsockopt(m_fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof buf);
+    sockaddr_in local{};
+    local.sin_family = AF_INET;
+    local.sin_port = htons(m_cfg.bind_port);
+    if (::inet_pton(AF_INET, m_cfg.bind_address.c_str(), &local.sin_addr) != 1)
+      throw config_error(fmt::format("switch client: bind address '{}' is not an IPv4 address", m_cfg.bind_address));
+    if (::bind(m_fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0)
+      throw transport_error(fmt::format("switch client (worker {}): bind {}:{}: {}", m_cfg.worker, m_cfg.bind_address, m_cfg.bind_port, std::strerror(errno)));
+    sockaddr_in remote{};
+    remote.sin_family = AF_INET;
+    remote.sin_port = htons(m_cfg.port);
+    if (::inet_pton(AF_INET, m_cfg.address.c_str(), &remote.sin_addr) != 1)
+      throw config_error(fmt::format("switch client: switch address '{}' is not an IPv4 address", m_cfg.address));
+    if (::connect(m_fd, reinterpret_cast<sockaddr*>(&remote), sizeof remote) != 0)
+      throw transport_error(fmt::format("switch client (worker {}): connect {}:{}: {}", m_cfg.worker, m_cfg.address, m_cfg.port, std::strerror(errno)));
+    m_ver.assign(m_cfg.window, 0);
+    m_flight.resize(m_cfg.window);
+    m_tx.resize(batch * max_packet_bytes);
+    m_rx.resize(batch * (max_packet_bytes + 64));
+  }
+  client(const client&) = delete;
+  client& operator=(const client&) = delete;
+  client(client&& o) noexcept { *this = std::move(o); }
+  client& operator=(client&& o) noexcept {
+    if (this != &o) {
+      close();
+      m_cfg = std::move(o.m_cfg);
+      m_fd = std::exchange(o.m_fd, -1);
+      m_ver = std::move(o.m_ver);
+      m_flight = std::move(o.m_flight);
+      m_tx = std::move(o.m_tx);
+      m_rx = std::move(o.m_rx);
+      m_sync_ops = o.m_sync_ops;
+      m_async_seq = o.m_async_seq;
+      m_counters = o.m_counters;
+    }
+    return *this;
+  }
+  ~client() { close(); }
+
+  /// Sync group: out = Σ over members of `in` (in and out may alias).
+  void allreduce(std::span<const float> in, std::span<float> out) {
+    GOSSIP_ASSERT(in.size() == out.size(), "allreduce: in has {} values, out {}", in.size(), out.size());
+    ++m_sync_ops;
+    run(packet_type::sync_contribution, in, out, m_sync_ops);
+  }
+
+  /// Async group: S += delta (exactly once), average = S / joined per chunk.
+  void push_delta(std::span<const float> delta, std::span<float> average) {
+    GOSSIP_ASSERT(delta.size() == average.size(), "push_delta: delta has {} values, average {}", delta.size(), average.size());
+    ++m_async_seq;
+    run(packet_type::async_delta, delta, average, m_async_seq);
+  }
+
+  const client_counters& counters() const noexcept { return m_counters; }
+  const client_config& config() const noexcept { return m_cfg; }
+
+ private:
+  static constexpr std::size_t batch = 32;
+  struct flight {
+    bool active = false;
+    std::uint32_t chunk = 0;
+    std::chrono::steady_clock::time_point due{};
+    double rto = 0;
+  };
+
+  void close() noexcept {
+    if (m_fd >= 0) ::close(m_fd);
+    m_fd = -1;
+  }
+
+  void run(packet_type type, std::span<const float> in, std::span<float> out, std::uint64_t sequence) {
+    using clock = std::chrono::steady_clock;
+    const bool sync = type == packet_type::sync_contribution;
+    const std::uint64_t n = in.size();
+    const std::uint64_t chunks = (n + m_cfg.chunk - 1) / m_cfg.chunk;
+    if (chunks > 0xffffffffull) throw config_error("switch client: model too large for 32-bit chunk indices");
+    // `in` may alias `out`; results land in `out` chunk by chunk, so keep a copy
+    // of what is still to be sent only when they alias.
+    std::vector<float> copy;
+    if (in.data() == out.data() && n > 0) {
+      copy.assign(in.begin(), in.end());
+      in = copy;
+    }
+    const auto start = clock::now();
+    const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(m_cfg.timeout_s));
+    std::uint64_t next = 0, done = 0;
+    for (auto& f : m_flight) f.active = false;
+    std::size_t pending = 0;
+    std::array<mmsghdr, batch> msgs{};
+    std::array<iovec, batch> iovs{};
+
+    auto flush = [&] {
+      std::size_t sent = 0;
+      while (sent < pending) {
+        const int r = ::sendmmsg(m_fd, msgs.data() + sent, static_cast<unsigned>(pending - sent), 0);
+        if (r < 0) {
+          if (errno == EINTR) continue;
+          if (errno == EAGAIN || errno == ENOBUFS || errno == ECONNREFUSED) {
+            // Socket buffer full or an ICMP error from an earlier send: what was
+            // not sent is resent on its timeout.
+            break;
+          }
+          throw transport_error(fmt::format("switch client (group {}, worker {}): sendmmsg to {}:{}: {}", m_cfg.group, m_cfg.worker,
+                                            m_cfg.address, m_cfg.port, std::strerror(errno)));
+        }
+        sent += static_cast<std::size_t>(r);
+      }
+      pending = 0;
+    };
+    auto queue = [&](std::size_t slot, std::uint32_t chunk) {
+      if (pending == batch) flush();
+      const std::uint64_t off = static_cast<std::uint64_t>(chunk) * m_cfg.chunk;
+      const auto len = static_cast<std::uint16_t>(std::min<std::uint64_t>(m_cfg.chunk, n - off));
+      packet_header h;
+      h.type = type;
+      h.flags = sync ? m_ver[slot] : 0;
+      h.group = m_cfg.group;
+      h.worker = m_cfg.worker;
+      h.slot = sync ? static_cast<std::uint16_t>(slot) : 0;
+      h.elements = len;
+      h.chunk = chunk;
+      h.sequence = sequence;
+      std::byte* p = m_tx.data() + pending * max_packet_bytes;
+      std::memcpy(p, &h, sizeof h);
+      std::memcpy(p + sizeof h, in.data() + off, len * sizeof(float));
+      iovs[pending] = {p, packet_bytes(len)};
+      msgs[pending].msg_hdr = msghdr{};
+      msgs[pending].msg_hdr.msg_iov = &iovs[pending];
+      msgs[pending].msg_hdr.msg_iovlen = 1;
+      ++pending;
+      ++m_counters.packets_sent;
+      m_counters.bytes_sent += packet_bytes(len);
+    };
+    auto launch = [&](std::size_t slot, std::uint32_t chunk, clock::time_point now) {
+      auto& f = m_flight[slot];
+      f = {true, chunk, now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(m_cfg.rto_s)), m_cfg.rto_s};
+      queue(slot, chunk);
+    };
+
+    // Sync: chunk c always uses slot c % window. Async: any free slot.
+    auto now = clock::now();
+    for (std::size_t s = 0; s < m_flight.size() && next < chunks; ++s) launch(s, static_cast<std::uint32_t>(next++), now);
+    flush();
+
+    std::array<mmsghdr, batch> rmsgs{};
+    std::array<iovec, batch> riovs{};
+    const std::size_t rstride = max_packet_bytes + 64;
+    while (done < chunks) {
+      // Earliest retransmission due decides how long to sleep.
+      auto due = deadline;
+      for (const auto& f : m_flight)
+        if (f.active) due = std::min(due, f.due);
+      now = clock::now();
+      const int wait_ms = due > now ? static_cast<int>(std::chrono::duration_cast<std::chrono::microseconds>(due - now).count() / 1000) : 0;
+      pollfd pfd{m_fd, POLLIN, 0};
+      const int pr = ::poll(&pfd, 1, wait_ms);
+      if (pr < 0 && errno != EINTR) throw transport_error(fmt::format("switch client: poll: {}", std::strerror(errno)));
+      for (;;) {
+        for (std::size_t i = 0; i < batch; ++i) {
+          riovs[i] = {m_rx.data() + i * rstride, rstride};
+          rmsgs[i].msg_hdr = msghdr{};
+          rmsgs[i].msg_hdr.msg_iov = &riovs[i];
+          rmsgs[i].msg_hdr.msg_iovlen = 1;
+        }
+        const int r = ::recvmmsg(m_fd, rmsgs.data(), batch, MSG_DONTWAIT, nullptr);
+        if (r <= 0) break;
+        now = clock::now();
+        for (int i = 0; i < r; ++i) {
+          const std::byte* p = m_rx.data() + static_cast<std::size_t>(i) * rstride;
+          const std::size_t len = rmsgs[static_cast<std::size_t>(i)].msg_len;
+          ++m_counters.packets_received;
+          m_counters.bytes_received += len;
+          packet_header h;
+          const auto want = sync ? packet_type::sync_result : packet_type::async_reply;
+          if (!read_header(p, len, h) || h.magic != packet_header::magic_value || h.version != packet_header::version_value ||
+              h.type != want || h.group != m_cfg.group || h.worker != m_cfg.worker || h.elements == 0 || h.elements > m_cfg.chunk ||
+              len != packet_bytes(h.elements)) {
+            ++m_counters.malformed;
+            continue;
+          }
+          std::size_t slot = 0;
+          bool match = false;
+          if (h.sequence == sequence && h.chunk < chunks) {
+            if (sync) {
+              slot = h.chunk % m_flight.size();
+              match = h.slot == slot && m_flight[slot].active && m_flight[slot].chunk == h.chunk && h.flags == m_ver[slot];
+            } else {
+              for (slot = 0; slot < m_flight.size(); ++slot)
+                if (m_flight[slot].active && m_flight[slot].chunk == h.chunk) {
+                  match = true;
+                  break;
+                }
+            }
+          }
+          const std::uint64_t off = static_cast<std::uint64_t>(h.chunk) * m_cfg.chunk;
+          if (!match || h.elements != std::min<std::uint64_t>(m_cfg.chunk, n - off)) {
+            ++m_counters.stale;
+            continue;
+          }
+          std::memcpy(out.data() + off, p + sizeof(packet_header), h.elements * sizeof(float));
+          m_flight[slot].active = false;
+          ++done;
+          if (sync) {
+            m_ver[slot] ^= 1;
+            const std::uint64_t c = h.chunk + m_flight.size();
+            if (c < chunks) launch(slot, static_cast<std::uint32_t>(c), now);
+          } else if (next < chunks) {
+            launch(slot, static_cast<std::uint32_t>(next++), now);
+          }
+        }
+        flush();
+        if (static_cast<std::size_t>(r) < batch) break;
+      }
+      now = clock::now();
+      if (done < chunks && now > deadline) {
+        std::uint64_t waiting = chunks;
+        for (const auto& f : m_flight)
+          if (f.active) waiting = std::min<std::uint64_t>(waiting, f.chunk);
+        throw timeout_error(fmt::format(
+            "timed out after {:.1f} s waiting for the switch at {}:{} (group {}, worker {} of {}, {} mode): chunk {} of {} unanswered; "
+            "is gossip-switch running with this group and all {} members?",
+            m_cfg.timeout_s, m_cfg.address, m_cfg.port, m_cfg.group, m_cfg.worker, m_cfg.members, sync ? "sync" : "async", waiting, chunks,
+            m_cfg.members));
+      }
+      for (std::size_t s = 0; s < m_flight.size(); ++s) {
+        auto& f = m_flight[s];
+        if (!f.active || f.due > now) continue;
+        f.rto = std::min(f.rto * 2, m_cfg.rto_max_s);
+        f.due = now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(f.rto));
+        ++m_counters.retransmits;
+        queue(s, f.chunk);
+      }
+      flush();
+    }
+  }
+
+  client_config m_cfg;
+  int m_fd = -1;
+  std::vector<std::uint8_t> m_ver;   // sync: shadow bit each slot uses next
+  std::vector<flight> m_flight;
+  std::vector<std::byte> m_tx, m_rx;
+  std::uint64_t m_sync_ops = 0, m_async_seq = 0;
+  client_counters m_counters;
+};
+
+}  // namespace gossip::sw

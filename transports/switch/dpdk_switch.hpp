@@ -1,0 +1,328 @@
+#pragma once
+/// The data path of gossip-switch: Ethernet/ARP/IPv4/UDP on DPDK ports around
+/// the aggregator. gossip-switch's main() and the net_ring unit test drive it.
+///
+///     gossip::sw::dpdk_switch sw({.ip = "10.77.0.1"}, groups);
+///     sw.add_port(0);            // configures and starts ethdev port 0
+///     while (running) sw.poll(); // rx burst on every port, aggregate, tx burst
+///
+/// Requests: the switch answers ARP for its IP, accepts IPv4/UDP to its IP and
+/// port, and does not verify UDP checksums (kernel senders on a veth hand
+/// af_packet a partial checksum). Replies carry a computed IPv4 header
+/// checksum and UDP checksum 0 ("none", valid for IPv4), so no offload is
+/// needed on either side. A member's address (port, MAC, IP, UDP port) is
+/// learned from its last valid packet. Every header is read with bounds
+/// checks against the frame's data length; the IP total length and the UDP
+/// length must agree with it.
+#include <rte_byteorder.h>
+#include <rte_cycles.h>
+#include <rte_ethdev.h>
+#include <rte_ether.h>
+#include <rte_arp.h>
+#include <rte_ip.h>
+#include <rte_mbuf.h>
+#include <rte_mempool.h>
+
+#include <arpa/inet.h>
+
+#include <array>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "aggregator.hpp"
+#include "report.hpp"
+
+namespace gossip::sw {
+
+struct dpdk_switch_config {
+  std::string ip = "10.77.0.1";   ///< the switch's IPv4 address (ARP and destination check)
+  std::uint16_t udp_port = default_port;
+  std::uint16_t burst = 32;
+  std::uint16_t rx_desc = 1024, tx_desc = 1024;
+  std::uint32_t mbufs = 16383;
+  double drop = 0;                ///< loss injection on requests and on replies
+  std::uint64_t seed = 1;
+};
+
+class dpdk_switch {
+ public:
+  dpdk_switch(dpdk_switch_config cfg, std::vector<group_config> groups)
+      : m_cfg(std::move(cfg)), m_groups(groups), m_agg(std::move(groups)), m_drop_rx(m_cfg.drop, m_cfg.seed),
+        m_drop_tx(m_cfg.drop, m_cfg.seed * 7919 + 1) {
+    in_addr a{};
+    if (::inet_pton(AF_INET, m_cfg.ip.c_str(), &a) != 1) throw std::invalid_argument("--ip '" + m_cfg.ip + "' is not an IPv4 address");
+    m_ip = a.s_addr;  // network order
+    m_members.resize(m_groups.size());
+    for (std::size_t i = 0; i < m_groups.size(); ++i) m_members[i].resize(m_groups[i].members);
+    m_pool = rte_pktmbuf_pool_create("gsw_mbufs", m_cfg.mbufs, 256, 0, RTE_MBUF_DEFAULT_BUF_SIZE, static_cast<int>(rte_socket_id()));
+    if (!m_pool)
+      throw std::runtime_error(fmt::format("cannot create a pool of {} mbufs: {} (give EAL more memory, e.g. -m 512, or use fewer --mbufs)",
+                                           m_cfg.mbufs, rte_strerror(rte_errno)));
+  }
+  dpdk_switch(const dpdk_switch&) = delete;
+  dpdk_switch& operator=(const dpdk_switch&) = delete;
+
+  /// Configures and starts ethdev `port` with one rx and one tx queue.
+  void add_port(std::uint16_t port) {
+    if (!rte_eth_dev_is_valid_port(port))
+      throw std::invalid_argument(fmt::format("port {} does not exist ({} ports available; add --vdev=... or a NIC)", port, rte_eth_dev_count_avail()));
+    rte_eth_conf conf{};
+    rte_eth_dev_info info{};
+    if (int rc = rte_eth_dev_info_get(port, &info); rc != 0) throw std::runtime_error(fmt::format("port {}: dev_info_get: {}", port, rte_strerror(-rc)));
+    std::uint16_t rxd = m_cfg.rx_desc, txd = m_cfg.tx_desc;
+    auto check = [&](int rc, const char* what) {
+      if (rc < 0) throw std::runtime_error(fmt::format("port {} ({}): {}: {}", port, info.driver_name, what, rte_strerror(-rc)));
+    };
+    check(rte_eth_dev_configure(port, 1, 1, &conf), "configure");
+    check(rte_eth_dev_adjust_nb_rx_tx_desc(port, &rxd, &txd), "adjust descriptors");
+    check(rte_eth_rx_queue_setup(port, 0, rxd, rte_eth_dev_socket_id(port), nullptr, m_pool), "rx queue setup");
+    check(rte_eth_tx_queue_setup(port, 0, txd, rte_eth_dev_socket_id(port), nullptr), "tx queue setup");
+    check(rte_eth_dev_start(port), "start");
+    rte_eth_promiscuous_enable(port);  // not supported by every vdev; harmless
+    port_state p;
+    p.id = port;
+    rte_eth_macaddr_get(port, &p.mac);
+    char name[RTE_ETH_NAME_MAX_LEN] = {};
+    rte_eth_dev_get_name_by_port(port, name);
+    p.counters.name = fmt::format("{}:{}", port, name);
+    m_ports.push_back(p);
+  }
+
+  /// Waits up to `seconds` for every port's link to come up; returns the ports still down.
+  std::vector<std::uint16_t> wait_link_up(double seconds) {
+    const auto deadline = rte_get_timer_cycles() + static_cast<std::uint64_t>(seconds * static_cast<double>(rte_get_timer_hz()));
+    std::vector<std::uint16_t> down;
+    for (;;) {
+      down.clear();
+      for (const auto& p : m_ports) {
+        rte_eth_link link{};
+        rte_eth_link_get_nowait(p.id, &link);
+        if (link.link_status != RTE_ETH_LINK_UP) down.push_back(p.id);
+      }
+      if (down.empty() || rte_get_timer_cycles() > deadline) return down;
+      rte_delay_ms(50);
+    }
+  }
+
+  /// One rx burst on every port; returns the packets received.
+  std::size_t poll() {
+    std::size_t total = 0;
+    for (auto& p : m_ports) {
+      std::array<rte_mbuf*, 64> rx;
+      const std::uint16_t n = rte_eth_rx_burst(p.id, 0, rx.data(), std::min<std::uint16_t>(m_cfg.burst, 64));
+      total += n;
+      for (std::uint16_t i = 0; i < n; ++i) {
+        ++p.counters.rx_packets;
+        p.counters.rx_bytes += rte_pktmbuf_pkt_len(rx[i]);
+        handle_frame(p, rx[i]);
+        rte_pktmbuf_free(rx[i]);
+      }
+      if (n) flush_all();
+    }
+    return total;
+  }
+
+  void stop() {
+    flush_all();
+    for (auto& p : m_ports) {
+      rte_eth_dev_stop(p.id);
+      rte_eth_dev_close(p.id);
+    }
+    m_ports.clear();
+  }
+
+  switch_report report(double seconds) {
+    switch_report r{.program = "gossip-switch", .groups = m_groups, .ports = {}, .agg = m_agg.stats()};
+    for (const auto& p : m_ports) {
+      auto c = p.counters;
+      rte_eth_stats st{};
+      if (rte_eth_stats_get(p.id, &st) == 0) c.rx_missed = st.imissed + st.rx_nombuf;
+      r.ports.push_back(c);
+    }
+    r.arp_replies = m_arp_replies;
+    r.seconds = seconds;
+    return r;
+  }
+  const aggregator& agg() const noexcept { return m_agg; }
+  std::size_t ports() const noexcept { return m_ports.size(); }
+  rte_mempool* pool() const noexcept { return m_pool; }
+
+ private:
+  struct port_state {
+    std::uint16_t id = 0;
+    rte_ether_addr mac{};
+    port_counters counters;
+    std::array<rte_mbuf*, 64> tx{};
+    std::uint16_t pending = 0;
+  };
+  struct member {
+    bool known = false;
+    std::uint16_t port_index = 0;
+    rte_ether_addr mac{};
+    std::uint32_t ip = 0;        // network order
+    std::uint16_t udp_port = 0;  // network order
+  };
+
+  static std::uint16_t be16(const std::uint8_t* p) noexcept { return static_cast<std::uint16_t>(p[0] << 8 | p[1]); }
+
+  void drop(drop_reason r) noexcept { m_agg.count_drop(r); }
+
+  void handle_frame(port_state& p, rte_mbuf* m) {
+    if (m->nb_segs != 1) return drop(drop_reason::bad_ip);  // jumbo or chained: not ours
+    const auto* f = rte_pktmbuf_mtod(m, const std::uint8_t*);
+    const std::size_t len = rte_pktmbuf_data_len(m);
+    if (len < 14) return drop(drop_reason::not_ipv4);
+    const std::uint16_t type = be16(f + 12);
+    if (type == RTE_ETHER_TYPE_ARP) return handle_arp(p, f, len);
+    if (type != RTE_ETHER_TYPE_IPV4) return drop(drop_reason::not_ipv4);
+    const std::uint8_t* ip = f + 14;
+    const std::size_t ip_room = len - 14;
+    if (ip_room < 20 || (ip[0] >> 4) != 4) return drop(drop_reason::bad_ip);
+    const std::size_t ihl = static_cast<std::size_t>(ip[0] & 0x0f) * 4;
+    const std::size_t total = be16(ip + 2);
+    // Frames may be padded past the IP datagram (60-byte minimum), never short of it.
+    if (ihl < 20 || total < ihl || total > ip_room) return drop(drop_reason::bad_ip);
+    if ((be16(ip + 6) & 0x3fff) != 0) return drop(drop_reason::bad_ip);  // fragment
+    std::uint32_t dst, src;
+    std::memcpy(&src, ip + 12, 4);
+    std::memcpy(&dst, ip + 16, 4);
+    if (dst != m_ip) return drop(drop_reason::not_for_us);
+    if (ip[9] != IPPROTO_UDP) return drop(drop_reason::not_udp);
+    const std::uint8_t* udp = ip + ihl;
+    if (total - ihl < 8) return drop(drop_reason::bad_ip);
+    const std::size_t udp_len = be16(udp + 4);
+    if (udp_len < 8 || udp_len > total - ihl) return drop(drop_reason::bad_ip);
+    if (be16(udp + 2) != m_cfg.udp_port) return drop(drop_reason::wrong_port);
+    if (m_drop_rx.drop()) return drop(drop_reason::injected);
+    const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(udp + 8), udp_len - 8);
+
+    packet_header h;
+    if (m_agg.validate(payload, h) == drop_reason::accepted) {
+      auto& mb = m_members[group_index(h.group)][h.worker];
+      mb.known = true;
+      mb.port_index = static_cast<std::uint16_t>(&p - m_ports.data());
+      std::memcpy(&mb.mac, f + 6, 6);
+      mb.ip = src;
+      std::memcpy(&mb.udp_port, udp, 2);
+    }
+    m_agg.handle(payload, [&](std::uint16_t w, std::span<const std::byte> reply) { send_reply(h.group, w, reply); });
+  }
+
+  void handle_arp(port_state& p, const std::uint8_t* f, std::size_t len) {
+    if (len < 14 + 28) return drop(drop_reason::not_ipv4);
+    const std::uint8_t* a = f + 14;
+    if (be16(a) != 1 || be16(a + 2) != RTE_ETHER_TYPE_IPV4 || a[4] != 6 || a[5] != 4) return drop(drop_reason::not_ipv4);
+    std::uint32_t target;
+    std::memcpy(&target, a + 24, 4);
+    if (be16(a + 6) != RTE_ARP_OP_REQUEST || target != m_ip) return;  // someone else's ARP: not a drop
+    rte_mbuf* r = rte_pktmbuf_alloc(m_pool);
+    if (!r) return drop(drop_reason::tx_full);
+    auto* o = reinterpret_cast<std::uint8_t*>(rte_pktmbuf_append(r, 60));
+    if (!o) {
+      rte_pktmbuf_free(r);
+      return drop(drop_reason::tx_full);
+    }
+    std::memset(o, 0, 60);
+    std::memcpy(o, f + 6, 6);            // to the asker
+    std::memcpy(o + 6, &p.mac, 6);
+    o[12] = 0x08, o[13] = 0x06;
+    std::uint8_t* ra = o + 14;
+    ra[1] = 1, ra[2] = 0x08, ra[3] = 0x00, ra[4] = 6, ra[5] = 4, ra[7] = RTE_ARP_OP_REPLY;
+    std::memcpy(ra + 8, &p.mac, 6);      // sender: us
+    std::memcpy(ra + 14, &m_ip, 4);
+    std::memcpy(ra + 18, a + 8, 10);     // target: the asker's MAC and IP
+    ++m_arp_replies;
+    enqueue(p, r);
+  }
+
+  std::size_t group_index(std::uint16_t id) const noexcept {
+    for (std::size_t i = 0; i < m_groups.size(); ++i)
+      if (m_groups[i].id == id) return i;
+    return 0;  // only called for validated packets
+  }
+
+  void send_reply(std::uint16_t group, std::uint16_t worker, std::span<const std::byte> reply) {
+    const auto& mb = m_members[group_index(group)][worker];
+    if (!mb.known) return drop(drop_reason::no_route);
+    if (m_drop_tx.drop()) return drop(drop_reason::injected);
+    auto& p = m_ports[mb.port_index];
+    rte_mbuf* r = rte_pktmbuf_alloc(m_pool);
+    if (!r) return drop(drop_reason::tx_full);
+    const std::size_t total = 14 + 20 + 8 + reply.size();
+    auto* o = reinterpret_cast<std::uint8_t*>(rte_pktmbuf_append(r, static_cast<std::uint16_t>(total)));
+    if (!o) {
+      rte_pktmbuf_free(r);
+      return drop(drop_reason::tx_full);
+    }
+    std::memcpy(o, &mb.mac, 6);
+    std::memcpy(o + 6, &p.mac, 6);
+    o[12] = 0x08, o[13] = 0x00;
+    auto* ip = o + 14;
+    std::memset(ip, 0, 20);
+    ip[0] = 0x45;
+    const auto ip_len = rte_cpu_to_be_16(static_cast<std::uint16_t>(20 + 8 + reply.size()));
+    std::memcpy(ip + 2, &ip_len, 2);
+    const auto id = rte_cpu_to_be_16(m_ip_id++);
+    std::memcpy(ip + 4, &id, 2);
+    ip[6] = 0x40;  // don't fragment
+    ip[8] = 64;
+    ip[9] = IPPROTO_UDP;
+    std::memcpy(ip + 12, &m_ip, 4);
+    std::memcpy(ip + 16, &mb.ip, 4);
+    rte_ipv4_hdr hdr;
+    std::memcpy(&hdr, ip, 20);
+    const std::uint16_t ck = rte_ipv4_cksum(&hdr);
+    std::memcpy(ip + 10, &ck, 2);
+    auto* udp = ip + 20;
+    const auto sport = rte_cpu_to_be_16(m_cfg.udp_port);
+    std::memcpy(udp, &sport, 2);
+    std::memcpy(udp + 2, &mb.udp_port, 2);
+    const auto ulen = rte_cpu_to_be_16(static_cast<std::uint16_t>(8 + reply.size()));
+    std::memcpy(udp + 4, &ulen, 2);
+    udp[6] = udp[7] = 0;  // no UDP checksum
+    std::memcpy(udp + 8, reply.data(), reply.size());
+    enqueue(p, r);
+  }
+
+  void enqueue(port_state& p, rte_mbuf* m) {
+    if (p.pending == p.tx.size()) flush(p);
+    p.tx[p.pending++] = m;
+  }
+
+  void flush(port_state& p) {
+    std::uint16_t sent = 0;
+    std::array<std::uint32_t, 64> bytes;
+    for (std::uint16_t i = 0; i < p.pending; ++i) bytes[i] = rte_pktmbuf_pkt_len(p.tx[i]);  // read before the driver owns them
+    // A few retries: a virtual device's queue drains as the peer reads.
+    for (int tries = 0; sent < p.pending && tries < 64; ++tries) sent += rte_eth_tx_burst(p.id, 0, p.tx.data() + sent, p.pending - sent);
+    for (std::uint16_t i = 0; i < sent; ++i) p.counters.tx_bytes += bytes[i];
+    p.counters.tx_packets += sent;
+    for (std::uint16_t i = sent; i < p.pending; ++i) {
+      rte_pktmbuf_free(p.tx[i]);
+      ++p.counters.tx_failed;
+      drop(drop_reason::tx_full);
+    }
+    p.pending = 0;
+  }
+  void flush_all() {
+    for (auto& p : m_ports)
+      if (p.pending) flush(p);
+  }
+
+  dpdk_switch_config m_cfg;
+  std::vector<group_config> m_groups;
+  aggregator m_agg;
+  drop_injector m_drop_rx, m_drop_tx;
+  std::uint32_t m_ip = 0;
+  std::uint16_t m_ip_id = 0;
+  rte_mempool* m_pool = nullptr;
+  std::vector<port_state> m_ports;
+  std::vector<std::vector<member>> m_members;
+  std::uint64_t m_arp_replies = 0;
+};
+
+}  // namespace gossip::sw

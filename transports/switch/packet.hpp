@@ -1,0 +1,111 @@
+#pragma once
+/// The wire format spoken between workers and an aggregation switch.
+///
+/// One UDP datagram (default port 47000) = one 32-byte packet_header followed
+/// by `elements` float32 values, little-endian, nothing else:
+///
+///     offset  size  field
+///          0     4  magic      "GSW1" (0x31575347)
+///          4     1  version    1
+///          5     1  type       sync_contribution | sync_result | async_delta | async_reply
+///          6     1  flags      bit 0: shadow set of the slot (sync)
+///          7     1  reserved   0
+///          8     2  group      aggregation group id (configured on the switch)
+///         10     2  worker     member id within the group, 0..members-1
+///         12     2  slot       sync: slot index = chunk % slots; async: 0
+///         14     2  elements   float32 values that follow, 1..chunk size of the group
+///         16     4  chunk      chunk index within the model (offset = chunk * chunk size)
+///         20     4  count      replies: members aggregated (sync) or joined (async)
+///         24     8  sequence   sync: all-reduce number; async: per-chunk delta number (from 1)
+///
+///     gossip::sw::packet_header h{.type = gossip::sw::packet_type::sync_contribution, .group = 1, .worker = 0};
+///     const std::size_t bytes = gossip::sw::packet_bytes(h.elements);
+///
+/// Nothing here depends on DPDK or on sockets; the switch, the kernel-UDP
+/// aggregator, the client and the tests share it.
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+namespace gossip::sw {
+
+static_assert(std::endian::native == std::endian::little, "the switch wire format is little-endian; this host is not");
+
+inline constexpr std::uint16_t default_port = 47000;
+inline constexpr std::uint16_t default_chunk = 256;
+/// The largest chunk that fits a 1500-byte MTU: (1500 − 20 IPv4 − 8 UDP − 32) / 4.
+inline constexpr std::uint16_t max_chunk = 360;
+
+enum class packet_type : std::uint8_t { sync_contribution = 1, sync_result = 2, async_delta = 3, async_reply = 4 };
+
+struct packet_header {
+  static constexpr std::uint32_t magic_value = 0x31575347;  // "GSW1"
+  static constexpr std::uint8_t version_value = 1;
+  std::uint32_t magic = magic_value;
+  std::uint8_t version = version_value;
+  packet_type type = packet_type::sync_contribution;
+  std::uint8_t flags = 0;
+  std::uint8_t reserved = 0;
+  std::uint16_t group = 0;
+  std::uint16_t worker = 0;
+  std::uint16_t slot = 0;
+  std::uint16_t elements = 0;
+  std::uint32_t chunk = 0;
+  std::uint32_t count = 0;
+  std::uint64_t sequence = 0;
+};
+static_assert(sizeof(packet_header) == 32);
+
+inline constexpr std::size_t packet_bytes(std::size_t elements) noexcept { return sizeof(packet_header) + elements * sizeof(float); }
+inline constexpr std::size_t max_packet_bytes = packet_bytes(max_chunk);
+
+/// Why a packet was not aggregated. Everything but `accepted` is a drop,
+/// counted per reason by whoever saw it.
+enum class drop_reason : std::uint8_t {
+  accepted = 0,
+  too_short,      ///< fewer bytes than a header
+  bad_magic,
+  bad_version,
+  bad_type,       ///< not a type a worker sends
+  unknown_group,
+  bad_worker,     ///< worker id >= members of the group
+  bad_elements,   ///< 0, above the group's chunk size, or not the chunk's exact length
+  bad_length,     ///< datagram size != header + elements·4 (truncated or oversized)
+  bad_chunk,      ///< chunk outside the group's model
+  bad_slot,       ///< slot >= slots of the group, or != chunk % slots
+  wrong_mode,     ///< sync packet to an async group or the reverse
+  sequence_gap,   ///< async delta from the future: an earlier one was never applied
+  slot_conflict,  ///< sync slot busy with another chunk or all-reduce
+  injected,       ///< dropped on purpose (loss injection)
+  not_ipv4,       ///< switch only: not IPv4 (nor ARP)
+  bad_ip,         ///< switch only: IPv4 header invalid, fragmented or truncated
+  not_udp,
+  wrong_port,
+  not_for_us,     ///< switch only: destination IP is not the switch's
+  no_route,       ///< switch only: reply to a worker whose address was never seen
+  tx_full,        ///< switch only: transmit queue full, reply freed
+  count_
+};
+inline constexpr std::size_t drop_reason_count = static_cast<std::size_t>(drop_reason::count_);
+
+inline constexpr std::string_view to_string(drop_reason r) noexcept {
+  constexpr std::array<std::string_view, drop_reason_count> names = {
+      "accepted",   "too_short",    "bad_magic",     "bad_version", "bad_type",   "unknown_group", "bad_worker",   "bad_elements",
+      "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "injected", "not_ipv4",
+      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full"};
+  const auto i = static_cast<std::size_t>(r);
+  return i < names.size() ? names[i] : "?";
+}
+
+/// Reads the header of a datagram of `len` bytes; false if it is too short.
+/// Copies (never aliases) so an unaligned receive buffer is fine.
+inline bool read_header(const std::byte* data, std::size_t len, packet_header& h) noexcept {
+  if (len < sizeof(packet_header)) return false;
+  std::memcpy(&h, data, sizeof h);
+  return true;
+}
+
+}  // namespace gossip::sw

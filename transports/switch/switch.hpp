@@ -1,0 +1,319 @@
+#pragma once
+/// The switch transport: the client side of gossip-switch (or of its kernel-UDP
+/// twin gossip-switch-udp), over kernel UDP sockets.
+///
+///     # run.toml
+///     [policy]
+///     name = "drift"              # adaptive → async mode; "periodic" → sync mode
+///     [topology]
+///     name = "switch"
+///     [protocol]
+///     name = "switch-aggregate"
+///     [transport]
+///     name = "switch"
+///     address = "10.77.0.1"
+///     group = 1
+///
+///     auto cfg = gossip::config::load("run.toml");
+///     gossip::engine e(model, rank, world, cfg, gossip::make_switch_transport(cfg, rank, world));
+///
+/// Every rank is member `rank` of switch group `group`, which must be
+/// configured on the switch with `members = world` — in async mode also with
+/// `elements` = the model's float32 count.
+///
+/// post() queues the send buffer for a progress thread and returns; the
+/// buffer stays busy() until every chunk is answered. The thread runs one
+/// operation at a time: sync — an all-reduce of the model, whose mean lands in
+/// the engine's inbox; async — S += delta at the switch, whose reply S/n
+/// lands there. collect() returns completed replies (sender −1: the switch).
+/// In sync mode collect(step) first waits (bounded) for the all-reduce posted
+/// at step − 1, so a periodic run mixes at the same steps on every rank; in
+/// async mode it never waits. Errors of the thread (a timeout naming the
+/// switch and group) are rethrown by the next post() or collect().
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/config.hpp"
+#include "gossip/error.hpp"
+#include "gossip/protocol.hpp"
+#include "gossip/topology.hpp"
+#include "gossip/transport.hpp"
+#include "gossip/wait.hpp"
+#include "client.hpp"
+
+namespace gossip {
+
+/// [transport] settings for name = "switch".
+inline const std::vector<option_spec>& switch_option_specs() {
+  static const std::vector<option_spec> specs = {
+      {"address", std::string("127.0.0.1"), "IPv4 address of gossip-switch (or gossip-switch-udp)", "GOSSIP_SWITCH_ADDRESS"},
+      {"port", std::int64_t{sw::default_port}, "its UDP port", "GOSSIP_SWITCH_PORT"},
+      {"group", std::int64_t{1}, "aggregation group id (configured on the switch with members = world)", "GOSSIP_SWITCH_GROUP"},
+      {"mode", std::string("auto"), "sync, async, or auto (periodic policy: sync; others: async)"},
+      {"chunk", std::int64_t{sw::default_chunk}, "float32 values per packet (the group's chunk)"},
+      {"window", std::int64_t{128}, "packets in flight (sync: the group's slots)"},
+      {"rto_ms", 5.0, "first retransmission timeout in milliseconds (doubles up to 200)"},
+      {"timeout_s", 30.0, "bound on one operation before the run fails"},
+      {"bind", std::string("0.0.0.0"), "local IPv4 address to send from"},
+  };
+  return specs;
+}
+
+class switch_transport {
+ public:
+  struct settings {
+    sw::client_config client;
+    bool sync = false;
+  };
+
+  explicit switch_transport(settings s) : m_state(std::make_unique<state>()) { m_state->cfg = std::move(s); }
+  switch_transport(switch_transport&&) noexcept = default;
+  switch_transport& operator=(switch_transport&&) noexcept = default;
+  ~switch_transport() { stop(); }
+
+  void attach(const transport_setup& s) {
+    auto& st = *m_state;
+    if (!s.inbox || s.inbox->sources().empty())
+      throw config_error(fmt::format("switch transport (rank {}): a group needs at least 2 members; use [topology] name = \"switch\"", s.rank));
+    std::size_t elements = 0;
+    for (const auto& t : s.layout) elements += t.count;
+    st.elements = elements;
+    st.world = s.world;
+    st.rank = s.rank;
+    st.inbox = s.inbox;
+    st.timeout = s.timeout;
+    st.cfg.client.worker = static_cast<std::uint16_t>(s.rank);
+    st.cfg.client.members = static_cast<std::uint16_t>(s.world);
+    st.client = std::make_unique<sw::client>(st.cfg.client);
+    st.thread = std::thread([p = m_state.get()] { p->run(); });
+  }
+
+  post_status post(int, std::span<const std::byte> msg, std::uint64_t step) {
+    auto& st = *m_state;
+    st.rethrow();
+    const auto head = st.head.load(std::memory_order_relaxed);
+    if (head - st.tail.load(std::memory_order_acquire) == st.jobs.size()) return post_status::busy;
+    wire_header h;
+    std::memcpy(&h, msg.data(), sizeof h);
+    GOSSIP_ASSERT(h.payload_bytes == st.elements * sizeof(float), "switch transport: payload of {} bytes, model of {} values", h.payload_bytes,
+                  st.elements);
+    st.jobs[head % st.jobs.size()] = {msg.data(), reinterpret_cast<const float*>(msg.data() + sizeof h), step};
+    st.head.store(head + 1, std::memory_order_release);
+    st.last_post_step = static_cast<std::int64_t>(step);
+    st.last_post_op = head + 1;
+    st.bytes_posted += msg.size();
+    ++st.messages_posted;
+    return post_status::ok;
+  }
+
+  std::size_t collect(std::uint64_t step, std::span<received> out) {
+    auto& st = *m_state;
+    if (st.cfg.sync && st.last_post_step >= 0 && static_cast<std::uint64_t>(st.last_post_step) + 1 == step) {
+      const auto want = st.last_post_op;
+      detail::wait_for([&] { return st.done.load(std::memory_order_acquire) >= want || st.failed.load(); }, st.timeout, [&] {
+        return fmt::format("the switch at {}:{} to finish the all-reduce of step {} (group {}, rank {} of {})", st.cfg.client.address,
+                           st.cfg.client.port, st.last_post_step, st.cfg.client.group, st.rank, st.world);
+      });
+    }
+    st.rethrow();
+    const auto done = st.done.load(std::memory_order_acquire);
+    std::size_t n = 0;
+    for (auto op = st.collected; op < done && n < out.size(); ++op) {
+      auto& slot = st.inbox->at(0, op);
+      if (slot.state.load(std::memory_order_acquire) != inbox::full) break;
+      wire_header h;
+      std::memcpy(&h, slot.data, sizeof h);
+      out[n++] = received{-1, h.step, 1.0, reinterpret_cast<const float*>(slot.data + sizeof h), st.elements};
+      st.to_release = op + 1;
+    }
+    return n;
+  }
+
+  void release(std::uint64_t) {
+    auto& st = *m_state;
+    for (; st.collected < st.to_release; ++st.collected) st.inbox->at(0, st.collected).state.store(inbox::empty, std::memory_order_release);
+  }
+
+  void end_step(std::uint64_t) noexcept {}
+
+  bool busy(const std::byte* buffer) const noexcept {
+    const auto& st = *m_state;
+    const auto head = st.head.load(std::memory_order_relaxed);
+    for (auto i = st.tail.load(std::memory_order_acquire); i < head; ++i)
+      if (st.jobs[i % st.jobs.size()].buffer == buffer) return true;
+    return false;
+  }
+
+  void flush(std::chrono::duration<double> timeout) {
+    auto& st = *m_state;
+    detail::wait_for([&] { return st.tail.load() == st.head.load() || st.failed.load(); }, timeout, [&] {
+      return fmt::format("the switch at {}:{} to answer rank {}'s last operation (group {})", st.cfg.client.address, st.cfg.client.port,
+                         st.rank, st.cfg.client.group);
+    });
+    st.rethrow();
+  }
+
+  void leave() { stop(); }
+
+  transport_capabilities capabilities() const noexcept {
+    return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .name = "switch"};
+  }
+  std::size_t dead_peers(std::span<received>) noexcept { return 0; }
+
+  transport_counters counters() const noexcept {
+    const auto& st = *m_state;
+    transport_counters c;
+    c.bytes_sent = st.wire_bytes_sent.load(std::memory_order_relaxed);
+    c.messages_sent = st.messages_posted;
+    c.bytes_received = st.wire_bytes_received.load(std::memory_order_relaxed);
+    c.messages_received = st.done.load(std::memory_order_relaxed);
+    c.dropped = st.retransmits.load(std::memory_order_relaxed);
+    return c;
+  }
+
+  /// Packets sent again after a timeout, so far.
+  std::uint64_t retransmits() const noexcept { return m_state->retransmits.load(); }
+
+ private:
+  struct job {
+    const std::byte* buffer = nullptr;
+    const float* payload = nullptr;
+    std::uint64_t step = 0;
+  };
+  struct state {
+    settings cfg;
+    std::unique_ptr<sw::client> client;
+    std::thread thread;
+    gossip::inbox* inbox = nullptr;
+    std::size_t elements = 0;
+    int rank = 0, world = 1;
+    std::chrono::duration<double> timeout{60.0};
+    std::array<job, 4> jobs{};
+    std::atomic<std::uint64_t> head{0}, tail{0}, done{0};
+    std::atomic<bool> stop{false}, failed{false};
+    std::exception_ptr error;
+    std::atomic<std::uint64_t> wire_bytes_sent{0}, wire_bytes_received{0}, retransmits{0};
+    // Engine thread only.
+    std::int64_t last_post_step = -1;
+    std::uint64_t last_post_op = 0, collected = 0, to_release = 0, bytes_posted = 0, messages_posted = 0;
+
+    void rethrow() {
+      if (failed.load(std::memory_order_acquire) && error) std::rethrow_exception(error);
+    }
+
+    void run() noexcept {
+      try {
+        for (std::uint64_t op = 0;; ++op) {
+          // Next job, or stop when asked and nothing is queued.
+          for (unsigned i = 0; tail.load(std::memory_order_relaxed) == head.load(std::memory_order_acquire); ++i) {
+            if (stop.load(std::memory_order_acquire)) return;
+            if (i < 64) std::this_thread::yield();
+            else std::this_thread::sleep_for(std::chrono::microseconds(i < 1024 ? 20 : 200));
+          }
+          const job j = jobs[op % jobs.size()];
+          auto& slot = inbox->at(0, op);
+          // The engine frees a slot within a step or two; bounded anyway.
+          detail::wait_for([&] { return slot.state.load(std::memory_order_acquire) == inbox::empty || stop.load(); }, timeout,
+                           [&] { return fmt::format("rank {} to merge the switch's reply {} before the next one", rank, op - 1); });
+          if (stop.load() && slot.state.load() != inbox::empty) return;
+          auto* out = reinterpret_cast<float*>(slot.data + sizeof(wire_header));
+          const std::span<const float> in(j.payload, elements);
+          if (cfg.sync) {
+            client->allreduce(in, {out, elements});
+            const float inv_n = 1.0f / static_cast<float>(world);
+            for (std::size_t i = 0; i < elements; ++i) out[i] *= inv_n;
+          } else {
+            client->push_delta(in, {out, elements});
+          }
+          wire_header h;
+          h.sender = -1;
+          h.step = j.step;
+          h.weight = 1.0;
+          h.payload_bytes = elements * sizeof(float);
+          std::memcpy(slot.data, &h, sizeof h);
+          slot.bytes = sizeof h + h.payload_bytes;
+          slot.state.store(inbox::full, std::memory_order_release);
+          const auto& c = client->counters();
+          wire_bytes_sent.store(c.bytes_sent, std::memory_order_relaxed);
+          wire_bytes_received.store(c.bytes_received, std::memory_order_relaxed);
+          retransmits.store(c.retransmits, std::memory_order_relaxed);
+          done.store(op + 1, std::memory_order_release);
+          tail.store(op + 1, std::memory_order_release);
+        }
+      } catch (...) {
+        error = std::current_exception();
+        failed.store(true, std::memory_order_release);
+      }
+    }
+  };
+
+  void stop() noexcept {
+    if (!m_state) return;
+    m_state->stop.store(true);
+    if (m_state->thread.joinable()) m_state->thread.join();
+  }
+
+  std::unique_ptr<state> m_state;
+};
+static_assert(transport<switch_transport>);
+
+/// Adds the `switch` topology (every member of the group, every round) to the
+/// topology registry, once; make_switch_transport() calls it, so a config
+/// naming it works wherever the switch transport is built in.
+///
+///     gossip::register_switch_topology();
+inline void register_switch_topology() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    topology_registry().add({"switch", "every member of the switch group (for the switch-aggregate protocol)", {},
+                             [](const options&, int rank, int world) { return topology(topologies::complete(rank, world), rank, world, "switch"); }});
+  });
+}
+
+/// Builds the switch transport of `rank` from a config's [transport] section
+/// (name = "switch"); the mode follows the policy as switch_mode() says.
+inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, int world) {
+  register_switch_topology();
+  if (cfg.transport.name != "switch")
+    throw config_error(fmt::format("{} [transport]: name is '{}', expected 'switch'", cfg.source, cfg.transport.name));
+  if (cfg.protocol.name != "switch-aggregate")
+    throw config_error(fmt::format("{} [protocol]: transport 'switch' needs name = \"switch-aggregate\" (got '{}')", cfg.source, cfg.protocol.name));
+  if (cfg.topology.name != "switch")
+    throw config_error(fmt::format("{} [topology]: transport 'switch' needs name = \"switch\" (got '{}')", cfg.source, cfg.topology.name));
+  if (world < 2 || world > 64) throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {}", cfg.source, world));
+  const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
+  const std::string proto_mode = cfg.protocol.opts.has("mode") ? cfg.protocol.opts.string("mode") : "auto";
+  const std::string mode = switch_mode(o.string("mode"), cfg.policy.name);
+  if (switch_mode(proto_mode, cfg.policy.name) != mode)
+    throw config_error(fmt::format("{}: [transport] mode '{}' and [protocol] mode '{}' disagree; set one of them, or both to the same",
+                                   cfg.source, o.string("mode"), proto_mode));
+  auto in_range = [&](const char* key, std::int64_t lo, std::int64_t hi) {
+    const auto v = o.integer(key);
+    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(), key, lo, hi, v));
+    return v;
+  };
+  switch_transport::settings s;
+  s.sync = mode == "sync";
+  s.client.address = o.string("address");
+  s.client.port = static_cast<std::uint16_t>(in_range("port", 1, 65535));
+  s.client.group = static_cast<std::uint16_t>(in_range("group", 0, 65535));
+  s.client.chunk = static_cast<std::uint16_t>(in_range("chunk", 1, sw::max_chunk));
+  s.client.window = static_cast<std::uint16_t>(in_range("window", 1, 4096));
+  s.client.rto_s = o.real("rto_ms") / 1000;
+  s.client.timeout_s = o.real("timeout_s");
+  s.client.bind_address = o.string("bind");
+  if (!(s.client.rto_s > 0) || !(s.client.timeout_s > 0))
+    throw config_error(fmt::format("{}: keys 'rto_ms' and 'timeout_s' must be > 0", o.where()));
+  return switch_transport(std::move(s));
+}
+
+}  // namespace gossip
