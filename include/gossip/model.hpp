@@ -9,6 +9,7 @@
 /// refuse to exchange if they differ, naming the first differing tensor.
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -73,6 +74,8 @@ void check_layouts(const model_layout& mine, int my_rank, const model_layout& th
 /// A stable 64-bit fingerprint of a layout (FNV-1a over names, counts, dtypes).
 std::uint64_t fingerprint(const model_layout& layout) noexcept;
 
+class device_backend;  // gossip/device.hpp
+
 class model_view {
  public:
   model_view() = default;
@@ -88,6 +91,18 @@ class model_view {
     m_tensors.push_back(std::move(t));
     return *this;
   }
+
+  /// The backend for tensors added with memory_kind::cuda, and through it the
+  /// stream the training loop updates them on; engines order all their work on
+  /// that stream.
+  ///
+  ///     model.add("fc1.weight", {d_w1, n}, gossip::memory_kind::cuda);
+  ///     model.on_device(gossip::cuda::device(stream));  // gossip/cuda.hpp, libgossip_cuda
+  model_view& on_device(std::shared_ptr<const device_backend> backend) {
+    m_device = std::move(backend);
+    return *this;
+  }
+  const std::shared_ptr<const device_backend>& device() const noexcept { return m_device; }
 
   std::span<const tensor_view> tensors() const noexcept { return m_tensors; }
   std::size_t size() const noexcept { return m_tensors.size(); }
@@ -112,6 +127,7 @@ class model_view {
 
  private:
   std::vector<tensor_view> m_tensors;
+  std::shared_ptr<const device_backend> m_device;
 };
 
 }  // namespace gossip

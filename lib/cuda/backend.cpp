@@ -1,0 +1,266 @@
+// gossip::cuda::device(): the device_backend for CUDA memory. Host code only;
+// the kernels are in kernels.cu.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/cuda.hpp"
+#include "gossip/error.hpp"
+#include "kernels.hpp"
+
+namespace gossip::cuda {
+namespace {
+
+using detail::block_desc;
+
+void check(cudaError_t e, const char* what, int rank) {
+  if (e != cudaSuccess)
+    throw error(fmt::format("libgossip CUDA backend (rank {}): {} failed: {} ({}); check that the model's tensors are device memory of "
+                            "the current device and that the stream belongs to it",
+                            rank, what, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+// Makes `device` current for the calling thread while alive (engines may be
+// stepped from threads that selected another device).
+class device_guard {
+ public:
+  explicit device_guard(int device) {
+    cudaGetDevice(&m_saved);
+    if (m_saved != device) cudaSetDevice(device);
+  }
+  ~device_guard() {
+    int now = -1;
+    cudaGetDevice(&now);
+    if (now != m_saved) cudaSetDevice(m_saved);
+  }
+  device_guard(const device_guard&) = delete;
+  device_guard& operator=(const device_guard&) = delete;
+
+ private:
+  int m_saved = 0;
+};
+
+class cuda_model final : public device_model {
+ public:
+  cuda_model(const device_setup& s, cudaStream_t stream, int device, bool direct, int merge_batch)
+      : m_rank(s.rank), m_stream(stream), m_device(device), m_direct(direct), m_elements(s.elements),
+        m_storage_bytes(static_cast<std::size_t>(s.send_buffers) * s.message_bytes) {
+    const device_guard g(m_device);
+    try {
+      std::vector<block_desc> blocks;
+      std::vector<std::uint32_t> first;
+      for (std::size_t t = 0; t < s.tensors.size(); ++t) {
+        first.push_back(static_cast<std::uint32_t>(blocks.size()));
+        const auto& slot = s.tensors[t];
+        for (std::size_t b = 0; b < slot.count; b += detail::block_elements)
+          blocks.push_back({slot.data + b, slot.offset + b,
+                            static_cast<std::uint32_t>(std::min(detail::block_elements, slot.count - b)),
+                            static_cast<std::uint32_t>(t)});
+      }
+      first.push_back(static_cast<std::uint32_t>(blocks.size()));
+      m_blocks = static_cast<std::uint32_t>(blocks.size());
+      m_tensors = static_cast<std::uint32_t>(s.tensors.size());
+
+      alloc(m_d_blocks, blocks.size() * sizeof(block_desc), "cudaMalloc (block table)");
+      alloc(m_d_first, first.size() * sizeof(std::uint32_t), "cudaMalloc (tensor table)");
+      alloc(m_d_ref, m_elements * sizeof(float), "cudaMalloc (x̂)");
+      if (s.measure_step) alloc(m_d_prev, m_elements * sizeof(float), "cudaMalloc (x_{t-1})");
+      alloc(m_d_partials, std::max<std::size_t>(m_blocks, 1) * 3 * sizeof(double), "cudaMalloc (partial sums)");
+      alloc(m_d_sums, std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double), "cudaMalloc (sums)");
+      m_merge_batch = static_cast<std::size_t>(std::clamp(merge_batch, 1, detail::max_merge_sources));
+      m_merge_batch = std::min(m_merge_batch, std::max<std::size_t>(s.max_merge, 1));
+      m_d_recv.assign(m_merge_batch, nullptr);
+      for (auto& r : m_d_recv) alloc(r, m_elements * sizeof(float), "cudaMalloc (receive buffer)");
+      check(cudaMallocHost(&m_h_sums, std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double)), "cudaMallocHost (sums)", m_rank);
+      if (m_direct)
+        alloc(m_storage, m_storage_bytes, "cudaMalloc (send buffers)");
+      else
+        check(cudaMallocHost(&m_storage, m_storage_bytes), "cudaMallocHost (pinned send buffers)", m_rank);
+      check(cudaEventCreateWithFlags(&m_done, cudaEventDisableTiming), "cudaEventCreate", m_rank);
+
+      // Uploads of received payloads are asynchronous only from pinned memory;
+      // when pinning the inbox fails they are still correct, just synchronous.
+      if (!s.inbox.empty()) {
+        if (cudaHostRegister(s.inbox.data(), s.inbox.size(), cudaHostRegisterDefault) == cudaSuccess)
+          m_inbox = s.inbox.data();
+        else
+          (void)cudaGetLastError();
+      }
+
+      check(cudaMemcpyAsync(m_d_blocks, blocks.data(), blocks.size() * sizeof(block_desc), cudaMemcpyHostToDevice, m_stream),
+            "cudaMemcpyAsync (block table)", m_rank);
+      check(cudaMemcpyAsync(m_d_first, first.data(), first.size() * sizeof(std::uint32_t), cudaMemcpyHostToDevice, m_stream),
+            "cudaMemcpyAsync (tensor table)", m_rank);
+      if (m_d_prev)
+        check(detail::launch_snapshot(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<float*>(m_d_prev), nullptr, m_stream),
+              "snapshot kernel (x_{t-1})", m_rank);
+      wait("cudaEventSynchronize (setup)");  // `blocks` and `first` go out of scope
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  ~cuda_model() override { release(); }
+
+  std::byte* send_storage() noexcept override { return static_cast<std::byte*>(m_storage); }
+  bool direct() const noexcept override { return m_direct; }
+
+  void drift(std::span<tensor_drift> per_tensor, double& step_sq) override {
+    const device_guard g(m_device);
+    check(detail::launch_drift(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<std::uint32_t*>(m_d_first), m_tensors,
+                               static_cast<float*>(m_d_ref), static_cast<float*>(m_d_prev), static_cast<double*>(m_d_partials),
+                               static_cast<double*>(m_d_sums), m_stream),
+          "drift kernel", m_rank);
+    check(cudaMemcpyAsync(m_h_sums, m_d_sums, m_tensors * 3 * sizeof(double), cudaMemcpyDeviceToHost, m_stream),
+          "cudaMemcpyAsync (drift sums)", m_rank);
+    wait("cudaEventSynchronize (drift)");
+    step_sq = 0;
+    for (std::uint32_t t = 0; t < m_tensors && t < per_tensor.size(); ++t) {
+      per_tensor[t] = {m_h_sums[3 * t], m_h_sums[3 * t + 1]};
+      step_sq += m_h_sums[3 * t + 2];
+    }
+  }
+
+  void snapshot(std::byte* payload) override {
+    const device_guard g(m_device);
+    check(detail::launch_snapshot(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<float*>(m_d_ref),
+                                  m_direct ? reinterpret_cast<float*>(payload) : nullptr, m_stream),
+          "snapshot kernel", m_rank);
+    if (!m_direct)
+      check(cudaMemcpyAsync(payload, m_d_ref, m_elements * sizeof(float), cudaMemcpyDeviceToHost, m_stream),
+            "cudaMemcpyAsync (x̂ to the pinned send buffer)", m_rank);
+    wait("cudaEventSynchronize (snapshot)");
+  }
+
+  void write(std::byte* dst, const void* src, std::size_t bytes) override {
+    if (!m_direct) {
+      std::memcpy(dst, src, bytes);
+      return;
+    }
+    const device_guard g(m_device);
+    // Pageable source: cudaMemcpyAsync returns once `src` was read.
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m_stream), "cudaMemcpyAsync (header)", m_rank);
+    wait("cudaEventSynchronize (header)");
+  }
+
+  void merge(double a, std::span<const double> b, std::span<const received> msgs) override {
+    if (msgs.empty()) return;
+    const device_guard g(m_device);
+    for (std::size_t first = 0; first < msgs.size(); first += m_merge_batch) {
+      detail::merge_args args{};
+      args.a = first == 0 ? static_cast<float>(a) : 1.0f;  // the batches after the first only add their share
+      args.count = static_cast<int>(std::min(m_merge_batch, msgs.size() - first));
+      for (int j = 0; j < args.count; ++j) {
+        const auto& m = msgs[first + static_cast<std::size_t>(j)];
+        GOSSIP_ASSERT(m.elements == m_elements, "rank {}: a message of {} floats from rank {} for a model of {}", m_rank, m.elements,
+                      m.sender, m_elements);
+        check(cudaMemcpyAsync(m_d_recv[static_cast<std::size_t>(j)], m.data, m_elements * sizeof(float), cudaMemcpyHostToDevice, m_stream),
+              "cudaMemcpyAsync (received payload)", m_rank);
+        args.src[j] = static_cast<const float*>(m_d_recv[static_cast<std::size_t>(j)]);
+        args.b[j] = static_cast<float>(b[first + static_cast<std::size_t>(j)]);
+      }
+      check(detail::launch_merge(static_cast<block_desc*>(m_d_blocks), m_blocks, args, m_stream), "merge kernel", m_rank);
+    }
+    wait("cudaEventSynchronize (merge)");
+  }
+
+ private:
+  void alloc(void*& p, std::size_t bytes, const char* what) { check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), what, m_rank); }
+  void wait(const char* what) {
+    check(cudaEventRecord(m_done, m_stream), "cudaEventRecord", m_rank);
+    check(cudaEventSynchronize(m_done), what, m_rank);
+  }
+  void release() noexcept {
+    const device_guard g(m_device);
+    // Nothing of ours may still be in flight on the stream when buffers go.
+    if (m_done) {
+      if (cudaEventRecord(m_done, m_stream) == cudaSuccess) cudaEventSynchronize(m_done);
+      cudaEventDestroy(m_done);
+      m_done = nullptr;
+    }
+    if (m_inbox) cudaHostUnregister(m_inbox);
+    m_inbox = nullptr;
+    for (void* p : {m_d_blocks, m_d_first, m_d_ref, m_d_prev, m_d_partials, m_d_sums})
+      if (p) cudaFree(p);
+    for (void* p : m_d_recv)
+      if (p) cudaFree(p);
+    m_d_recv.clear();
+    m_d_blocks = m_d_first = m_d_ref = m_d_prev = m_d_partials = m_d_sums = nullptr;
+    if (m_h_sums) cudaFreeHost(m_h_sums);
+    m_h_sums = nullptr;
+    if (m_storage) m_direct ? cudaFree(m_storage) : cudaFreeHost(m_storage);
+    m_storage = nullptr;
+  }
+
+  int m_rank;
+  cudaStream_t m_stream;
+  int m_device;
+  bool m_direct;
+  std::size_t m_elements, m_storage_bytes, m_merge_batch = 1;
+  std::uint32_t m_blocks = 0, m_tensors = 0;
+  void *m_d_blocks = nullptr, *m_d_first = nullptr, *m_d_ref = nullptr, *m_d_prev = nullptr, *m_d_partials = nullptr,
+       *m_d_sums = nullptr, *m_storage = nullptr;
+  std::vector<void*> m_d_recv;
+  double* m_h_sums = nullptr;
+  void* m_inbox = nullptr;
+  cudaEvent_t m_done = nullptr;
+};
+
+class cuda_backend final : public device_backend {
+ public:
+  cuda_backend(cudaStream_t stream, int device, device_options o) : m_stream(stream), m_device(device), m_options(std::move(o)) {}
+  std::string_view name() const noexcept override { return "cuda"; }
+  memory_kind memory() const noexcept override { return memory_kind::cuda; }
+  void* stream() const noexcept override { return m_stream; }
+
+  std::unique_ptr<device_model> make(const device_setup& s) const override {
+    bool direct = false;
+    if (m_options.transfer == "direct") {
+      if (!s.transport_takes_device_memory)
+        throw config_error(fmt::format("gossip::cuda::device (rank {}): transfer = \"direct\" but the transport cannot send device "
+                                       "memory (a UCX build with CUDA support reports it); use \"auto\" or \"staged\"",
+                                       s.rank));
+      direct = true;
+    } else if (m_options.transfer == "auto") {
+      direct = s.transport_takes_device_memory;
+    }
+    return std::make_unique<cuda_model>(s, m_stream, m_device, direct, m_options.merge_batch);
+  }
+
+ private:
+  cudaStream_t m_stream;
+  int m_device;
+  device_options m_options;
+};
+
+}  // namespace
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("cudaGetDeviceCount failed: {} ({})", cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  if (n == 0) return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)";
+  return {};
+}
+
+std::shared_ptr<const device_backend> device(void* stream, device_options options) {
+  if (options.transfer != "auto" && options.transfer != "staged" && options.transfer != "direct")
+    throw config_error(fmt::format("gossip::cuda::device: transfer '{}' is not one of auto, staged, direct", options.transfer));
+  if (options.merge_batch < 1 || options.merge_batch > detail::max_merge_sources)
+    throw config_error(fmt::format("gossip::cuda::device: merge_batch {} is outside 1..{}", options.merge_batch, detail::max_merge_sources));
+  if (auto why = unavailable_reason(); !why.empty())
+    throw error(fmt::format("gossip::cuda::device: no usable CUDA device: {}; run on a machine with an NVIDIA GPU and driver, or keep "
+                            "the model in host memory",
+                            why));
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice", -1);
+  return std::make_shared<cuda_backend>(static_cast<cudaStream_t>(stream), dev, std::move(options));
+}
+
+}  // namespace gossip::cuda

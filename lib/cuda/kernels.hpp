@@ -1,0 +1,49 @@
+#pragma once
+// Launchers of libgossip's CUDA kernels. Shared by kernels.cu (nvcc) and
+// backend.cpp (the host compiler): only the CUDA runtime header and <cstdint>,
+// so nvcc never sees fmt, Eigen or the C++20 parts of the library.
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace gossip::cuda::detail {
+
+/// Elements one thread block of the fused passes covers (16 KiB of each input).
+inline constexpr std::size_t block_elements = 4096;
+inline constexpr int block_threads = 256;
+inline constexpr int max_merge_sources = 8;
+
+/// One thread block's share of the model: `count` elements of one tensor,
+/// starting at `data` in the tensor and at `offset` in the contiguous copies
+/// (x̂, x_{t−1}, payloads). Built once per engine, uploaded once.
+struct block_desc {
+  float* data;
+  std::uint64_t offset;
+  std::uint32_t count;
+  std::uint32_t tensor;
+};
+
+/// Fused drift pass. Per block: Σ(x − x̂)², Σx̂² and, when prev is not null,
+/// Σ(x − prev)² (then prev ← x) into partials[3·block]; then one block per
+/// tensor adds its blocks' partials (first_block[t] .. first_block[t+1]) into
+/// sums[3·t]. Partials and sums are double; the order is fixed, so results
+/// are reproducible run to run.
+cudaError_t launch_drift(const block_desc* blocks, std::uint32_t n_blocks, const std::uint32_t* first_block,
+                         std::uint32_t n_tensors, const float* ref, float* prev, double* partials, double* sums,
+                         cudaStream_t stream);
+
+/// Fused snapshot: ref[offset + i] ← x and, when second is not null, second[offset + i] ← x.
+cudaError_t launch_snapshot(const block_desc* blocks, std::uint32_t n_blocks, float* ref, float* second,
+                            cudaStream_t stream);
+
+struct merge_args {
+  const float* src[max_merge_sources];
+  float b[max_merge_sources];
+  float a;
+  int count;
+};
+/// x ← a·x + Σ_j b[j]·src[j][offset + i], j < count.
+cudaError_t launch_merge(const block_desc* blocks, std::uint32_t n_blocks, const merge_args& args, cudaStream_t stream);
+
+}  // namespace gossip::cuda::detail
