@@ -139,7 +139,9 @@ int main(int argc, char** argv) {
     j["partition"] = std::string(data::to_string(settings.partition));
     j["topology"] = base.topology.name;
     j["protocol"] = base.protocol.name;
-    j["transport"] = {{"name", base.transport.name}, {"options", options_json(base.transport.opts.resolved(loopback_option_specs(), "transport"))}};
+    j["transport"] = {{"name", base.transport.name},
+                      {"options", base.transport.name == "loopback" ? options_json(base.transport.opts.resolved(loopback_option_specs(), "transport"))
+                                                                    : options_json(base.transport.opts)}};
     j["quick"] = quick;
     j["seeds"] = n_seeds;
     j["equal_traffic_period"] = period;

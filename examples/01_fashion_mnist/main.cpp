@@ -6,6 +6,7 @@
 // Each worker runs SGD with momentum on its shard and calls engine.step()
 // after every optimizer step; the engine decides when to gossip.
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 
 #include <CLI/CLI.hpp>
@@ -40,6 +41,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   try {
+    // gossip-run --config passes the file as GOSSIP_CONFIG.
+    if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) config_path = env;
     config cfg = config_path.empty() ? config{} : config::load(config_path);
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
@@ -52,15 +55,19 @@ int main(int argc, char** argv) {
     for (const auto& o : overrides) cfg.apply_override(o);
     const auto settings = examples::train_settings::from(cfg.section("train", examples::train_option_specs()));
 
-    fmt::print("libgossip {} — Fashion-MNIST, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION,
+    const bool quiet = examples::runs_as_processes(cfg) && bootstrap::identity_from_env().rank != 0;
+    if (!quiet)
+      fmt::print("libgossip {} — Fashion-MNIST, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION,
                settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
     const auto data = examples::datasets::load(settings);
-    fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
+    if (!quiet)
+      fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
     const auto report = examples::train(cfg, settings, data, [](const examples::epoch_record& e) {
       fmt::print("{:>5} {:>10.4f} {:>11.2f}% {:>11.2f}% {:>14} {:>10} {:>9.1f}\n", e.epoch, e.train_loss, 100 * e.accuracy,
                  100 * e.local_accuracy_mean, e.bytes_sent, e.sends, e.train_seconds);
       std::fflush(stdout);
     });
+    if (!report.complete) return 0;  // another rank (process mode) reports
     fmt::print("done: accuracy {:.2f}% (average model), {:.2f}% (mean of local models), {:.1f} MB sent in {} messages, "
                "{} of {} steps sent, {:.1f} s training\n",
                100 * report.accuracy, 100 * report.local_accuracy_mean, report.bytes_sent / 1e6, report.messages, report.sends,
@@ -73,7 +80,7 @@ int main(int argc, char** argv) {
       j["messages"] = report.messages;
       j["train_seconds"] = report.train_seconds;
       j["ranks"] = nlohmann::json::array();
-      for (const auto& r : report.ranks) j["ranks"].push_back(nlohmann::json::parse(r.to_json()));
+      for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
       std::ofstream(json_path) << j.dump(2) << '\n';
     }
   } catch (const gossip::error& e) {

@@ -1,12 +1,17 @@
 #pragma once
-// Decentralized training of the Fashion-MNIST MLP: N workers as threads of one
-// process, each with its own shard, optimizer and gossip engine, all over the
-// loopback fabric. Shared by examples/01_fashion_mnist and bench/traffic.
+// Decentralized training of the Fashion-MNIST MLP: N workers, each with its own
+// shard, optimizer and gossip engine — as threads of one process (loopback,
+// switch) or as processes (ucx). Shared by examples/01_fashion_mnist and
+// bench/traffic.
 #include <barrier>
+#include <cstring>
+#include <limits>
+#include <memory>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -16,7 +21,14 @@
 
 #include "common/mlp.hpp"
 #include "gossip/data.hpp"
+#include "gossip/bootstrap.hpp"
 #include "gossip/gossip.hpp"
+#if defined(GOSSIP_HAVE_UCX)
+#include "gossip/transports/ucx/ucx.hpp"
+#endif
+#if defined(GOSSIP_HAVE_SWITCH)
+#include "gossip/transports/switch/switch.hpp"
+#endif
 
 namespace gossip::examples {
 
@@ -97,12 +109,13 @@ struct epoch_record {
   std::uint64_t bytes_sent = 0; ///< all workers, so far
   std::uint64_t messages = 0;
   std::uint64_t sends = 0;
-  double train_seconds = 0;     ///< so far, evaluation excluded
+  double train_seconds = 0;     ///< so far, evaluation excluded (rank 0's clock)
 };
 
 struct run_report {
+  bool complete = false;                 ///< false on ranks other than 0 in process mode
   std::vector<epoch_record> epochs;
-  std::vector<engine_stats> ranks;
+  std::vector<std::string> rank_stats;   ///< each rank's engine_stats as JSON
   std::uint64_t bytes_sent = 0, messages = 0, sends = 0, steps = 0;
   double accuracy = 0, local_accuracy_mean = 0, train_seconds = 0, wall_seconds = 0;
 };
@@ -120,130 +133,266 @@ struct datasets {
   }
 };
 
+/// What one rank contributes at an epoch boundary.
+struct rank_epoch {
+  double loss = 0, local_accuracy = 0, weight = 1;
+  std::uint64_t bytes_sent = 0, messages = 0, sends = 0, steps = 0;
+  std::vector<float> params;
+  std::string stats_json;  ///< filled at the last epoch only
+};
+
+/// How ranks meet at an epoch boundary: every rank calls gather(); rank 0 gets
+/// all ranks' entries (in rank order), the others an empty list.
+class epoch_exchange {
+ public:
+  virtual ~epoch_exchange() = default;
+  virtual std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine) = 0;
+};
+
+/// Ranks as threads of this process.
+class thread_exchange final : public epoch_exchange {
+ public:
+  explicit thread_exchange(int world) : m_slots(static_cast<std::size_t>(world)), m_sync(world) {}
+  std::vector<rank_epoch> gather(int rank, int, rank_epoch mine) override {
+    m_slots[static_cast<std::size_t>(rank)] = std::move(mine);
+    m_sync.arrive_and_wait();
+    std::vector<rank_epoch> all;
+    if (rank == 0) all = m_slots;
+    m_sync.arrive_and_wait();  // nobody overwrites a slot before rank 0 has copied it
+    return all;
+  }
+  void drop() { m_sync.arrive_and_drop(); }
+
+ private:
+  std::vector<rank_epoch> m_slots;
+  std::barrier<> m_sync;
+};
+
+/// Ranks as processes: entries travel through the bootstrap rendezvous.
+class bootstrap_exchange final : public epoch_exchange {
+ public:
+  explicit bootstrap_exchange(std::shared_ptr<bootstrap> boot) : m_boot(std::move(boot)) {}
+  std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine) override {
+    m_boot->put(fmt::format("epoch/{}/{}", epoch, rank), pack(mine));
+    std::vector<rank_epoch> all;
+    if (rank != 0) return all;
+    for (int j = 0; j < m_boot->world(); ++j)
+      all.push_back(unpack(m_boot->get(fmt::format("epoch/{}/{}", epoch, j), fmt::format("rank {}'s model at the end of epoch {}", j, epoch + 1))));
+    return all;
+  }
+
+ private:
+  template <class T>
+  static void put(bootstrap::blob& b, const T& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    b.insert(b.end(), p, p + sizeof v);
+  }
+  template <class T>
+  static T take(const bootstrap::blob& b, std::size_t& at) {
+    if (at + sizeof(T) > b.size()) throw error("epoch exchange: truncated record from a peer (ranks built from different versions?)");
+    T v;
+    std::memcpy(&v, b.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  }
+  static bootstrap::blob pack(const rank_epoch& e) {
+    bootstrap::blob b;
+    put(b, e.loss), put(b, e.local_accuracy), put(b, e.weight);
+    put(b, e.bytes_sent), put(b, e.messages), put(b, e.sends), put(b, e.steps);
+    put(b, static_cast<std::uint64_t>(e.params.size()));
+    const auto* p = reinterpret_cast<const std::byte*>(e.params.data());
+    b.insert(b.end(), p, p + e.params.size() * sizeof(float));
+    put(b, static_cast<std::uint64_t>(e.stats_json.size()));
+    const auto* q = reinterpret_cast<const std::byte*>(e.stats_json.data());
+    b.insert(b.end(), q, q + e.stats_json.size());
+    return b;
+  }
+  static rank_epoch unpack(const bootstrap::blob& b) {
+    rank_epoch e;
+    std::size_t at = 0;
+    e.loss = take<double>(b, at), e.local_accuracy = take<double>(b, at), e.weight = take<double>(b, at);
+    e.bytes_sent = take<std::uint64_t>(b, at), e.messages = take<std::uint64_t>(b, at), e.sends = take<std::uint64_t>(b, at);
+    e.steps = take<std::uint64_t>(b, at);
+    const auto n = take<std::uint64_t>(b, at);
+    if (at + n * sizeof(float) > b.size()) throw error("epoch exchange: truncated model from a peer");
+    e.params.resize(n);
+    std::memcpy(e.params.data(), b.data() + at, n * sizeof(float));
+    at += n * sizeof(float);
+    const auto m = take<std::uint64_t>(b, at);
+    if (at + m > b.size()) throw error("epoch exchange: truncated stats from a peer");
+    e.stats_json.assign(reinterpret_cast<const char*>(b.data() + at), m);
+    return e;
+  }
+  std::shared_ptr<bootstrap> m_boot;
+};
+
+/// One rank's training loop. Rank 0 evaluates the average model at each
+/// epoch boundary and fills the report.
+inline void train_rank(int r, int world, const engine_spec& base, any_transport transport, const train_settings& s, const datasets& data,
+                       const std::vector<std::vector<std::uint32_t>>& shards, int steps_per_epoch, epoch_exchange& exchange,
+                       run_report& report, const std::function<void(const epoch_record&)>& on_epoch) {
+  const auto ri = static_cast<std::size_t>(r);
+  const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
+  mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
+  net.init(s.seed);  // a common initial model on every worker
+  model_view view;
+  net.register_tensors(view);
+  engine eng(view, r, world, base, std::move(transport));
+  sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum), .weight_decay = static_cast<float>(s.weight_decay)};
+  lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
+  std::vector<std::uint32_t> order(shards[ri].begin(), shards[ri].end());
+  std::mt19937_64 rng(s.seed * 1000003u + static_cast<std::uint64_t>(r));
+  std::vector<float> xb(static_cast<std::size_t>(s.batch) * data.train.features());
+  std::vector<std::uint8_t> yb(static_cast<std::size_t>(s.batch));
+  std::int64_t t = 0;
+  double train_seconds = 0;
+  const auto wall_start = std::chrono::steady_clock::now();
+  for (int epoch = 0; epoch < s.epochs; ++epoch) {
+    const auto phase_start = std::chrono::steady_clock::now();
+    for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher–Yates
+    double loss_sum = 0;
+    for (int b = 0; b < steps_per_epoch; ++b, ++t) {
+      data::gather(data.train, {order.data() + static_cast<std::size_t>(b) * static_cast<std::size_t>(s.batch), static_cast<std::size_t>(s.batch)},
+                   xb.data(), yb.data());
+      opt.lr = sched.at(t, total_steps);
+      const float loss = net.train_batch(xb.data(), yb.data(), s.batch, opt);
+      loss_sum += loss;
+      eng.step({.lr = opt.lr, .loss = loss});
+    }
+    train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
+    const bool last = epoch + 1 == s.epochs;
+    const auto& st = eng.stats();
+    rank_epoch mine{loss_sum / steps_per_epoch, net.accuracy(data.test.images.data(), data.test.labels.data(), data.test.size()), eng.weight(),
+                    st.bytes_sent, st.messages_sent, st.sends, st.steps, std::vector<float>(net.params().begin(), net.params().end()),
+                    last ? st.to_json(-1) : std::string()};
+    const auto all = exchange.gather(r, epoch, std::move(mine));
+    if (r != 0) continue;
+    // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
+    std::vector<float> avg(all[0].params.size(), 0.0f);
+    double wsum = 0;
+    for (const auto& e : all) wsum += e.weight;
+    for (const auto& e : all) {
+      const auto a = static_cast<float>(e.weight / wsum);
+      for (std::size_t k = 0; k < avg.size(); ++k) avg[k] += a * e.params[k];
+    }
+    epoch_record rec;
+    rec.epoch = epoch + 1;
+    rec.accuracy = net.accuracy_of(avg, data.test.images.data(), data.test.labels.data(), data.test.size());
+    for (const auto& e : all) {
+      rec.train_loss += e.loss / world;
+      rec.local_accuracy_mean += e.local_accuracy / world;
+      rec.bytes_sent += e.bytes_sent;
+      rec.messages += e.messages;
+      rec.sends += e.sends;
+    }
+    rec.train_seconds = train_seconds;
+    report.epochs.push_back(rec);
+    if (on_epoch) on_epoch(rec);
+    if (last) {
+      report.complete = true;
+      report.accuracy = rec.accuracy;
+      report.local_accuracy_mean = rec.local_accuracy_mean;
+      report.train_seconds = train_seconds;
+      report.bytes_sent = rec.bytes_sent;
+      report.messages = rec.messages;
+      report.sends = rec.sends;
+      for (const auto& e : all) {
+        report.steps += e.steps;
+        report.rank_stats.push_back(e.stats_json);
+      }
+    }
+  }
+  eng.finish(0);
+  if (r == 0) report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+}
+
+namespace detail {
+inline int steps_per_epoch(const config& cfg, const train_settings& s, const std::vector<std::vector<std::uint32_t>>& shards) {
+  std::size_t shard_min = std::numeric_limits<std::size_t>::max();
+  for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size());
+  const int steps = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
+  if (steps < 1)
+    throw config_error(fmt::format("{} [train]: each of {} workers has only {} samples, fewer than one batch of {}", cfg.source, s.workers, shard_min,
+                                   s.batch));
+  return steps;
+}
+}  // namespace detail
+
+/// True when `cfg` runs one rank per process (the UCX transport).
+inline bool runs_as_processes(const config& cfg) { return cfg.transport.name == "ucx"; }
+
 /// Trains with the gossip settings of `cfg` (policy, topology, protocol,
 /// transport, engine); `on_epoch` sees each epoch's record as it completes.
+///
+/// Over 'loopback' (and 'switch') the workers are threads of this process.
+/// Over 'ucx' this process is one rank: rank and world come from the
+/// environment (gossip-run, mpirun, srun), s.workers must equal the world, and
+/// only rank 0's report is complete.
 inline run_report train(const config& cfg, const train_settings& s, const datasets& data,
                         const std::function<void(const epoch_record&)>& on_epoch = {}) {
-  const int world = s.workers;
-  if (cfg.transport.name != "loopback")
-    throw config_error(fmt::format("{} [transport]: name '{}' is not available in this example; it runs its workers as threads over "
-                                   "'loopback'", cfg.source, cfg.transport.name));
-  const auto link_opts = cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
-  loopback_fabric fabric(world, {.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
   const engine_spec base = engine_spec::from(cfg);
-
-  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.classes_per_worker);
-  std::size_t shard_min = data.train.size();
-  for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size());
-  const int steps_per_epoch = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
-  if (steps_per_epoch < 1)
-    throw config_error(fmt::format("{} [train]: each of {} workers has only {} samples, fewer than one batch of {}", cfg.source, world,
-                                   shard_min, s.batch));
-  const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
-  const mlp_config arch{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch};
-
   run_report report;
-  report.epochs.resize(static_cast<std::size_t>(s.epochs));
-  report.ranks.resize(static_cast<std::size_t>(world));
-  std::vector<std::vector<float>> params(static_cast<std::size_t>(world));
-  std::vector<double> weights(static_cast<std::size_t>(world)), local_acc(static_cast<std::size_t>(world)),
-      epoch_loss(static_cast<std::size_t>(world));
-  std::vector<engine_stats> snapshot(static_cast<std::size_t>(world));
-  double train_seconds = 0;
-  auto phase_start = std::chrono::steady_clock::now();
-  const auto wall_start = phase_start;
-  std::barrier sync(world);
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  const auto wall_start = std::chrono::steady_clock::now();
 
-  auto worker = [&](int r) {
-    const auto ri = static_cast<std::size_t>(r);
-    try {
-      mlp net(arch);
-      net.init(s.seed);  // a common initial model on every worker
-      model_view view;
-      net.register_tensors(view);
-      engine_spec spec = base;
-      engine eng(view, r, world, std::move(spec), fabric.endpoint(r));
-      sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum),
-                       .weight_decay = static_cast<float>(s.weight_decay)};
-      lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
-      std::vector<std::uint32_t> order(shards[ri].begin(), shards[ri].end());
-      std::mt19937_64 rng(s.seed * 1000003u + static_cast<std::uint64_t>(r));
-      std::vector<float> xb(static_cast<std::size_t>(s.batch) * data.train.features());
-      std::vector<std::uint8_t> yb(static_cast<std::size_t>(s.batch));
-      std::int64_t t = 0;
-      for (int epoch = 0; epoch < s.epochs; ++epoch) {
-        for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher–Yates
-        double loss_sum = 0;
-        for (int b = 0; b < steps_per_epoch; ++b, ++t) {
-          data::gather(data.train, {order.data() + static_cast<std::size_t>(b) * static_cast<std::size_t>(s.batch),
-                                    static_cast<std::size_t>(s.batch)},
-                       xb.data(), yb.data());
-          opt.lr = sched.at(t, total_steps);
-          const float loss = net.train_batch(xb.data(), yb.data(), s.batch, opt);
-          loss_sum += loss;
-          eng.step({.lr = opt.lr, .loss = loss});
-        }
-        // Epoch boundary: every worker publishes its model, rank 0 evaluates.
-        epoch_loss[ri] = loss_sum / steps_per_epoch;
-        params[ri].assign(net.params().begin(), net.params().end());
-        weights[ri] = eng.weight();
-        snapshot[ri] = eng.stats();
-        sync.arrive_and_wait();
-        if (r == 0) train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
-        local_acc[ri] = net.accuracy(data.test.images.data(), data.test.labels.data(), data.test.size());
-        sync.arrive_and_wait();
-        if (r == 0) {
-          // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
-          std::vector<float> avg(params[0].size(), 0.0f);
-          double wsum = 0;
-          for (int j = 0; j < world; ++j) wsum += weights[static_cast<std::size_t>(j)];
-          for (int j = 0; j < world; ++j) {
-            const auto a = static_cast<float>(weights[static_cast<std::size_t>(j)] / wsum);
-            for (std::size_t k = 0; k < avg.size(); ++k) avg[k] += a * params[static_cast<std::size_t>(j)][k];
-          }
-          epoch_record rec;
-          rec.epoch = epoch + 1;
-          rec.accuracy = net.accuracy_of(avg, data.test.images.data(), data.test.labels.data(), data.test.size());
-          for (int j = 0; j < world; ++j) {
-            const auto& st = snapshot[static_cast<std::size_t>(j)];
-            rec.train_loss += epoch_loss[static_cast<std::size_t>(j)] / world;
-            rec.local_accuracy_mean += local_acc[static_cast<std::size_t>(j)] / world;
-            rec.bytes_sent += st.bytes_sent;
-            rec.messages += st.messages_sent;
-            rec.sends += st.sends;
-          }
-          rec.train_seconds = train_seconds;
-          report.epochs[static_cast<std::size_t>(epoch)] = rec;
-          if (on_epoch) on_epoch(rec);
-          phase_start = std::chrono::steady_clock::now();
-        }
-        sync.arrive_and_wait();
-      }
-      eng.finish(0);
-      report.ranks[ri] = eng.stats();
-    } catch (...) {
-      errors[ri] = std::current_exception();
-      sync.arrive_and_drop();
-    }
+  if (runs_as_processes(cfg)) {
+#if defined(GOSSIP_HAVE_UCX)
+    auto boot = std::make_shared<bootstrap>(bootstrap::from_env(base.settings.timeout));
+    if (boot->world() != s.workers)
+      throw config_error(fmt::format("{} [train]: workers = {} but {} processes were started (rank {}); start as many ranks as workers, "
+                                     "e.g. gossip-run -n {} …",
+                                     cfg.source, s.workers, boot->world(), boot->rank(), s.workers));
+    const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.classes_per_worker);
+    bootstrap_exchange exchange(boot);
+    train_rank(boot->rank(), boot->world(), base, ucx_transport(boot), s, data, shards, detail::steps_per_epoch(cfg, s, shards), exchange, report,
+               on_epoch);
+    boot->barrier("train/done");  // rank 0 keeps serving the rendezvous until everyone is through
+    return report;
+#else
+    throw config_error(fmt::format("{} [transport]: 'ucx' was not built into this program (configure with UCX found: apt-get install libucx-dev)",
+                                   cfg.source));
+#endif
+  }
+
+  const int world = s.workers;
+  // Workers are threads: over 'loopback', or each with its own UDP socket to a
+  // switch (gossip-switch or gossip-switch-udp serving a group of `workers`).
+  const bool via_switch = cfg.transport.name == "switch";
+#if !defined(GOSSIP_HAVE_SWITCH)
+  if (via_switch)
+    throw config_error(fmt::format("{} [transport]: 'switch' was not built into this program (configure with DPDK found: apt-get install libdpdk-dev)",
+                                   cfg.source));
+#endif
+  if (cfg.transport.name != "loopback" && !via_switch)
+    throw config_error(fmt::format("{} [transport]: unknown transport '{}'; known transports: loopback, ucx, switch", cfg.source, cfg.transport.name));
+  std::optional<loopback_fabric> fabric;
+  if (!via_switch) {
+    const auto link_opts = cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
+    fabric.emplace(world, link_emulation{.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
+  }
+  auto endpoint = [&](int r) -> any_transport {
+#if defined(GOSSIP_HAVE_SWITCH)
+    if (via_switch) return make_switch_transport(cfg, r, world);
+#endif
+    return fabric->endpoint(r);
   };
+  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.classes_per_worker);
+  const int steps = detail::steps_per_epoch(cfg, s, shards);
+  thread_exchange exchange(world);
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
   std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(worker, r);
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        train_rank(r, world, base, endpoint(r), s, data, shards, steps, exchange, report, on_epoch);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        exchange.drop();
+      }
+    });
   for (auto& th : threads) th.join();
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
-
-  const auto& last = report.epochs.back();
-  report.accuracy = last.accuracy;
-  report.local_accuracy_mean = last.local_accuracy_mean;
-  report.train_seconds = train_seconds;
   report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-  for (const auto& st : report.ranks) {
-    report.bytes_sent += st.bytes_sent;
-    report.messages += st.messages_sent;
-    report.sends += st.sends;
-    report.steps += st.steps;
-  }
   return report;
 }
 

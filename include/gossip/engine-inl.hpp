@@ -31,6 +31,11 @@ inline engine_spec engine_spec::from(const config& cfg) {
   s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
   s.topology = cfg.topology;
   s.protocol = cfg.protocol;
+  // The switch protocol's mode follows the policy unless the config names one.
+  if (s.protocol.name == "switch-aggregate") {
+    const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
+    s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name));
+  }
   s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
   s.config_fingerprint = cfg.fingerprint();
   return s;
@@ -47,8 +52,13 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
-    if (t.memory != memory_kind::host)
-      throw config_error(fmt::format("engine (rank {}): tensor '{}' lives in device memory; this build exchanges host tensors", rank, t.name));
+    if (t.memory != memory_kind::host && !model.device())
+      throw config_error(fmt::format("engine (rank {}): tensor '{}' lives in device memory but the model view has no device backend; "
+                                     "call model.on_device(gossip::cuda::device(stream)) (gossip/cuda.hpp, libgossip_cuda)", rank, t.name));
+    if (model.device() && t.memory != model.device()->memory())
+      throw config_error(fmt::format("engine (rank {}): tensor '{}' is in {} memory but the model's backend is '{}'; keep every tensor of "
+                                     "a device model in device memory", rank, t.name, t.memory == memory_kind::host ? "host" : "device",
+                                     model.device()->name()));
     m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
     m_tensor_names.push_back(t.name);
     m_elements += t.count;
@@ -65,16 +75,30 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   const auto caps = m_transport.capabilities();
   m_copies_on_post = caps.copies_on_post;
   const int buffers = m_copies_on_post ? 1 : m_settings.send_buffers;
-  m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers) * m_message_bytes);
+  // Delta payloads keep x̂ in one more buffer after the send buffers. It starts
+  // at zero: nobody holds anything of this rank yet, so its first send is the model.
+  const int extra = m_protocol.sends_delta() ? 1 : 0;
   m_settings.send_buffers = buffers;
-  m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
-  for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
-  if (m_policy.wants_step_change()) m_prev.assign(m_snapshot, m_snapshot + m_elements);
+  if (!model.device()) {  // a device model gets its buffers, x̂ and x_{t−1} from its backend, below
+    m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers + extra) * m_message_bytes);
+    if (m_protocol.sends_delta()) {
+      m_snapshot = reinterpret_cast<float*>(buffer(buffers) + sizeof(wire_header));
+      std::fill(m_snapshot, m_snapshot + m_elements, 0.0f);
+    } else {
+      m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
+      for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+    }
+    if (m_policy.wants_step_change()) {
+      m_prev.resize(m_elements);
+      for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
+    }
+  }
 
   m_tensor_drift.resize(m_slots.size());
   m_received.resize(std::max<std::size_t>(m_topology.sources().size(), static_cast<std::size_t>(world)));
   m_trace.reserve(m_settings.trace_path.empty() ? 0 : m_settings.trace_capacity);
   m_inbox = inbox(m_topology.sources(), 2, m_message_bytes);
+  if (model.device()) attach_device(*model.device(), detail::takes_device_memory(caps));
 
   const std::vector<int>& targets = m_topology.destinations();
 
@@ -141,30 +165,27 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   handle_failures();
 
   // 1. merge what arrived since the last step
-  const std::size_t n = m_transport.collect(t, m_received);
+  result.merged = merge_inbound(t);
   const auto t1 = clock::now();
-  if (n > 0) {
-    m_protocol.merge(m_slots, {m_received.data(), n}, m_snapshot);
-    for (std::size_t i = 0; i < n; ++i) {
-      const int k = m_peer_index[static_cast<std::size_t>(m_received[i].sender)];
-      auto& p = m_stats.peers[static_cast<std::size_t>(k)];
-      p.bytes_received += sizeof(wire_header) + m_received[i].elements * sizeof(float);
-      ++p.messages_received;
-    }
-  }
-  m_transport.release(t);
-  result.merged = n;
 
   // 2. measure drift: one fused pass over x and x̂ (and x_{t−1} when asked)
   double diff = 0, ref = 0, step_sq = 0;
   float* prev = m_prev.empty() ? nullptr : m_prev.data();
-  for (std::size_t i = 0; i < m_slots.size(); ++i) {
-    const auto& s = m_slots[i];
-    const drift_sums d = drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
-    m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
-    diff += d.diff_sq;
-    ref += d.ref_sq;
-    step_sq += d.step_sq;
+  if (m_device) {
+    m_device->drift(m_tensor_drift, step_sq);  // one fused kernel over all tensors
+    for (const auto& d : m_tensor_drift) {
+      diff += d.diff_sq;
+      ref += d.ref_sq;
+    }
+  } else {
+    for (std::size_t i = 0; i < m_slots.size(); ++i) {
+      const auto& s = m_slots[i];
+      const drift_sums d = drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
+      m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
+      diff += d.diff_sq;
+      ref += d.ref_sq;
+      step_sq += d.step_sq;
+    }
   }
 
   // 3. decide
@@ -173,14 +194,17 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   sig.round = t;
   sig.diff_sq = diff;
   sig.ref_sq = ref;
-  sig.step_sq = prev && t > 0 ? step_sq : std::numeric_limits<double>::quiet_NaN();
+  sig.step_sq = (prev || m_device_step) && t > 0 ? step_sq : std::numeric_limits<double>::quiet_NaN();
   sig.tensors = m_tensor_drift;
   sig.lr = info.lr;
   sig.loss = info.loss;
   sig.steps_since_send = static_cast<std::uint64_t>(static_cast<std::int64_t>(t) - m_last_send_step);
   sig.seconds_since_send = std::chrono::duration<double>(t0 - m_last_send_time).count();
   sig.bytes_sent = m_stats.bytes_sent;
-  const auto targets = m_topology.peers(t);
+  auto targets = m_topology.peers(t);
+  // Through an aggregator one post reaches the whole group (bytes counted once,
+  // under the first member).
+  if (m_protocol.aggregated() && targets.size() > 1) targets = targets.first(1);
   const std::uint64_t wire_bytes = sizeof(wire_header) + m_elements * sizeof(float);
   sig.bytes_per_send = wire_bytes * targets.size();
   decision d = forced ? decision::fire(reason::period) : m_policy.decide(sig);
@@ -199,16 +223,35 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     } else {
       std::byte* buf = buffer(next);
       auto* payload = reinterpret_cast<float*>(buf + sizeof(wire_header));
-      for (const auto& s : m_slots) std::memcpy(payload + s.offset, s.data, s.count * sizeof(float));
+      if (m_protocol.sends_delta()) {
+        // One pass: the payload gets x − x̂ and x̂ becomes x.
+        for (const auto& s : m_slots) {
+          float* hat = m_snapshot + s.offset;
+          float* out = payload + s.offset;
+          for (std::size_t i = 0; i < s.count; ++i) {
+            const float v = s.data[i];
+            out[i] = v - hat[i];
+            hat[i] = v;
+          }
+        }
+      } else {
+        if (m_device)
+          m_device->snapshot(buf + sizeof(wire_header));  // x̂ ← x and the payload ← x, staged through pinned memory
+        else
+          for (const auto& s : m_slots) std::memcpy(payload + s.offset, s.data, s.count * sizeof(float));
+        m_snapshot = payload;
+      }
       m_current = next;
-      m_snapshot = payload;
       wire_header h;
       h.sender = m_rank;
       h.step = t;
       h.weight = m_protocol.on_send(targets, m_topology.self_weight());
       h.payload_bytes = m_elements * sizeof(float);
       h.layout_fingerprint = m_layout_fingerprint;
-      std::memcpy(buf, &h, sizeof h);
+      if (m_device)
+        m_device->write(buf, &h, sizeof h);  // device memory when the transport takes it directly
+      else
+        std::memcpy(buf, &h, sizeof h);
       const std::span<const std::byte> msg(buf, sizeof(wire_header) + h.payload_bytes);
       for (const auto& p : targets) {
         auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(p.rank)])];
@@ -261,11 +304,96 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   return result;
 }
 
+inline void engine::merge_received(std::size_t n) {
+  const std::span<const received> msgs(m_received.data(), n);
+  if (!m_device) {
+    m_protocol.merge(m_slots, msgs, m_snapshot);
+    return;
+  }
+  if (n == 0) return;
+  // The protocol's sequential merges, written as x ← a·x + Σ b_j·m_j so one
+  // kernel pass applies them all; the protocol then advances its own state
+  // (the push-sum weight) with no tensors to touch.
+  double a = 1;
+  double* b = m_merge_coefficients.data();  // sized m_received.size() by attach_device
+  if (m_protocol.type() == protocol::kind::push_sum) {
+    double w = m_protocol.weight();
+    for (std::size_t i = 0; i < n; ++i) {
+      b[i] = 0;
+      const double total = w + msgs[i].weight;
+      if (!(total > 0)) continue;
+      const double keep = w / total;
+      a *= keep;
+      for (std::size_t j = 0; j < i; ++j) b[j] *= keep;
+      b[i] = msgs[i].weight / total;
+      w = total;
+    }
+  } else {  // pairwise: z ← (z + Σ m_j) / (1 + M)
+    a = 1.0 / static_cast<double>(n + 1);
+    for (std::size_t i = 0; i < n; ++i) b[i] = a;
+  }
+  m_device->merge(a, {b, n}, msgs);
+  m_protocol.merge({}, msgs, m_snapshot);
+}
+
+inline void engine::attach_device(const device_backend& backend, bool transport_takes_device_memory) {
+  const auto kind = m_protocol.type();
+  if ((kind != protocol::kind::push_sum && kind != protocol::kind::pairwise) || m_protocol.sends_delta())
+    throw config_error(fmt::format("engine (rank {}): protocol '{}' is not available for a model in device memory; use push-sum or "
+                                   "pairwise, or keep the model in host memory",
+                                   m_rank, m_protocol.name()));
+  device_setup s;
+  s.rank = m_rank;
+  s.tensors = m_slots;
+  s.elements = m_elements;
+  s.message_bytes = m_message_bytes;
+  s.send_buffers = m_settings.send_buffers;
+  s.measure_step = m_policy.wants_step_change();
+  s.transport_takes_device_memory = transport_takes_device_memory;
+  s.max_merge = m_received.size();
+  const auto sources = m_inbox.sources().size();
+  if (sources > 0)
+    s.inbox = {m_inbox.at(0, 0).data, sources * m_inbox.depth() * m_inbox.message_bytes()};  // slots are contiguous
+  m_device = backend.make(s);
+  m_device_step = s.measure_step;
+  m_send_base = m_device->send_storage();
+  m_merge_coefficients.assign(m_received.size(), 0.0);
+  m_device->snapshot(buffer(0) + sizeof(wire_header));
+  m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
+}
+
+inline std::size_t engine::merge_inbound(std::uint64_t t) {
+  const std::size_t n = m_transport.collect(t, m_received);
+  if (n > 0) {
+    merge_received(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      // An aggregator's reply has no member rank as its sender.
+      const int sender = m_received[i].sender;
+      const int k = sender >= 0 && sender < m_world ? m_peer_index[static_cast<std::size_t>(sender)] : -1;
+      if (k < 0) continue;
+      auto& p = m_stats.peers[static_cast<std::size_t>(k)];
+      p.bytes_received += sizeof(wire_header) + m_received[i].elements * sizeof(float);
+      ++p.messages_received;
+    }
+  }
+  m_transport.release(t);
+  return n;
+}
+
 inline void engine::flush() {
+  // An asynchronous transport may hold our sends until their receivers free
+  // inbox slots, and the receivers may be flushing too: keep merging what
+  // arrives while waiting, so every rank's sends can complete (and no
+  // push-sum share is left unmerged in a slot).
   for (int i = 0; i < m_settings.send_buffers; ++i) {
     std::byte* b = buffer(i);
-    detail::wait_for([&] { return !m_transport.busy(b); }, m_settings.timeout,
-                     [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
+    detail::wait_for(
+        [&] {
+          if (!m_transport.busy(b)) return true;
+          if (!m_copies_on_post) merge_inbound(m_step);
+          return false;
+        },
+        m_settings.timeout, [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
   }
   m_transport.flush(m_settings.timeout);
 }
@@ -282,12 +410,20 @@ inline void engine::finish(int rounds) {
   // One more collect so the last round's messages are merged.
   if (rounds > 0) {
     handle_failures();
-    const std::size_t n = m_transport.collect(m_step, m_received);
-    m_protocol.merge(m_slots, {m_received.data(), n}, m_snapshot);
-    m_transport.release(m_step);
+    merge_inbound(m_step);
     m_transport.end_step(m_step);
   }
   flush();
+  // Before leaving, merge everything peers sent us (asynchronous transports
+  // publish per-peer counts; lockstep ones are drained already).
+  detail::wait_for(
+      [&] {
+        if (m_transport.drained()) return true;
+        handle_failures();
+        merge_inbound(m_step);
+        return false;
+      },
+      m_settings.timeout, [&] { return fmt::format("rank {} to receive every message its peers sent before it leaves", m_rank); });
   m_finished = true;
   m_transport.leave();
   if (!m_settings.stats_path.empty()) write_stats_file(m_settings.stats_path, stats());

@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "gossip/config.hpp"
+#include "gossip/device.hpp"
 #include "gossip/drift.hpp"
 #include "gossip/error.hpp"
 #include "gossip/model.hpp"
@@ -103,14 +104,20 @@ class engine {
   int rank() const noexcept { return m_rank; }
   int world() const noexcept { return m_world; }
   std::uint64_t steps() const noexcept { return m_step; }
-  /// x̂: the model as peers last received it.
+  /// x̂: the model as peers last received it. For a device model whose
+  /// transport takes device memory directly, this points to device memory.
   std::span<const float> snapshot() const noexcept { return {m_snapshot, m_elements}; }
   const std::vector<trace_event>& trace() const noexcept { return m_trace; }
 
  private:
   step_result run_step(const step_info& info, bool forced);
-  std::byte* buffer(int i) noexcept { return m_send_storage.get() + static_cast<std::size_t>(i) * m_message_bytes; }
+  std::byte* buffer(int i) noexcept {
+    return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_message_bytes;
+  }
   void handle_failures();
+  std::size_t merge_inbound(std::uint64_t t);  // collect, merge, count, release
+  void merge_received(std::size_t n);
+  void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
   int m_rank, m_world;
   std::vector<tensor_slot> m_slots;
@@ -132,6 +139,12 @@ class engine {
   std::vector<int> m_peer_index;                // rank → index in m_stats.peers, or −1
   std::vector<trace_event> m_trace;
   inbox m_inbox;
+  // A model in device memory: x̂, x_{t−1} and the (pinned) send buffers live
+  // in m_device. Destroyed after the transport has left, before the inbox it pins.
+  std::unique_ptr<device_model> m_device;
+  std::byte* m_send_base = nullptr;            // m_device's send storage, else null
+  std::vector<double> m_merge_coefficients;
+  bool m_device_step = false;                  // m_device measures ‖x_t − x_{t−1}‖²
   any_transport m_transport;  // after m_inbox: destroyed (and departed) first
 
   engine_stats m_stats;
