@@ -84,6 +84,8 @@ const std::vector<option_spec>& engine_option_specs() {
       {"trace_skips_every", std::int64_t{1}, "record every n-th skipped step (sends are always recorded)", ""},
       {"stats", std::string{}, "write the JSON stats report here at finish() ({rank} is replaced)", "GOSSIP_STATS"},
       {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},
+      {"wait_when_busy", false, "when the policy fires but every send buffer is still on the wire, wait (true) or skip the send (false)",
+       "GOSSIP_WAIT_WHEN_BUSY"},
   };
   return specs;
 }

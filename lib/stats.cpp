@@ -54,6 +54,7 @@ std::string engine_stats::to_json(int indent) const {
   j["weight"] = weight;
   j["step_seconds"] = step_seconds;
   j["wait_seconds"] = wait_seconds;
+  j["busy_wait_seconds"] = busy_wait_seconds;
   j["peers"] = nlohmann::json::array();
   for (const auto& p : peers)
     j["peers"].push_back({{"rank", p.rank},

@@ -146,14 +146,15 @@ struct rank_epoch {
 class epoch_exchange {
  public:
   virtual ~epoch_exchange() = default;
-  virtual std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine) = 0;
+  /// `progress` is called while waiting (it merges what peers send meanwhile).
+  virtual std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine, const std::function<void()>& progress) = 0;
 };
 
 /// Ranks as threads of this process.
 class thread_exchange final : public epoch_exchange {
  public:
   explicit thread_exchange(int world) : m_slots(static_cast<std::size_t>(world)), m_sync(world) {}
-  std::vector<rank_epoch> gather(int rank, int, rank_epoch mine) override {
+  std::vector<rank_epoch> gather(int rank, int, rank_epoch mine, const std::function<void()>&) override {
     m_slots[static_cast<std::size_t>(rank)] = std::move(mine);
     m_sync.arrive_and_wait();
     std::vector<rank_epoch> all;
@@ -172,12 +173,22 @@ class thread_exchange final : public epoch_exchange {
 class bootstrap_exchange final : public epoch_exchange {
  public:
   explicit bootstrap_exchange(std::shared_ptr<bootstrap> boot) : m_boot(std::move(boot)) {}
-  std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine) override {
+  std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine, const std::function<void()>& progress) override {
     m_boot->put(fmt::format("epoch/{}/{}", epoch, rank), pack(mine));
     std::vector<rank_epoch> all;
     if (rank != 0) return all;
-    for (int j = 0; j < m_boot->world(); ++j)
-      all.push_back(unpack(m_boot->get(fmt::format("epoch/{}/{}", epoch, j), fmt::format("rank {}'s model at the end of epoch {}", j, epoch + 1))));
+    for (int j = 0; j < m_boot->world(); ++j) {
+      const auto key = fmt::format("epoch/{}/{}", epoch, j);
+      std::optional<bootstrap::blob> b;
+      gossip::detail::wait_for(
+          [&] {
+            if ((b = m_boot->try_get(key))) return true;
+            progress();  // rank j may be waiting for us to take its message
+            return false;
+          },
+          m_boot->timeout(), [&] { return fmt::format("rank {}'s model at the end of epoch {} (rank 0 evaluating)", j, epoch + 1); });
+      all.push_back(unpack(*b));
+    }
     return all;
   }
 
@@ -265,7 +276,7 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
     rank_epoch mine{loss_sum / steps_per_epoch, net.accuracy(data.test.images.data(), data.test.labels.data(), data.test.size()), eng.weight(),
                     st.bytes_sent, st.messages_sent, st.sends, st.steps, std::vector<float>(net.params().begin(), net.params().end()),
                     last ? st.to_json(-1) : std::string()};
-    const auto all = exchange.gather(r, epoch, std::move(mine));
+    const auto all = exchange.gather(r, epoch, std::move(mine), [&] { eng.poll(); });
     if (r != 0) continue;
     // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
     std::vector<float> avg(all[0].params.size(), 0.0f);

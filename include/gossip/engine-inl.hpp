@@ -15,6 +15,7 @@ inline engine_settings engine_settings::from(const options& o) {
   s.trace_skips_every = static_cast<int>(o.integer("trace_skips_every"));
   s.stats_path = o.string("stats");
   s.finish_rounds = static_cast<int>(o.integer("finish_rounds"));
+  s.wait_when_busy = o.boolean("wait_when_busy");
   if (!(s.timeout.count() > 0))
     throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
   if (s.send_buffers < 1 || s.send_buffers > 16)
@@ -218,7 +219,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     const int next = m_copies_on_post ? m_current : (m_current + 1) % m_settings.send_buffers;
     if (targets.empty()) {
       ++m_stats.no_live_peer;
-    } else if (!m_copies_on_post && m_transport.busy(buffer(next))) {
+    } else if (!m_copies_on_post && m_transport.busy(buffer(next)) && !await_buffer(next)) {
       ++m_stats.send_busy;
     } else {
       std::byte* buf = buffer(next);
@@ -362,6 +363,27 @@ inline void engine::attach_device(const device_backend& backend, bool transport_
   m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
 }
 
+// The policy fired but the next send buffer is still on the wire. By default
+// the send is skipped (counted in send_busy): step() never waits on the
+// network. With wait_when_busy the step waits for it, merging what arrives
+// meanwhile — the behaviour of a synchronous gossip baseline, whose cost then
+// shows in the training time instead of in skipped sends.
+inline bool engine::await_buffer(int i) {
+  if (!m_settings.wait_when_busy) return false;
+  const std::byte* b = buffer(i);
+  const auto t0 = std::chrono::steady_clock::now();
+  detail::wait_for(
+      [&] {
+        if (!m_transport.busy(b)) return true;
+        handle_failures();
+        merge_inbound(m_step);
+        return false;
+      },
+      m_settings.timeout, [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
+  m_stats.busy_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return true;
+}
+
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
@@ -378,6 +400,12 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
   }
   m_transport.release(t);
   return n;
+}
+
+inline std::size_t engine::poll() {
+  if (m_finished || m_copies_on_post) return 0;  // lockstep transports deliver at step boundaries only
+  handle_failures();
+  return merge_inbound(m_step);
 }
 
 inline void engine::flush() {

@@ -49,6 +49,7 @@ struct engine_settings {
   int trace_skips_every = 1;            ///< record every n-th skip; sends are always recorded
   std::string stats_path;               ///< JSON report written by finish(); empty: off
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
+  bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
 
   /// From resolved [engine] options (see engine_option_specs()).
   static engine_settings from(const options& o);
@@ -89,6 +90,12 @@ class engine {
   /// Merge, measure, decide, send, record. Allocation- and lock-free.
   step_result step(const step_info& info = {});
 
+  /// Merges whatever peers sent since the last step, without deciding or
+  /// sending. Call it while the training loop waits on something else (an
+  /// evaluation barrier, a checkpoint): over an asynchronous transport a peer
+  /// may be waiting for this rank to take its message. Returns the count merged.
+  std::size_t poll();
+
   /// Waits (bounded) until no send buffer is referenced by the transport.
   void flush();
 
@@ -115,7 +122,8 @@ class engine {
     return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_message_bytes;
   }
   void handle_failures();
-  std::size_t merge_inbound(std::uint64_t t);  // collect, merge, count, release
+  std::size_t merge_inbound(std::uint64_t t);
+  bool await_buffer(int i);  // collect, merge, count, release
   void merge_received(std::size_t n);
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 

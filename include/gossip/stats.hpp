@@ -36,6 +36,7 @@ struct engine_stats {
   double weight = 1;               ///< push-sum weight
   double step_seconds = 0;         ///< time inside engine.step(), waits included
   double wait_seconds = 0;         ///< of which waiting for peers (collect)
+  double busy_wait_seconds = 0;    ///< of which waiting for a send buffer (wait_when_busy)
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;
   std::vector<int> dead_peers;

@@ -720,6 +720,17 @@ struct ucx_transport::impl {
     }
   }
 
+  bool transfer_under_way() const noexcept {
+    for (const auto& b : buffers)
+      if (b.inflight.load(std::memory_order_relaxed) > 0) return true;
+    for (const auto& src : sources) {
+      if (src.count > 0) return true;
+      for (const auto& rc : src.recv)
+        if (rc.request) return true;
+    }
+    return false;
+  }
+
   void run() noexcept {
     pollfd fds[2] = {{wake_fd, POLLIN, 0}, {worker_fd, POLLIN, 0}};
     const nfds_t nfds = worker_fd >= 0 ? 2 : 1;
@@ -734,8 +745,12 @@ struct ucx_transport::impl {
         if (s == UCS_ERR_BUSY) continue;
       }
       if (q_head.load(std::memory_order_acquire) != q_tail.load(std::memory_order_acquire)) continue;
-      // Bounded sleep: keepalive and release()-freed slots are noticed within it.
-      ::poll(fds, nfds, worker_fd >= 0 ? 10 : 1);
+      // While a transfer is under way, wake often: shared-memory transports
+      // raise no event for a rendezvous step, and a 10 ms nap per step would
+      // throttle back-to-back sends. Idle, sleep long (keepalive still runs).
+      const timespec busy_wait{0, 50'000};
+      const timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
+      ::ppoll(fds, nfds, transfer_under_way() ? &busy_wait : &idle_wait, nullptr);
       if (fds[0].revents & POLLIN) {
         std::uint64_t v;
         [[maybe_unused]] auto n = ::read(wake_fd, &v, sizeof v);
