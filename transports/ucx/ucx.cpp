@@ -732,22 +732,37 @@ struct ucx_transport::impl {
   }
 
   void run() noexcept {
+    using clock = std::chrono::steady_clock;
     pollfd fds[2] = {{wake_fd, POLLIN, 0}, {worker_fd, POLLIN, 0}};
     const nfds_t nfds = worker_fd >= 0 ? 2 : 1;
+    // Not for very large messages: two 16 MiB+ transfers in flight already
+    // saturate memory, and polling then only steals the training's core.
+    const double spin_us = setup.message_bytes >= (std::size_t{16} << 20) ? 0.0 : opt.spin_us;
+    const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(spin_us));
+    auto last_work = clock::now();
     while (!stop.load(std::memory_order_acquire)) {
       bool work = drain_sends();
       work = land_backlog() || work;
       close_dead();
       while (ucp_worker_progress(worker) != 0) work = true;
-      if (work) continue;
+      if (work) {
+        last_work = clock::now();
+        continue;
+      }
+      // Mid-transfer, poll instead of sleeping: each rendezvous step (RTS, RTR,
+      // data, ATS) and each freed slot would otherwise cost a sleep and a
+      // wake-up — tens of µs on a busy core, per message.
+      if (spin.count() > 0 && clock::now() - last_work < spin && transfer_under_way()) {
+        std::this_thread::yield();
+        continue;
+      }
       if (worker_fd >= 0) {
         const ucs_status_t s = ucp_worker_arm(worker);
         if (s == UCS_ERR_BUSY) continue;
       }
       if (q_head.load(std::memory_order_acquire) != q_tail.load(std::memory_order_acquire)) continue;
-      // While a transfer is under way, wake often: shared-memory transports
-      // raise no event for a rendezvous step, and a 10 ms nap per step would
-      // throttle back-to-back sends. Idle, sleep long (keepalive still runs).
+      // While a transfer is under way, wake often so that a missed wake-up
+      // costs 50 µs rather than 10 ms. Idle, sleep long (keepalive still runs).
       const timespec busy_wait{0, 50'000};
       const timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
       ::ppoll(fds, nfds, transfer_under_way() ? &busy_wait : &idle_wait, nullptr);

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# bench/transport — the UCX transport's payload throughput against
+# ucx_perftest -t tag_bw (UCX_TLS=posix,self and tcp, 64 KiB .. 64 MiB), and
+# the step cost of an engine with the `never` policy against the drift pass.
+# Builds the bench, runs it (about 2 minutes), writes DIR/transport.json.
+#
+#   bench/transport/run.sh [BUILD_DIR] [--out DIR] [transport_bench options]
+#   bench/transport/run.sh --reps 5 --sizes 1M 16M
+#
+# Both sides are pinned to the first two CPUs this shell may use (sender,
+# receiver); --pin off to let the scheduler place them. Other load on the
+# machine moves the figures: the JSON records the load average.
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-$SRC/build}; [[ $# -gt 0 && $1 != --* ]] && shift
+OUT=$SRC/results
+args=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --out) OUT=$2; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+ninja -C "$BUILD" bench/transport/transport_bench >/dev/null
+export UCX_NET_DEVICES=lo
+exec "$BUILD/bench/transport/transport_bench" --out "$OUT" "${args[@]}"
