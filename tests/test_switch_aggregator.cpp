@@ -83,7 +83,7 @@ std::vector<std::vector<float>> simulate_sync(int members, std::size_t n, std::u
           const auto c = static_cast<std::size_t>(w.flight[s]);
           const std::size_t len = std::min<std::size_t>(chunk, n - c * chunk);
           packet_header h{.type = packet_type::sync_contribution, .flags = w.ver[s], .group = 7, .worker = static_cast<std::uint16_t>(r),
-                          .slot = static_cast<std::uint16_t>(s), .chunk = static_cast<std::uint32_t>(c), .sequence = static_cast<std::uint64_t>(op)};
+                          .slot = static_cast<std::uint16_t>(s), .chunk = static_cast<std::uint32_t>(c), .sequence = static_cast<std::uint32_t>(op)};
           const auto p = make_packet(h, std::vector<float>(w.in.begin() + static_cast<std::ptrdiff_t>(c * chunk),
                                                            w.in.begin() + static_cast<std::ptrdiff_t>(c * chunk + len)));
           if (lose.drop()) continue;
@@ -203,7 +203,7 @@ TEST_CASE("async applies each delta exactly once under duplication and loss") {
   std::mt19937_64 rng(5);
   drop_injector lose(0.2, 9);
   std::vector<std::vector<double>> model(3, std::vector<double>(n, 0.0));  // what each worker sent in total
-  for (std::uint64_t seq = 1; seq <= 20; ++seq)
+  for (std::uint32_t seq = 1; seq <= 20; ++seq)
     for (std::uint16_t w = 0; w < 3; ++w) {
       std::vector<float> delta(n);
       for (auto& d : delta) d = static_cast<float>(static_cast<int>(rng() % 9) - 4);
@@ -249,6 +249,95 @@ TEST_CASE("async reply is S over the members that joined") {
   CHECK(got == std::vector<float>{4, 7});
 }
 
+TEST_CASE("async sessions: a group is reused run after run, each delta applied once, S holds only joined members") {
+  aggregator agg({group_config{.id = 2, .mode = group_mode::async, .members = 3, .chunk = 4, .elements = 6}});
+  std::vector<float> got;
+  auto sink = [&](std::uint16_t, std::span<const std::byte> r) { got = values_of(std::vector<std::byte>(r.begin(), r.end())); };
+  auto delta = [&](std::uint16_t w, std::uint32_t session, std::uint32_t seq, float v) {
+    for (std::uint32_t c = 0; c < 2; ++c) {
+      packet_header h{.type = packet_type::async_delta, .group = 2, .worker = w, .chunk = c, .sequence = seq, .session = session};
+      CHECK(agg.handle(make_packet(h, std::vector<float>(c == 0 ? 4 : 2, v)), sink) == drop_reason::accepted);
+    }
+  };
+  auto leave = [&](std::uint16_t w, std::uint32_t session) {
+    packet_header h{.type = packet_type::async_leave, .group = 2, .worker = w, .session = session};
+    std::vector<std::byte> p(sizeof h);
+    std::memcpy(p.data(), &h, sizeof h);
+    reply_log log;
+    CHECK(agg.handle(p, log.sink()) == drop_reason::accepted);
+    REQUIRE(log.all.size() == 1);  // always answered: a lost answer is retransmitted
+    CHECK(header_of(log.all[0].second).type == packet_type::async_reply);
+    CHECK(header_of(log.all[0].second).elements == 0);
+    CHECK(log.all[0].second.size() == sizeof(packet_header));
+  };
+  // Run 1: three members, sessions 11..13, two deltas each.
+  for (std::uint16_t w = 0; w < 3; ++w) delta(w, 11 + w, 1, 3.0f * (w + 1));
+  for (std::uint16_t w = 0; w < 3; ++w) delta(w, 11 + w, 2, 3.0f);
+  CHECK(got == std::vector<float>{9, 9});  // S = 3+6+9 + 9 = 27, over 3
+  CHECK(agg.async_joined(2) == 3);
+  // Everyone leaves; the leave is idempotent. S is empty again, exactly.
+  for (std::uint16_t w = 0; w < 3; ++w) leave(w, 11 + w);
+  leave(0, 11);
+  CHECK(agg.async_joined(2) == 0);
+  for (float v : agg.async_sum(2)) CHECK(v == 0.0f);
+  // A late retransmission of a session that left is not applied.
+  packet_header late{.type = packet_type::async_delta, .group = 2, .worker = 1, .chunk = 0, .sequence = 1, .session = 12};
+  CHECK(agg.handle(make_packet(late, std::vector<float>(4, 100.0f)), sink) == drop_reason::stale_session);
+  // Run 2: new sessions, sequence numbers from 1 again — applied, not taken as duplicates.
+  const auto applied = agg.stats().deltas_applied;
+  delta(0, 21, 1, 2.0f);
+  CHECK(got == std::vector<float>{2, 2});
+  delta(1, 22, 1, 4.0f);
+  CHECK(got == std::vector<float>{3, 3});
+  CHECK(agg.stats().deltas_applied == applied + 4);
+  // A new session must start at sequence 1.
+  late = {.type = packet_type::async_delta, .group = 2, .worker = 2, .chunk = 0, .sequence = 2, .session = 23};
+  CHECK(agg.handle(make_packet(late, std::vector<float>(4, 1.0f)), sink) == drop_reason::stale_session);
+  // Worker 1 dies without leaving and comes back as session 32: its old part (4) is replaced.
+  delta(1, 32, 1, 10.0f);
+  CHECK(got == std::vector<float>{6, 6});  // (2 + 10) / 2
+  CHECK(agg.async_joined(2) == 2);
+  const auto s = agg.async_sum(2);
+  for (float v : s) CHECK(v == 12.0f);
+  // Leaving with a session that is not the current one changes nothing.
+  leave(1, 22);
+  CHECK(agg.async_joined(2) == 2);
+  leave(1, 32);
+  leave(0, 21);
+  for (float v : agg.async_sum(2)) CHECK(v == 0.0f);
+}
+
+TEST_CASE("sync sessions: a restarted group is exact after a finished run and after a run cut off mid-all-reduce") {
+  aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 2, .slots = 1}});
+  reply_log log;
+  auto contribute = [&](std::uint16_t w, std::uint32_t session, std::uint32_t seq, std::uint8_t set, float v) {
+    packet_header h{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = 0, .sequence = seq,
+                    .session = session};
+    return agg.handle(make_packet(h, {v, v}), log.sink());
+  };
+  // Run 1: one all-reduce (sequence 1, set 0) completes.
+  contribute(0, 1, 1, 0, 1.0f);
+  contribute(1, 2, 1, 0, 2.0f);
+  REQUIRE(log.all.size() == 2);
+  CHECK(values_of(log.all[0].second) == std::vector<float>{3, 3});
+  // Run 2 repeats sequence 1 on set 0: without sessions it would be taken as a
+  // retransmission and get run 1's result.
+  log.all.clear();
+  CHECK(contribute(0, 3, 1, 0, 5.0f) == drop_reason::accepted);
+  CHECK(log.all.empty());
+  // Run 2 is cut off: worker 1 never contributes. Run 3 starts over.
+  log.all.clear();
+  CHECK(contribute(0, 5, 1, 0, 7.0f) == drop_reason::accepted);
+  CHECK(contribute(1, 6, 1, 0, 8.0f) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 2);
+  CHECK(values_of(log.all[1].second) == std::vector<float>{15, 15});
+  // Each member's result carries that member's session, not the last contributor's.
+  CHECK(log.all[0].first == 0);
+  CHECK(header_of(log.all[0].second).session == 5);
+  CHECK(header_of(log.all[1].second).session == 6);
+  CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::slot_conflict)] == 0);
+}
+
 TEST_CASE("validation: every field, every length; never reads past the datagram") {
   aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 8, .slots = 4},
                   group_config{.id = 2, .mode = group_mode::async, .members = 2, .chunk = 8, .elements = 20}});
@@ -269,7 +358,7 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   h.magic = 0x12345678;
   check(h, 8, drop_reason::bad_magic);
   h = good;
-  h.version = 2;
+  h.version = 9;
   check(h, 8, drop_reason::bad_version);
   h = good;
   h.type = packet_type::sync_result;
@@ -303,6 +392,15 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   check(h, 4, drop_reason::accepted);
   h.sequence = 0;
   check(h, 4, drop_reason::sequence_gap);
+  h.type = packet_type::async_leave;
+  h.chunk = 0;
+  check(h, 0, drop_reason::accepted);
+  check(h, 1, drop_reason::bad_elements);
+  h.chunk = 1;
+  check(h, 0, drop_reason::bad_chunk);
+  h.chunk = 0;
+  h.group = 1;
+  check(h, 0, drop_reason::wrong_mode);
   // Forged element count larger than the datagram.
   h = good;
   auto p = make_packet(h, v);
@@ -310,7 +408,7 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   p.resize(sizeof h + 4);
   std::vector<std::byte> exact(p.begin(), p.end());
   CHECK(agg.handle(exact, [](auto, auto) {}) == drop_reason::bad_length);
-  CHECK(agg.stats().dropped() == 16);
+  CHECK(agg.stats().dropped() == 19);
 }
 
 TEST_CASE("drop injector hits its rate") {

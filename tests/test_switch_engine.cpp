@@ -10,7 +10,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <barrier>
 #include <map>
+#include <mutex>
 #include <thread>
 
 #include "gossip/gossip.hpp"
@@ -51,6 +53,12 @@ class udp_aggregator {
     const auto s = m_agg.async_sum(group);
     return {s.begin(), s.end()};
   }
+  /// S and the members joined, read while serving.
+  std::pair<std::vector<float>, int> live_sum(std::uint16_t group) {
+    std::lock_guard lock(m_mutex);
+    const auto s = m_agg.async_sum(group);
+    return {{s.begin(), s.end()}, m_agg.async_joined(group)};
+  }
 
  private:
   void serve() {
@@ -66,6 +74,7 @@ class udp_aggregator {
       if (m_drop.drop()) continue;
       gossip::sw::packet_header h;
       const std::span<const std::byte> pkt(buf.data(), static_cast<std::size_t>(n));
+      std::lock_guard lock(m_mutex);
       if (m_agg.validate(pkt, h) == gossip::sw::drop_reason::accepted) peers[std::uint32_t{h.group} << 16 | h.worker] = from;
       m_agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> r) {
         if (m_drop.drop()) return;
@@ -74,6 +83,7 @@ class udp_aggregator {
       });
     }
   }
+  std::mutex m_mutex;
   gossip::sw::aggregator m_agg;
   gossip::sw::drop_injector m_drop;
   int m_fd = -1;
@@ -116,6 +126,7 @@ TEST_CASE("periodic policy through the switch: every step is an exact all-reduce
     udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = world, .chunk = 64, .slots = 16}}, drop);
     const auto cfg = switch_config("periodic", agg.port());
     std::vector<std::vector<float>> finals(world);
+    for (int run = 0; run < 2; ++run)  // the second run reuses the group (new sessions)
     gossip::test::run_ranks(world, [&](int r) {
       std::vector<float> x(n);
       for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>((i + 3 * static_cast<std::size_t>(r)) % 17) * 3.0f;  // sums divisible by 3
@@ -158,33 +169,49 @@ TEST_CASE("adaptive policy through the switch: every delta applied exactly once,
     if (adaptive) cfg.apply_override("policy.threshold=1e-9");
     else cfg.apply_override("transport.mode=\"async\"");
     std::vector<std::vector<float>> finals(world), hats(world);
-    gossip::test::run_ranks(world, [&](int r) {
-      std::vector<float> x(n);
-      for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
-      gossip::model_view view;
-      view.add("w", x);
-      gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
-      for (int s = 0; s < 80; ++s) {
-        e.step();
-        e.flush();
-        if (s % 4 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // Two runs on the same group: the second one's sequence numbers restart
+    // at 1 in new sessions, after the first run's members left.
+    for (int run = 0; run < 2; ++run) {
+      CAPTURE(run);
+      std::pair<std::vector<float>, int> live;
+      std::barrier all_sent(world);
+      gossip::test::run_ranks(world, [&](int r) {
+        std::vector<float> x(n);
+        for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+        gossip::model_view view;
+        view.add("w", x);
+        gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
+        for (int s = 0; s < 80; ++s) {
+          e.step();
+          e.flush();
+          if (s % 4 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        all_sent.arrive_and_wait();
+        if (r == 0) live = agg.live_sum(1);
+        all_sent.arrive_and_wait();
+        e.finish(0);
+        finals[static_cast<std::size_t>(r)] = x;
+        hats[static_cast<std::size_t>(r)].assign(e.snapshot().begin(), e.snapshot().end());
+      });
+      // Exactly once: while every member is joined, the switch's S is the sum
+      // of what every member last sent (its x̂); a delta applied twice or
+      // never, or one left over from the previous run, would break this.
+      CHECK(live.second == world);
+      for (std::size_t i = 0; i < n; ++i) {
+        double ref = 0;
+        for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
+        REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
       }
-      e.finish(0);
-      finals[static_cast<std::size_t>(r)] = x;
-      hats[static_cast<std::size_t>(r)].assign(e.snapshot().begin(), e.snapshot().end());
-    });
+      // After every member left, S is empty, exactly.
+      const auto after = agg.live_sum(1);
+      CHECK(after.second == 0);
+      for (float v : after.first) REQUIRE(v == 0.0f);
+    }
     const auto st = agg.stats();
     CHECK(st.drops[static_cast<std::size_t>(gossip::sw::drop_reason::sequence_gap)] == 0);
+    CHECK(st.drops[static_cast<std::size_t>(gossip::sw::drop_reason::stale_session)] == 0);
     CHECK(st.deltas_applied > 0);
     if (drop > 0) CHECK(st.retransmissions_seen > 0);
-    // Exactly once: the switch's S is the sum of what every member last sent
-    // (its x̂); a delta applied twice or never would break this.
-    const auto sum = agg.sum(1);
-    for (std::size_t i = 0; i < n; ++i) {
-      double ref = 0;
-      for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
-      REQUIRE(sum[i] == doctest::Approx(ref).epsilon(1e-5));
-    }
     // Consensus: every member ends near the others, inside the initial range.
     for (std::size_t i = 0; i < n && !adaptive; ++i) {
       float lo = finals[0][i], hi = finals[0][i];

@@ -11,7 +11,8 @@
 # Pinning (2 cores): the aggregator on CPU 1, the workers on CPU 0.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-BUILD=${1:-$SRC/build}; [[ $# -gt 0 && $1 != --* ]] && shift
+BUILD=$SRC/build
+if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
 N=2; SIZES="4K 64K 1M 16M 64M"; REPS=3; OUT=$SRC/results; WINDOW=128
 while [[ $# -gt 0 ]]; do
   case $1 in

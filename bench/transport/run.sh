@@ -12,7 +12,8 @@
 # machine moves the figures: the JSON records the load average.
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
-BUILD=${1:-$SRC/build}; [[ $# -gt 0 && $1 != --* ]] && shift
+BUILD=$SRC/build
+if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
 OUT=$SRC/results
 args=()
 while [[ $# -gt 0 ]]; do

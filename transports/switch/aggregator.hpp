@@ -22,13 +22,33 @@
 /// copy can be reused once every member moved on.
 ///
 /// Async groups (shared aggregate): S holds, per chunk, the sum of every
-/// member's last-sent model. A delta with sequence k from worker w on chunk c
-/// is applied iff k is the next one expected for (w, c); an older k is a
-/// duplicate (not applied, answered); a newer one means an earlier delta was
-/// never applied and is dropped (sequence_gap) — the client only sends k + 1
-/// after k was acknowledged. The reply carries S / joined for the chunk, where
-/// joined counts the members whose first delta for the chunk was applied (a
-/// first delta is the full model, sent against x̂ = 0).
+/// member's last-sent model, and the switch keeps each member's part of it
+/// (the sum of its applied deltas, members × elements floats). A delta with
+/// sequence k from worker w on chunk c is applied iff k is the next one
+/// expected for (w, c); an older k is a duplicate (not applied, answered); a
+/// newer one means an earlier delta was never applied and is dropped
+/// (sequence_gap) — the client only sends k + 1 after k was acknowledged. The
+/// reply carries S / joined for the chunk, where joined counts the members
+/// whose first delta for the chunk was applied (a first delta is the full
+/// model, sent against x̂ = 0).
+///
+/// Sessions (every packet carries its sender's session id) make a group
+/// reusable by one run after another, and a crashed worker replaceable:
+///  - async: a member leaves with async_leave, which takes its part out of S
+///    (S of each chunk is re-summed from the remaining parts, so S is exactly
+///    what the members still joined have sent) and drops its sequence state.
+///    A delta from a session other than the member's current one joins, and
+///    must have sequence 1: the member's old part is taken out as by a leave
+///    (a worker that died without leaving is replaced), its sequence numbers
+///    restart at 1. Any other delta of a foreign session — a late packet of a
+///    session that left or was replaced — is dropped (stale_session). A leave
+///    is answered always (it is idempotent) and acts only on the current session.
+///  - sync: the first contribution of a new session clears the member's bit
+///    in every completed set and discards every set still in progress that
+///    holds its contribution (that all-reduce can no longer complete).
+/// So each delta is applied exactly once within its session, and S is always
+/// the sum of the last-sent models of the members currently joined. Members
+/// that died without leaving stay in S until their id rejoins.
 ///
 /// Not thread-safe: one polling thread owns an aggregator.
 #include <algorithm>
@@ -163,9 +183,11 @@ class aggregator {
         st->pool.assign(2 * static_cast<std::size_t>(g.slots) * g.chunk, 0.0f);
       } else {
         st->sum.assign(g.elements, 0.0f);
+        st->part.assign(static_cast<std::size_t>(g.members) * g.elements, 0.0f);
         st->next_seq.assign(static_cast<std::size_t>(g.members) * g.chunks(), 1);
         st->joined.assign(g.chunks(), 0);
       }
+      st->sessions.resize(g.members);
       m_groups.push_back(std::move(st));
     }
   }
@@ -186,17 +208,34 @@ class aggregator {
     return g ? std::span<const float>(g->sum) : std::span<const float>{};
   }
 
+  /// Members of async group `id` whose session is joined (tests and checks).
+  std::uint16_t async_joined(std::uint16_t id) const noexcept {
+    const auto* g = const_cast<aggregator*>(this)->find(id);
+    std::uint16_t n = 0;
+    if (g)
+      for (const auto& m : g->sessions) n += m.state == member_session::joined;
+    return n;
+  }
+
   /// Checks a datagram against the group configuration; reads nothing past `pkt`.
   drop_reason validate(std::span<const std::byte> pkt, packet_header& h) const noexcept {
     if (!read_header(pkt.data(), pkt.size(), h)) return drop_reason::too_short;
     if (h.magic != packet_header::magic_value) return drop_reason::bad_magic;
     if (h.version != packet_header::version_value) return drop_reason::bad_version;
-    if (h.type != packet_type::sync_contribution && h.type != packet_type::async_delta) return drop_reason::bad_type;
+    if (h.type != packet_type::sync_contribution && h.type != packet_type::async_delta && h.type != packet_type::async_leave)
+      return drop_reason::bad_type;
     const auto* g = const_cast<aggregator*>(this)->find(h.group);
     if (!g) return drop_reason::unknown_group;
     const auto& c = g->cfg;
     if ((h.type == packet_type::sync_contribution) != (c.mode == group_mode::sync)) return drop_reason::wrong_mode;
     if (h.worker >= c.members) return drop_reason::bad_worker;
+    if (h.type == packet_type::async_leave) {
+      if (h.elements != 0) return drop_reason::bad_elements;
+      if (pkt.size() != sizeof(packet_header)) return drop_reason::bad_length;
+      if (h.chunk != 0) return drop_reason::bad_chunk;
+      if (h.slot != 0 || h.flags != 0) return drop_reason::bad_slot;
+      return drop_reason::accepted;
+    }
     if (h.elements == 0 || h.elements > c.chunk) return drop_reason::bad_elements;
     if (pkt.size() != packet_bytes(h.elements)) return drop_reason::bad_length;
     if (c.elements != 0) {
@@ -222,7 +261,9 @@ class aggregator {
     if (why == drop_reason::accepted) {
       auto& g = *find(h.group);
       const auto* values = pkt.data() + sizeof(packet_header);
-      why = g.cfg.mode == group_mode::sync ? handle_sync(g, h, values, emit) : handle_async(g, h, values, emit);
+      why = h.type == packet_type::sync_contribution ? handle_sync(g, h, values, emit)
+            : h.type == packet_type::async_delta     ? handle_async(g, h, values, emit)
+                                                      : handle_leave(g, h, emit);
     }
     ++m_stats.drops[static_cast<std::size_t>(why)];
     return why;
@@ -238,11 +279,19 @@ class aggregator {
     std::uint32_t chunk = 0;
     std::uint64_t sequence = 0;
   };
+  struct member_session {
+    enum state_t : std::uint8_t { none, joined, left };
+    std::uint32_t id = 0;
+    state_t state = none;
+    bool current(std::uint32_t session) const noexcept { return state == joined && id == session; }
+  };
   struct group_state {
     group_config cfg;
+    std::vector<member_session> sessions; // [worker]
     std::vector<slot_set> sets;          // [set · slots + slot]
     std::vector<float> pool;             // same index, × chunk
     std::vector<float> sum;              // async S
+    std::vector<float> part;             // async [worker · elements]: the member's share of S
     std::vector<std::uint64_t> next_seq; // async [worker · chunks + chunk]
     std::vector<std::uint16_t> joined;   // async, per chunk
   };
@@ -259,7 +308,7 @@ class aggregator {
     r.worker = worker;
     r.elements = n;
     std::memcpy(m_reply.data(), &r, sizeof r);
-    std::memcpy(m_reply.data() + sizeof r, values, n * sizeof(float));
+    if (n) std::memcpy(m_reply.data() + sizeof r, values, n * sizeof(float));
     ++m_stats.replies;
     emit(worker, std::span<const std::byte>(m_reply.data(), packet_bytes(n)));
   }
@@ -275,11 +324,13 @@ class aggregator {
     packet_header out = h;
     out.type = packet_type::sync_result;
     out.count = c.members;
-    if ((s.seen & bit) && s.complete && (s.chunk != h.chunk || s.sequence != h.sequence)) {
-      // Within a session a worker's bit is cleared before it reuses a set, so
-      // this is a new session (workers restarted after a finished run): the set
-      // starts over.
-      s.seen = 0;
+    if (auto& m = g.sessions[h.worker]; !m.current(h.session)) {
+      for (auto& other : g.sets) {
+        if (!(other.seen & bit)) continue;
+        if (other.complete) other.seen &= ~bit;
+        else other = slot_set{};  // holds the old session's contribution: it can never complete
+      }
+      m = {h.session, member_session::joined};
     }
     if (s.seen & bit) {
       ++m_stats.retransmissions_seen;
@@ -305,7 +356,10 @@ class aggregator {
     if (++s.count == c.members) {
       s.complete = true;
       ++m_stats.aggregations_completed;
-      for (std::uint16_t w = 0; w < c.members; ++w) reply(out, acc, s.elements, w, emit);
+      for (std::uint16_t w = 0; w < c.members; ++w) {
+        out.session = g.sessions[w].id;  // each member's result carries its own session
+        reply(out, acc, s.elements, w, emit);
+      }
     }
     return drop_reason::accepted;
   }
@@ -313,13 +367,21 @@ class aggregator {
   template <class Emit>
   drop_reason handle_async(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
     const auto& c = g.cfg;
+    if (auto& m = g.sessions[h.worker]; !m.current(h.session)) {
+      if (h.sequence != 1 || (m.state == member_session::left && m.id == h.session)) return drop_reason::stale_session;
+      remove_member(g, h.worker);
+      m = {h.session, member_session::joined};
+    }
     auto& next = g.next_seq[static_cast<std::size_t>(h.worker) * c.chunks() + h.chunk];
     if (h.sequence > next) return drop_reason::sequence_gap;
-    float* s = g.sum.data() + static_cast<std::size_t>(h.chunk) * c.chunk;
+    const std::size_t offset = static_cast<std::size_t>(h.chunk) * c.chunk;
+    float* s = g.sum.data() + offset;
+    float* part = g.part.data() + static_cast<std::size_t>(h.worker) * c.elements + offset;
     if (h.sequence == next) {
       float v[max_chunk];
       std::memcpy(v, values, h.elements * sizeof(float));
       for (std::size_t i = 0; i < h.elements; ++i) s[i] += v[i];
+      for (std::size_t i = 0; i < h.elements; ++i) part[i] += v[i];
       if (next == 1) ++g.joined[h.chunk];
       ++next;
       ++m_stats.deltas_applied;
@@ -336,6 +398,41 @@ class aggregator {
     out.count = joined;
     reply(out, avg, h.elements, h.worker, emit);
     return drop_reason::accepted;
+  }
+
+  template <class Emit>
+  drop_reason handle_leave(group_state& g, const packet_header& h, Emit& emit) {
+    auto& m = g.sessions[h.worker];
+    if (m.current(h.session)) {
+      remove_member(g, h.worker);
+      m.state = member_session::left;
+    }
+    packet_header out = h;
+    out.type = packet_type::async_reply;
+    out.count = async_joined(g.cfg.id);
+    reply(out, nullptr, 0, h.worker, emit);
+    return drop_reason::accepted;
+  }
+
+  // Takes worker w's part out of S: every chunk it joined is re-summed from the
+  // other members' parts (exact: S is then what they sent, in member order),
+  // and its sequence numbers restart at 1.
+  static void remove_member(group_state& g, std::uint16_t w) {
+    const auto& c = g.cfg;
+    for (std::uint64_t k = 0; k < c.chunks(); ++k) {
+      auto& next = g.next_seq[static_cast<std::size_t>(w) * c.chunks() + k];
+      if (next == 1) continue;
+      next = 1;
+      --g.joined[k];
+      const std::size_t offset = k * c.chunk, len = c.chunk_length(k);
+      std::fill_n(g.part.data() + static_cast<std::size_t>(w) * c.elements + offset, len, 0.0f);
+      float* s = g.sum.data() + offset;
+      std::fill_n(s, len, 0.0f);
+      for (std::size_t v = 0; v < c.members; ++v) {
+        const float* p = g.part.data() + v * c.elements + offset;
+        for (std::size_t i = 0; i < len; ++i) s[i] += p[i];
+      }
+    }
   }
 
   std::vector<std::unique_ptr<group_state>> m_groups;

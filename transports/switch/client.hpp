@@ -7,8 +7,15 @@
 ///     gossip::sw::client c({.address = "10.77.0.1", .group = 1, .worker = rank, .members = 4});
 ///     c.allreduce(x, sum);           // sync group: sum = Σ over members of x
 ///     c.push_delta(d, average);      // async group: S += d, average = S / joined
+///     c.leave();                     // async group: take this member's part out of S
 ///
-/// Both calls block until every chunk is answered, or throw
+/// Each client is one session of its member (a random id in every packet):
+/// a new client for the same worker id rejoins the group, and the switch
+/// drops what the previous session of that member contributed (see
+/// aggregator.hpp). leave() ends the session; a later push_delta() starts a
+/// new one.
+///
+/// The calls block until every chunk is answered, or throw
 /// gossip::timeout_error after `timeout_s` naming the group, worker, chunk and
 /// switch address. Chunks are pipelined: `window` packets in flight (at most
 /// the switch's slots per set in sync mode).
@@ -19,9 +26,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -46,6 +55,7 @@ struct client_config {
   double rto_s = 0.005;               ///< first retransmission timeout
   double rto_max_s = 0.2;
   double timeout_s = 30;              ///< bound on one call
+  std::uint32_t session = 0;          ///< 0: draw a random one
 };
 
 struct client_counters {
@@ -83,6 +93,7 @@ class client {
       throw config_error(fmt::format("switch client: switch address '{}' is not an IPv4 address", m_cfg.address));
     if (::connect(m_fd, reinterpret_cast<sockaddr*>(&remote), sizeof remote) != 0)
       throw transport_error(fmt::format("switch client (worker {}): connect {}:{}: {}", m_cfg.worker, m_cfg.address, m_cfg.port, std::strerror(errno)));
+    m_session = m_cfg.session ? m_cfg.session : new_session();
     m_ver.assign(m_cfg.window, 0);
     m_flight.resize(m_cfg.window);
     m_tx.resize(batch * max_packet_bytes);
@@ -102,6 +113,7 @@ class client {
       m_rx = std::move(o.m_rx);
       m_sync_ops = o.m_sync_ops;
       m_async_seq = o.m_async_seq;
+      m_session = o.m_session;
       m_counters = o.m_counters;
     }
     return *this;
@@ -122,6 +134,52 @@ class client {
     run(packet_type::async_delta, delta, average, m_async_seq);
   }
 
+  /// Async group: ends this session; the switch takes this member's part out
+  /// of S. Retransmits until answered, at most `timeout_s` (0: the config's);
+  /// throws gossip::timeout_error naming the switch. A later push_delta()
+  /// joins again as a new session (its first delta must be the whole model).
+  void leave(double timeout_s = 0) {
+    using clock = std::chrono::steady_clock;
+    if (timeout_s <= 0) timeout_s = m_cfg.timeout_s;
+    const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+    packet_header h;
+    h.type = packet_type::async_leave;
+    h.group = m_cfg.group;
+    h.worker = m_cfg.worker;
+    h.session = m_session;
+    double rto = m_cfg.rto_s;
+    for (bool answered = false; !answered;) {
+      if (clock::now() > deadline)
+        throw timeout_error(fmt::format("timed out after {:.1f} s waiting for the switch at {}:{} to answer the leave of worker {} (group {})",
+                                        timeout_s, m_cfg.address, m_cfg.port, m_cfg.worker, m_cfg.group));
+      if (::send(m_fd, &h, sizeof h, 0) == static_cast<ssize_t>(sizeof h)) {
+        ++m_counters.packets_sent;
+        m_counters.bytes_sent += sizeof h;
+      }
+      pollfd pfd{m_fd, POLLIN, 0};
+      if (::poll(&pfd, 1, std::max(1, static_cast<int>(rto * 1000))) > 0) {
+        std::array<std::byte, max_packet_bytes + 64> buf;
+        for (ssize_t len; (len = ::recv(m_fd, buf.data(), buf.size(), MSG_DONTWAIT)) > 0;) {
+          ++m_counters.packets_received;
+          m_counters.bytes_received += static_cast<std::uint64_t>(len);
+          packet_header r;
+          if (read_header(buf.data(), static_cast<std::size_t>(len), r) && r.magic == packet_header::magic_value &&
+              r.version == packet_header::version_value && r.type == packet_type::async_reply && r.elements == 0 &&
+              static_cast<std::size_t>(len) == sizeof r && r.session == m_session && r.worker == m_cfg.worker && r.group == m_cfg.group)
+            answered = true;
+          else
+            ++m_counters.stale;
+        }
+      }
+      rto = std::min(rto * 2, m_cfg.rto_max_s);
+    }
+    m_session = new_session();
+    m_async_seq = 0;
+  }
+
+  /// This session's id (in every packet).
+  std::uint32_t session() const noexcept { return m_session; }
+
   const client_counters& counters() const noexcept { return m_counters; }
   const client_config& config() const noexcept { return m_cfg; }
 
@@ -133,6 +191,13 @@ class client {
     std::chrono::steady_clock::time_point due{};
     double rto = 0;
   };
+
+  static std::uint32_t new_session() {
+    std::random_device rd;
+    const auto t = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+    const std::uint32_t s = rd() ^ static_cast<std::uint32_t>(t ^ (t >> 32));
+    return s ? s : 1;
+  }
 
   void close() noexcept {
     if (m_fd >= 0) ::close(m_fd);
@@ -190,7 +255,8 @@ class client {
       h.slot = sync ? static_cast<std::uint16_t>(slot) : 0;
       h.elements = len;
       h.chunk = chunk;
-      h.sequence = sequence;
+      h.sequence = static_cast<std::uint32_t>(sequence);
+      h.session = m_session;
       std::byte* p = m_tx.data() + pending * max_packet_bytes;
       std::memcpy(p, &h, sizeof h);
       std::memcpy(p + sizeof h, in.data() + off, len * sizeof(float));
@@ -251,7 +317,7 @@ class client {
           }
           std::size_t slot = 0;
           bool match = false;
-          if (h.sequence == sequence && h.chunk < chunks) {
+          if (h.sequence == static_cast<std::uint32_t>(sequence) && h.session == m_session && h.chunk < chunks) {
             if (sync) {
               slot = h.chunk % m_flight.size();
               match = h.slot == slot && m_flight[slot].active && m_flight[slot].chunk == h.chunk && h.flags == m_ver[slot];
@@ -311,6 +377,7 @@ class client {
   std::vector<flight> m_flight;
   std::vector<std::byte> m_tx, m_rx;
   std::uint64_t m_sync_ops = 0, m_async_seq = 0;
+  std::uint32_t m_session = 0;
   client_counters m_counters;
 };
 

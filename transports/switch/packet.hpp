@@ -6,17 +6,24 @@
 ///
 ///     offset  size  field
 ///          0     4  magic      "GSW1" (0x31575347)
-///          4     1  version    1
-///          5     1  type       sync_contribution | sync_result | async_delta | async_reply
+///          4     1  version    2
+///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave
 ///          6     1  flags      bit 0: shadow set of the slot (sync)
 ///          7     1  reserved   0
 ///          8     2  group      aggregation group id (configured on the switch)
 ///         10     2  worker     member id within the group, 0..members-1
 ///         12     2  slot       sync: slot index = chunk % slots; async: 0
-///         14     2  elements   float32 values that follow, 1..chunk size of the group
+///         14     2  elements   float32 values that follow: 1..chunk size of the group (0 for async_leave and its reply)
 ///         16     4  chunk      chunk index within the model (offset = chunk * chunk size)
 ///         20     4  count      replies: members aggregated (sync) or joined (async)
-///         24     8  sequence   sync: all-reduce number; async: per-chunk delta number (from 1)
+///         24     4  sequence   sync: all-reduce number; async: per-chunk delta number (from 1)
+///         28     4  session    the sender's session: a random id a worker draws when it (re)joins
+///
+/// Sessions make a group reusable by run after run: sequence numbers restart
+/// at 1 with every new session, and the switch resets a member's state when
+/// it sees a session it does not hold for that member (the rules are in
+/// aggregator.hpp). A reply carries the session of the member it goes to.
+/// Sequence numbers are 32 bits: 2^32 deltas per chunk and session.
 ///
 ///     gossip::sw::packet_header h{.type = gossip::sw::packet_type::sync_contribution, .group = 1, .worker = 0};
 ///     const std::size_t bytes = gossip::sw::packet_bytes(h.elements);
@@ -39,11 +46,17 @@ inline constexpr std::uint16_t default_chunk = 256;
 /// The largest chunk that fits a 1500-byte MTU: (1500 − 20 IPv4 − 8 UDP − 32) / 4.
 inline constexpr std::uint16_t max_chunk = 360;
 
-enum class packet_type : std::uint8_t { sync_contribution = 1, sync_result = 2, async_delta = 3, async_reply = 4 };
+enum class packet_type : std::uint8_t {
+  sync_contribution = 1,
+  sync_result = 2,
+  async_delta = 3,
+  async_reply = 4,
+  async_leave = 5,  ///< header only: remove my contribution from S; answered by an async_reply of 0 elements
+};
 
 struct packet_header {
   static constexpr std::uint32_t magic_value = 0x31575347;  // "GSW1"
-  static constexpr std::uint8_t version_value = 1;
+  static constexpr std::uint8_t version_value = 2;
   std::uint32_t magic = magic_value;
   std::uint8_t version = version_value;
   packet_type type = packet_type::sync_contribution;
@@ -55,7 +68,8 @@ struct packet_header {
   std::uint16_t elements = 0;
   std::uint32_t chunk = 0;
   std::uint32_t count = 0;
-  std::uint64_t sequence = 0;
+  std::uint32_t sequence = 0;
+  std::uint32_t session = 0;
 };
 static_assert(sizeof(packet_header) == 32);
 
@@ -72,13 +86,14 @@ enum class drop_reason : std::uint8_t {
   bad_type,       ///< not a type a worker sends
   unknown_group,
   bad_worker,     ///< worker id >= members of the group
-  bad_elements,   ///< 0, above the group's chunk size, or not the chunk's exact length
+  bad_elements,   ///< 0 (but for async_leave), above the group's chunk size, or not the chunk's exact length
   bad_length,     ///< datagram size != header + elements·4 (truncated or oversized)
   bad_chunk,      ///< chunk outside the group's model
   bad_slot,       ///< slot >= slots of the group, or != chunk % slots
   wrong_mode,     ///< sync packet to an async group or the reverse
   sequence_gap,   ///< async delta from the future: an earlier one was never applied
   slot_conflict,  ///< sync slot busy with another chunk or all-reduce
+  stale_session,  ///< async delta of a session that left, or of a new session with sequence != 1
   injected,       ///< dropped on purpose (loss injection)
   not_ipv4,       ///< switch only: not IPv4 (nor ARP)
   bad_ip,         ///< switch only: IPv4 header invalid, fragmented or truncated
@@ -94,7 +109,7 @@ inline constexpr std::size_t drop_reason_count = static_cast<std::size_t>(drop_r
 inline constexpr std::string_view to_string(drop_reason r) noexcept {
   constexpr std::array<std::string_view, drop_reason_count> names = {
       "accepted",   "too_short",    "bad_magic",     "bad_version", "bad_type",   "unknown_group", "bad_worker",   "bad_elements",
-      "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "injected", "not_ipv4",
+      "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "stale_session", "injected", "not_ipv4",
       "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full"};
   const auto i = static_cast<std::size_t>(r);
   return i < names.size() ? names[i] : "?";

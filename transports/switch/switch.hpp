@@ -19,10 +19,19 @@
 ///
 /// Every rank is member `rank` of switch group `group`, which must be
 /// configured on the switch with `members = world` — in async mode also with
-/// `elements` = the model's float32 count.
+/// `elements` = the model's float32 count. `sync_group` / `async_group` pick a
+/// group per mode instead, so one config serves periodic and adaptive runs
+/// (bench/traffic runs both against one switch).
+///
+/// Runs reuse groups: each transport is a new session of its member at the
+/// switch (see transports/switch/aggregator.hpp). In async mode leave() (the
+/// engine's finish) takes this member's model out of the switch's S, so the
+/// next run starts from an empty aggregate; a rank that dies without leaving
+/// is replaced when its id joins again.
 ///
 /// post() queues the send buffer for a progress thread and returns; the
-/// buffer stays busy() until every chunk is answered. The thread runs one
+/// buffer stays busy() until every chunk is answered (async: every buffer,
+/// until the reply was merged too — one delta in flight per member). The thread runs one
 /// operation at a time: sync — an all-reduce of the model, whose mean lands in
 /// the engine's inbox; async — S += delta at the switch, whose reply S/n
 /// lands there. collect() returns completed replies (sender −1: the switch).
@@ -58,6 +67,8 @@ inline const std::vector<option_spec>& switch_option_specs() {
       {"address", std::string("127.0.0.1"), "IPv4 address of gossip-switch (or gossip-switch-udp)", "GOSSIP_SWITCH_ADDRESS"},
       {"port", std::int64_t{sw::default_port}, "its UDP port", "GOSSIP_SWITCH_PORT"},
       {"group", std::int64_t{1}, "aggregation group id (configured on the switch with members = world)", "GOSSIP_SWITCH_GROUP"},
+      {"sync_group", std::int64_t{-1}, "group for sync mode (-1: group)"},
+      {"async_group", std::int64_t{-1}, "group for async mode, configured with elements = the model's size (-1: group)"},
       {"mode", std::string("auto"), "sync, async, or auto (periodic policy: sync; others: async)"},
       {"chunk", std::int64_t{sw::default_chunk}, "float32 values per packet (the group's chunk)"},
       {"window", std::int64_t{128}, "packets in flight (sync: the group's slots)"},
@@ -148,6 +159,11 @@ class switch_transport {
   bool busy(const std::byte* buffer) const noexcept {
     const auto& st = *m_state;
     const auto head = st.head.load(std::memory_order_relaxed);
+    // Async: one delta in flight, and its reply merged before the next delta
+    // is cut — every buffer is busy until then. The merge z += γ(m − x̂) is
+    // right only with the x̂ of the send that m answers; a second delta sent
+    // meanwhile would move x̂ and make the merge drop local progress.
+    if (!st.cfg.sync) return st.tail.load(std::memory_order_acquire) != head || st.collected < st.done.load(std::memory_order_acquire);
     for (auto i = st.tail.load(std::memory_order_acquire); i < head; ++i)
       if (st.jobs[i % st.jobs.size()].buffer == buffer) return true;
     return false;
@@ -162,7 +178,20 @@ class switch_transport {
     st.rethrow();
   }
 
-  void leave() { stop(); }
+  /// Stops the progress thread; in async mode also leaves the group (bounded
+  /// by min(timeout_s, 5 s); best effort: if the switch does not answer, the
+  /// member's part stays in S until this rank joins again).
+  void leave() {
+    if (!m_state) return;
+    stop();
+    auto& st = *m_state;
+    if (st.cfg.sync || !st.client || st.left || st.failed.load()) return;
+    st.left = true;
+    try {
+      st.client->leave(std::min(st.cfg.client.timeout_s, 5.0));
+    } catch (const timeout_error&) {
+    }
+  }
 
   transport_capabilities capabilities() const noexcept {
     return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .name = "switch"};
@@ -200,6 +229,7 @@ class switch_transport {
     std::array<job, 4> jobs{};
     std::atomic<std::uint64_t> head{0}, tail{0}, done{0};
     std::atomic<bool> stop{false}, failed{false};
+    bool left = false;
     std::exception_ptr error;
     std::atomic<std::uint64_t> wire_bytes_sent{0}, wire_bytes_received{0}, retransmits{0};
     // Engine thread only.
@@ -306,6 +336,7 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   s.client.address = o.string("address");
   s.client.port = static_cast<std::uint16_t>(in_range("port", 1, 65535));
   s.client.group = static_cast<std::uint16_t>(in_range("group", 0, 65535));
+  if (const auto g = in_range(s.sync ? "sync_group" : "async_group", -1, 65535); g >= 0) s.client.group = static_cast<std::uint16_t>(g);
   s.client.chunk = static_cast<std::uint16_t>(in_range("chunk", 1, sw::max_chunk));
   s.client.window = static_cast<std::uint16_t>(in_range("window", 1, 4096));
   s.client.rto_s = o.real("rto_ms") / 1000;

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# gossip-switch and DPDK workers (switch_memif_client) over net_memif: the
+# switch holds one server vdev per worker, the client one client vdev per
+# worker on the same socket; both --no-huge, pinned to different cores.
+# Sync all-reduces of 2 and 3 workers must equal the reference sum.
+# Usage: test_switch_memif.sh BUILD_DIR_OF_SWITCH. Exits 77 (skip) where the
+# binaries are missing or EAL cannot start.
+set -uo pipefail
+B=${1:?build dir of transports/switch}
+for exe in gossip-switch switch_memif_client; do
+  [[ -x $B/$exe ]] || { echo "SKIP: $B/$exe not built"; exit 77; }
+done
+TMP=$(mktemp -d /tmp/gsw-memif.XXXXXX)
+SW=
+cleanup() {
+  if [[ -n $SW ]] && kill -0 "$SW" 2>/dev/null; then kill -INT "$SW"; sleep 0.5; kill -KILL "$SW" 2>/dev/null; fi
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 1' INT TERM
+EAL=(--no-huge -m 512 --no-pci --no-shconf --no-telemetry)
+# The cores: switch on the last one, client on the first (the same one on a 1-core machine).
+LAST=$(($(nproc) - 1))
+vdevs() {  # $1 role, $2 workers
+  local i
+  for ((i = 0; i < $2; i++)); do printf -- '--vdev=net_memif%d,role=%s,id=%d,socket=%s/gsw.sock,socket-abstract=no ' "$i" "$1" "$i" "$TMP"; done
+}
+fail=0
+for n in 2 3; do
+  echo "== $n DPDK workers over net_memif"
+  rm -f "$TMP/gsw.sock"
+  timeout 60 "$B/gossip-switch" -l "$LAST" "${EAL[@]}" $(vdevs server "$n") \
+    -- --ip 10.77.0.1 --group "id=1,mode=sync,members=$n,slots=64" --link-wait 0 --stats-json "$TMP/switch-$n.json" >"$TMP/switch-$n.log" 2>&1 &
+  SW=$!
+  for _ in $(seq 100); do
+    grep -q "polling on lcore" "$TMP/switch-$n.log" && break
+    kill -0 "$SW" 2>/dev/null || break
+    sleep 0.1
+  done
+  if ! grep -q "polling on lcore" "$TMP/switch-$n.log"; then
+    cat "$TMP/switch-$n.log"
+    if grep -q "EAL init failed\|Cannot create\|cannot create" "$TMP/switch-$n.log"; then echo "SKIP: DPDK EAL or memif cannot start here"; exit 77; fi
+    echo "FAIL: gossip-switch did not start"; exit 1
+  fi
+  timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$n") \
+    -- --ip 10.77.0.1 --group 1 --window 64 --elements 200000 --reps 3 --timeout 20 || { echo "FAIL: switch_memif_client ($n workers)"; fail=1; }
+  kill -INT "$SW"
+  for _ in $(seq 50); do kill -0 "$SW" 2>/dev/null || break; sleep 0.1; done
+  wait "$SW" 2>/dev/null
+  SW=
+  tail -3 "$TMP/switch-$n.log"
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); d={k:v for k,v in s["drops"].items() if v}; print("switch drops:", d or "none"); sys.exit(1 if d else 0)' \
+    "$TMP/switch-$n.json" || { echo "FAIL: the switch dropped packets"; fail=1; }
+done
+[[ $fail == 0 ]] && echo "PASS" || echo "FAILED"
+exit $fail
