@@ -597,3 +597,37 @@ TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total
     check_all_ok(out);
   }
 }
+
+TEST_CASE("ucx: kill -9 of one rank mid-training; the other engines finish, exit 0 and report it") {
+  require_ucx();
+  for (const char* tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(3, tls, 90, [&](int r) {
+      auto boot = std::make_shared<bootstrap>(r, 3, "127.0.0.1", port, std::chrono::duration<double>(30.0));
+      test::toy_model m({2000, 100}, 1);
+      engine e(m.view, r, 3, test::spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "complete", "push-sum", 30),
+               ucx_transport(boot));
+      for (int s = 0; s < 150; ++s) {
+        if (r == 2 && s == 40) ::raise(SIGKILL);  // mid-training, no goodbye
+        for (auto& v : m.tensors[0]) v += 0.001f * static_cast<float>(r + 1);
+        e.step({.lr = 0.1});
+        std::this_thread::sleep_for(2ms);
+      }
+      e.finish(0);  // drains what rank 0/1 sent each other; rank 2 is skipped once detected
+      const auto& st = e.stats();
+      if (st.dead_peers != std::vector<int>{2})
+        throw error(fmt::format("rank {}: dead_peers = [{}], expected [2]", r, fmt::join(st.dead_peers, ", ")));
+      if (st.steps != 150) throw error(fmt::format("rank {}: {} steps", r, st.steps));
+      for (const auto& p : st.peers)
+        if ((p.rank == 2) != p.dead) throw error(fmt::format("rank {}: peer {} dead = {}", r, p.rank, p.dead));
+      return 0;
+    });
+    REQUIRE(out.size() == 3);
+    CHECK(out[2].signal == SIGKILL);
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code);
+      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
+    }
+  }
+}

@@ -452,6 +452,7 @@ inline void engine::finish(int rounds) {
         return false;
       },
       m_settings.timeout, [&] { return fmt::format("rank {} to receive every message its peers sent before it leaves", m_rank); });
+  handle_failures();  // a peer found dead while draining is reported in the stats too
   m_finished = true;
   m_transport.leave();
   if (!m_settings.stats_path.empty()) write_stats_file(m_settings.stats_path, stats());
