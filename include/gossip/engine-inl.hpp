@@ -192,7 +192,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // 3. decide
   signal sig;
   sig.step = t;
-  sig.round = t;
+  sig.round = m_round;
   sig.diff_sq = diff;
   sig.ref_sq = ref;
   sig.step_sq = (prev || m_device_step) && t > 0 ? step_sq : std::numeric_limits<double>::quiet_NaN();
@@ -202,7 +202,11 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   sig.steps_since_send = static_cast<std::uint64_t>(static_cast<std::int64_t>(t) - m_last_send_step);
   sig.seconds_since_send = std::chrono::duration<double>(t0 - m_last_send_time).count();
   sig.bytes_sent = m_stats.bytes_sent;
-  auto targets = m_topology.peers(t);
+  // The round counts this rank's sends, not its steps: a time-varying topology
+  // then cycles through its peers whatever the sending pattern (with the step
+  // index, a period that is a multiple of the cycle would always pick the
+  // same peer).
+  auto targets = m_topology.peers(m_round);
   // Through an aggregator one post reaches the whole group (bytes counted once,
   // under the first member).
   if (m_protocol.aggregated() && targets.size() > 1) targets = targets.first(1);
@@ -268,6 +272,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
         }
       }
       m_last_send_step = static_cast<std::int64_t>(t);
+      ++m_round;
       m_last_send_time = t0;
       if (sent_to > 0) {
         for (std::size_t i = 0; i < m_slots.size(); ++i) m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;

@@ -157,6 +157,7 @@ class engine {
 
   engine_stats m_stats;
   std::uint64_t m_step = 0;
+  std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;

@@ -16,7 +16,7 @@ struct tensor_drift {
 /// The drift signal, measured in one fused pass over x and x̂ at every step.
 struct signal {
   std::uint64_t step = 0;              ///< steps taken so far by this rank (0-based)
-  std::uint64_t round = 0;             ///< topology round the send would use
+  std::uint64_t round = 0;             ///< topology round the send would use (= sends so far)
   double diff_sq = 0;                  ///< ‖x − x̂‖² over the whole model
   double ref_sq = 0;                   ///< ‖x̂‖² over the whole model
   double step_sq = std::numeric_limits<double>::quiet_NaN();  ///< ‖x_t − x_{t−1}‖², if a policy asked for it
