@@ -22,7 +22,7 @@ grep -q "rank 2 .* failed with exit status 7" "$tmp/err" || fail "failure messag
 [ $(( $(date +%s) - start )) -lt 20 ] || fail "the other ranks were not stopped"
 
 # A rank that ignores SIGTERM is killed after the grace period.
-"$run" -n 2 --grace 1 -- sh -c 'trap "" TERM; if [ "$GOSSIP_RANK" = 0 ]; then exit 1; fi; sleep 60 & wait; sleep 60' 2>"$tmp/err2"
+"$run" -n 2 --grace 1 -- sh -c 'trap "" TERM; if [ "$GOSSIP_RANK" = 0 ]; then sleep 1; exit 1; fi; sleep 60 & wait; sleep 60' 2>"$tmp/err2"
 [ $? = 1 ] || fail "expected exit 1"
 grep -q "sending SIGKILL" "$tmp/err2" || fail "no SIGKILL after the grace period: $(cat "$tmp/err2")"
 
