@@ -3,6 +3,7 @@
 ///
 /// The umbrella header: the engine, every shipped policy, topology, protocol
 /// and the loopback transport.
+#include "gossip/bootstrap.hpp"
 #include "gossip/config.hpp"
 #include "gossip/drift.hpp"
 #include "gossip/engine.hpp"
