@@ -375,18 +375,25 @@ inline void engine::attach_device(const device_backend& backend, bool transport_
 // shows in the training time instead of in skipped sends.
 inline bool engine::await_buffer(int i) {
   if (!m_settings.wait_when_busy) return false;
-  const std::byte* b = buffer(i);
   const auto t0 = std::chrono::steady_clock::now();
+  wait_for_buffer(i);
+  m_stats.busy_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return true;
+}
+
+// An asynchronous transport may hold our sends until their receivers free
+// inbox slots, and the receivers may be waiting on us too: keep merging what
+// arrives while waiting, so every rank's sends can complete (and no push-sum
+// share is left unmerged in a slot).
+inline void engine::wait_for_buffer(int i) {
+  const std::byte* b = buffer(i);
   detail::wait_for(
       [&] {
         if (!m_transport.busy(b)) return true;
-        handle_failures();
-        merge_inbound(m_step);
+        poll();
         return false;
       },
       m_settings.timeout, [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
-  m_stats.busy_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return true;
 }
 
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
@@ -414,20 +421,7 @@ inline std::size_t engine::poll() {
 }
 
 inline void engine::flush() {
-  // An asynchronous transport may hold our sends until their receivers free
-  // inbox slots, and the receivers may be flushing too: keep merging what
-  // arrives while waiting, so every rank's sends can complete (and no
-  // push-sum share is left unmerged in a slot).
-  for (int i = 0; i < m_settings.send_buffers; ++i) {
-    std::byte* b = buffer(i);
-    detail::wait_for(
-        [&] {
-          if (!m_transport.busy(b)) return true;
-          if (!m_copies_on_post) merge_inbound(m_step);
-          return false;
-        },
-        m_settings.timeout, [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
-  }
+  for (int i = 0; i < m_settings.send_buffers; ++i) wait_for_buffer(i);
   m_transport.flush(m_settings.timeout);
 }
 
@@ -452,8 +446,7 @@ inline void engine::finish(int rounds) {
   detail::wait_for(
       [&] {
         if (m_transport.drained()) return true;
-        handle_failures();
-        merge_inbound(m_step);
+        poll();
         return false;
       },
       m_settings.timeout, [&] { return fmt::format("rank {} to receive every message its peers sent before it leaves", m_rank); });

@@ -123,7 +123,8 @@ class engine {
   }
   void handle_failures();
   std::size_t merge_inbound(std::uint64_t t);
-  bool await_buffer(int i);  // collect, merge, count, release
+  bool await_buffer(int i);
+  void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release
   void merge_received(std::size_t n);
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
