@@ -2,6 +2,7 @@
 
 #include "gossip/policies/adacomm.hpp"
 #include "gossip/policies/budget.hpp"
+#include "gossip/policies/consensus.hpp"
 #include "gossip/policies/drift.hpp"
 #include "gossip/policies/drift_history.hpp"
 #include "gossip/policies/drift_lr.hpp"
@@ -31,6 +32,7 @@ policy_registry_t& policy_registry() {
     reg.add(entry_for<policies::periodic>());
     reg.add(entry_for<policies::drift>());
     reg.add(entry_for<policies::drift_lr>());
+    reg.add(entry_for<policies::consensus>());
     reg.add(entry_for<policies::drift_history>());
     reg.add(entry_for<policies::budget>());
     reg.add(entry_for<policies::adacomm>());

@@ -1,6 +1,7 @@
 // JSON report and Chrome-trace output.
 #include "gossip/stats.hpp"
 
+#include <cmath>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -68,7 +69,27 @@ std::string engine_stats::to_json(int indent) const {
   for (const auto& t : tensors)
     j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
   j["dead_peers"] = dead_peers;
+  j["lr_mean_at_send"] = sends ? lr_at_send_sum / static_cast<double>(sends) : 0.0;
+  j["weight_range"] = {weight_min, weight_max};
+  j["consensus_estimate"] = {{"last", consensus_last},
+                             {"mean", consensus_steps ? consensus_sum / static_cast<double>(consensus_steps) : 0.0},
+                             {"steps", consensus_steps}};
+  j["sends_per_window"] = {{"window_steps", send_window_steps}, {"sends", sends_per_window}};
   return j.dump(indent);
+}
+
+void engine_stats::count_send_window(std::uint64_t step) noexcept {
+  if (sends_per_window.capacity() < send_window_capacity) return;  // not prepared by an engine
+  std::uint64_t w = step / send_window_steps;
+  while (w >= send_window_capacity) {  // fold pairs of windows: the window doubles
+    const std::size_t n = sends_per_window.size();
+    for (std::size_t i = 0; i < n; ++i) sends_per_window[i / 2] = (i % 2 ? sends_per_window[i / 2] : 0) + sends_per_window[i];
+    sends_per_window.resize((n + 1) / 2);
+    send_window_steps *= 2;
+    w = step / send_window_steps;
+  }
+  if (sends_per_window.size() <= w) sends_per_window.resize(w + 1, 0);  // within the reserved capacity
+  ++sends_per_window[w];
 }
 
 void write_stats_file(const std::string& path, const engine_stats& stats) {
@@ -90,7 +111,10 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
                            {"value", e.value},
                            {"threshold", e.threshold},
                            {"targets", e.targets},
-                           {"bytes", e.bytes}}}};
+                           {"bytes", e.bytes},
+                           {"lr", e.lr},
+                           {"weight", e.weight},
+                           {"consensus", std::isnan(e.consensus) ? nlohmann::json() : nlohmann::json(e.consensus)}}}};
     if (e.sent) {
       ev["ph"] = "X";
       ev["dur"] = e.dur_us;

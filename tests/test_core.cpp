@@ -66,7 +66,7 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
 
   const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(unknown),
-                       "run.toml [policy]: unknown policy 'sometimes'; known policies: periodic, drift, drift-lr, drift-history, budget, adacomm, never",
+                       "run.toml [policy]: unknown policy 'sometimes'; known policies: periodic, drift, drift-lr, consensus, drift-history, budget, adacomm, never",
                        config_error);
   const auto typed = config::parse("[policy]\nname = \"drift\"\nthreshold = \"high\"\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(typed), doctest::Contains("run.toml [policy]: key 'threshold' of policy 'drift' must be a number"), config_error);

@@ -12,6 +12,7 @@
 
 #include "gossip/policies/adacomm.hpp"
 #include "gossip/policies/budget.hpp"
+#include "gossip/policies/consensus.hpp"
 #include "gossip/policies/drift.hpp"
 #include "gossip/policies/drift_history.hpp"
 #include "gossip/policies/drift_lr.hpp"
@@ -369,6 +370,111 @@ TEST_CASE("drift-lr: options") {
   CHECK(contains(msg, ">= 1"));
 }
 
+// ---------------------------------------------------------------- consensus
+
+TEST_CASE("consensus: fires when ‖x − x̂‖/‖x̂‖·w^balance strictly exceeds threshold·(lr/lr_max)^lr_exponent") {
+  gp::consensus p;
+  p.threshold = 0.1;
+  p.lr_exponent = 0.5;
+  p.balance = 1;
+  p.max_interval = 0;
+  auto sig = [](double rel, double lr, double w) {
+    gossip::signal s;
+    s.steps_since_send = 5;
+    s.ref_sq = 1;
+    s.diff_sq = rel * rel;
+    s.lr = lr;
+    s.weight = w;
+    return s;
+  };
+  // At the largest learning rate the threshold is `threshold` itself (strict).
+  CHECK_FALSE(p.decide(sig(0.1, 0.5, 1)).send);
+  CHECK(p.decide(sig(0.1001, 0.5, 1)).send);
+  CHECK(p.lr_max() == 0.5);
+  // After a 100x decay it is threshold·0.01^0.5 = 0.01.
+  const auto d = p.decide(sig(0.0101, 0.005, 1));
+  CHECK(d.send);
+  CHECK(d.why == reason::threshold);
+  CHECK(d.threshold == doctest::Approx(0.01));
+  CHECK_FALSE(p.decide(sig(0.0099, 0.005, 1)).send);
+  // A light rank waits, a heavy one hurries.
+  CHECK_FALSE(p.decide(sig(0.15, 0.5, 0.5)).send);  // 0.075 < 0.1
+  CHECK(p.decide(sig(0.06, 0.5, 2.0)).send);        // 0.12 > 0.1
+  // A rate above the largest seen raises the reference, never the threshold.
+  CHECK(p.threshold_at(0.7) == doctest::Approx(0.1));
+}
+
+TEST_CASE("consensus: lr_exponent 0 and balance 0 make it the fixed relative threshold of 'drift'") {
+  gp::consensus c;
+  c.threshold = 0.05;
+  c.lr_exponent = 0;
+  c.balance = 0;
+  c.max_interval = 40;
+  const gp::drift d{.threshold = 0.05, .relative = true, .max_interval = 40};
+  sim a, b;
+  auto fill = [](gossip::signal& s) {
+    s.lr = s.step < 100 ? 0.1 : 0.001;
+    s.weight = 0.1 + 0.5 * static_cast<double>(s.step % 7);  // ignored with balance 0
+    s.diff_sq = s.lr * s.lr * static_cast<double>(s.steps_since_send * s.steps_since_send);
+    s.ref_sq = 1;
+  };
+  a.run(c, 300, fill);
+  b.run(d, 300, fill);
+  CHECK(a.fired.size() > 10);
+  CHECK(a.fired == b.fired);
+}
+
+TEST_CASE("consensus: sends keep going after a learning-rate decay where 'drift' starves") {
+  // Drift per step proportional to lr: ‖x − x̂‖ = lr·steps_since_send.
+  auto fill = [](gossip::signal& s) {
+    s.lr = s.step < 200 ? 0.01 : 0.001;
+    s.diff_sq = s.lr * s.lr * static_cast<double>(s.steps_since_send * s.steps_since_send);
+    s.ref_sq = 1;
+  };
+  gp::consensus c;
+  c.threshold = 0.05;
+  c.max_interval = 0;
+  const gp::drift d{.threshold = 0.05, .relative = true, .max_interval = 0};
+  sim a, b;
+  a.run(c, 400, fill);
+  b.run(d, 400, fill);
+  auto after = [](const sim& e) { return std::count_if(e.fired.begin(), e.fired.end(), [](auto t) { return t >= 200; }); };
+  // Before the decay both fire every 6 steps (0.06 > 0.05).
+  CHECK(a.fired.front() == 5);
+  CHECK(b.fired.front() == 5);
+  // After it, drift needs 51 steps per send; consensus (threshold 0.05·0.1^0.5 ≈ 0.0158) 16.
+  CHECK(after(b) == 200 / 51);
+  CHECK(after(a) >= 200 / 17);
+}
+
+TEST_CASE("consensus: min_interval holds, max_interval fires") {
+  gp::consensus c;
+  c.min_interval = 3;
+  c.max_interval = 10;
+  sim e;
+  e.run(c, 30, [](gossip::signal& s) {
+    s.diff_sq = s.step < 12 ? 1.0 : 0.0;  // huge drift, then none
+    s.ref_sq = 1;
+    s.lr = 0.1;
+  });
+  CHECK(e.fired == std::vector<std::uint64_t>{2, 5, 8, 11, 21});
+  CHECK(e.decisions[0].why == reason::min_interval);
+  CHECK(e.decisions[21].why == reason::max_interval);
+}
+
+TEST_CASE("consensus: options") {
+  const auto p = build<gp::consensus>(opts().set("threshold", 0.2).set("lr_exponent", 1.0).set("balance", 2.0).set("max_interval", std::int64_t{0}));
+  CHECK(p.threshold == 0.2);
+  CHECK(p.lr_exponent == 1.0);
+  CHECK(p.balance == 2.0);
+  CHECK(p.max_interval == 0);
+  CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("threshold", 0.0)); }), "'threshold'"));
+  CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("lr_exponent", 3.0)); }), "[0, 2]"));
+  CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("balance", -1.0)); }), "'balance'"));
+  CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("min_interval", std::int64_t{5}).set("max_interval", std::int64_t{2})); }),
+                 "must be >= min_interval"));
+}
+
 // ---------------------------------------------------------------- drift-history
 
 TEST_CASE("drift-history asks the engine for ‖x_t − x_{t−1}‖²; nothing else does") {
@@ -724,10 +830,10 @@ TEST_CASE("never: never fires") {
 
 // ---------------------------------------------------------------- registry
 
-TEST_CASE("registry: holds the seven shipped policies under their config names") {
+TEST_CASE("registry: holds the eight shipped policies under their config names") {
   const auto& reg = gossip::policy_registry();
   CHECK(reg.kind() == "policy");
-  CHECK(reg.names_joined() == "periodic, drift, drift-lr, drift-history, budget, adacomm, never");
+  CHECK(reg.names_joined() == "periodic, drift, drift-lr, consensus, drift-history, budget, adacomm, never");
   for (const auto& e : reg.entries()) {
     INFO(e.name);
     CHECK_FALSE(e.help.empty());
@@ -830,7 +936,7 @@ TEST_CASE("bad input: an unknown policy name lists the known ones") {
   const auto msg = config_error_of([] { make("gossip-magic"); });
   CHECK(contains(msg, "test.toml [policy]"));
   CHECK(contains(msg, "'gossip-magic'"));
-  for (const auto* name : {"periodic", "drift", "drift-lr", "drift-history", "budget", "adacomm", "never"})
+  for (const auto* name : {"periodic", "drift", "drift-lr", "consensus", "drift-history", "budget", "adacomm", "never"})
     CHECK(contains(msg, name));
 }
 
@@ -885,6 +991,8 @@ TEST_CASE("bad input: out-of-range values are refused with the key, the value an
       {"budget", "gain", -0.5, "-0.5", "> 0"},
       {"adacomm", "tau0", std::int64_t{0}, "0", ">= 1"},
       {"adacomm", "smoothing", 1.5, "1.5", "[0, 1)"},
+      {"consensus", "threshold", -0.1, "-0.1", "(0, "},
+      {"consensus", "lr_exponent", 2.5, "2.5", "[0, 2]"},
   };
   for (const auto& c : cases) {
     INFO(c.policy << "." << c.key);

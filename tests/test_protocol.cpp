@@ -122,3 +122,24 @@ TEST_CASE("stale-copy gamma is checked") {
   CHECK_THROWS_WITH_AS(protocol_registry().make("gossip", options("run.toml [protocol]")),
                        doctest::Contains("known protocols: push-sum, pairwise, stale-copy"), config_error);
 }
+
+TEST_CASE("a merge measures how far each received model was from the local one, in the same pass") {
+  // 37 elements: a vector part and a scalar tail.
+  std::vector<float> x(37), m(37);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i) * 0.5f, m[i] = 1.0f - static_cast<float>(i);
+  double diff = 0, ref = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) diff += (double(m[i]) - x[i]) * (double(m[i]) - x[i]), ref += double(x[i]) * x[i];
+  const std::vector<float> x0 = x;
+  std::vector<int> src{1};
+  auto p = make("push-sum", src, 1);
+  tensor_slot s{x.data(), x.size(), 0};
+  received msg{1, 0, 3.0, m.data(), m.size()};  // weight 3 against our 1: z ← z + 3/4·(m − z)
+  const auto sums = p.merge({&s, 1}, {&msg, 1}, x.data());
+  CHECK(sums.models == 1);
+  CHECK(sums.diff_sq == doctest::Approx(diff).epsilon(1e-6));
+  CHECK(sums.ref_sq == doctest::Approx(ref).epsilon(1e-6));
+  for (std::size_t i = 0; i < x.size(); ++i) CHECK(x[i] == doctest::Approx(x0[i] + 0.75 * (m[i] - x0[i])));
+  CHECK(p.weight() == 4.0);
+  // Nothing received: nothing measured.
+  CHECK(p.merge({&s, 1}, {}, x.data()).models == 0);
+}

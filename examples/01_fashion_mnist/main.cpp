@@ -79,6 +79,7 @@ int main(int argc, char** argv) {
       j["bytes_sent"] = report.bytes_sent;
       j["messages"] = report.messages;
       j["train_seconds"] = report.train_seconds;
+      if (!report.timeline.empty()) j["timeline"] = examples::to_json(report.timeline);
       j["ranks"] = nlohmann::json::array();
       for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
       std::ofstream(json_path) << j.dump(2) << '\n';

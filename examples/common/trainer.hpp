@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <optional>
 #include <random>
 #include <string>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "common/mlp.hpp"
 #include "gossip/data.hpp"
@@ -49,6 +51,7 @@ inline const std::vector<option_spec>& train_option_specs() {
       {"seed", std::int64_t{1}, "seed for initialisation, partition and batch order"},
       {"train_limit", std::int64_t{0}, "use only the first N training samples (0: all 60000)"},
       {"data_dir", std::string(), "Fashion-MNIST directory (default: $GOSSIP_FASHION_MNIST_DIR or the Debian package's)"},
+      {"probe_every", std::int64_t{0}, "every this many steps record the exact consensus distance, sends and weights (workers as threads; 0: off)"},
   };
   return specs;
 }
@@ -64,6 +67,7 @@ struct train_settings {
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::string data_dir;
+  int probe_every = 0;
 
   static train_settings from(const options& o) {
     train_settings s;
@@ -97,6 +101,7 @@ struct train_settings {
     s.seed = static_cast<std::uint64_t>(o.integer("seed"));
     s.train_limit = static_cast<std::size_t>(positive("train_limit", 0, 1 << 30));
     s.data_dir = o.string("data_dir");
+    s.probe_every = positive("probe_every", 0, 1 << 30);
     return s;
   }
 };
@@ -112,10 +117,21 @@ struct epoch_record {
   double train_seconds = 0;     ///< so far, evaluation excluded (rank 0's clock)
 };
 
+/// The state of all workers at one step (train_settings::probe_every).
+struct timeline_point {
+  std::int64_t step = 0;                 ///< steps taken by each worker
+  double lr = 0;
+  double consensus = 0;                  ///< exact: mean_i ‖z_i − x̄‖² / ‖x̄‖², x̄ the push-sum average
+  double consensus_estimate = 0;         ///< mean over workers of the engines' own estimates (NaN-free ones)
+  double weight_min = 1, weight_max = 1; ///< push-sum weights
+  std::vector<std::uint64_t> sends;      ///< per worker, so far
+};
+
 struct run_report {
   bool complete = false;                 ///< false on ranks other than 0 in process mode
   std::vector<epoch_record> epochs;
   std::vector<std::string> rank_stats;   ///< each rank's engine_stats as JSON
+  std::vector<timeline_point> timeline;  ///< filled when probe_every > 0 and workers are threads
   std::uint64_t bytes_sent = 0, messages = 0, sends = 0, steps = 0;
   double accuracy = 0, local_accuracy_mean = 0, train_seconds = 0, wall_seconds = 0;
 };
@@ -141,11 +157,21 @@ struct rank_epoch {
   std::string stats_json;  ///< filled at the last epoch only
 };
 
+/// What one worker shows a probe.
+struct probe_sample {
+  std::span<const float> params;
+  double weight = 1, consensus_estimate = 0, lr = 0;
+  std::uint64_t sends = 0;
+};
+
 /// How ranks meet at an epoch boundary: every rank calls gather(); rank 0 gets
 /// all ranks' entries (in rank order), the others an empty list.
 class epoch_exchange {
  public:
   virtual ~epoch_exchange() = default;
+  /// Every rank calls it at the same step; rank 0 appends the point to `out`.
+  /// Only where ranks share memory (threads); elsewhere it does nothing.
+  virtual void probe(int, std::int64_t, const probe_sample&, std::vector<timeline_point>&) {}
   /// `progress` is called while waiting (it merges what peers send meanwhile).
   virtual std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine, const std::function<void()>& progress) = 0;
 };
@@ -153,7 +179,7 @@ class epoch_exchange {
 /// Ranks as threads of this process.
 class thread_exchange final : public epoch_exchange {
  public:
-  explicit thread_exchange(int world) : m_slots(static_cast<std::size_t>(world)), m_sync(world) {}
+  explicit thread_exchange(int world) : m_slots(static_cast<std::size_t>(world)), m_probes(static_cast<std::size_t>(world)), m_sync(world) {}
   std::vector<rank_epoch> gather(int rank, int, rank_epoch mine, const std::function<void()>&) override {
     m_slots[static_cast<std::size_t>(rank)] = std::move(mine);
     m_sync.arrive_and_wait();
@@ -164,8 +190,43 @@ class thread_exchange final : public epoch_exchange {
   }
   void drop() { m_sync.arrive_and_drop(); }
 
+  void probe(int rank, std::int64_t step, const probe_sample& mine, std::vector<timeline_point>& out) override {
+    m_probes[static_cast<std::size_t>(rank)] = mine;
+    m_sync.arrive_and_wait();
+    if (rank == 0) out.push_back(measure(step));
+    m_sync.arrive_and_wait();  // models stay put until rank 0 has read them
+  }
+
  private:
+  timeline_point measure(std::int64_t step) const {
+    timeline_point p;
+    p.step = step;
+    p.lr = m_probes[0].lr;
+    const std::size_t n = m_probes[0].params.size();
+    std::vector<double> mean(n, 0.0);
+    double wsum = 0;
+    p.weight_min = p.weight_max = m_probes[0].weight;
+    int estimates = 0;
+    for (const auto& q : m_probes) {
+      wsum += q.weight;
+      p.weight_min = std::min(p.weight_min, q.weight);
+      p.weight_max = std::max(p.weight_max, q.weight);
+      p.sends.push_back(q.sends);
+      if (!std::isnan(q.consensus_estimate)) p.consensus_estimate += q.consensus_estimate, ++estimates;
+    }
+    if (estimates) p.consensus_estimate /= estimates;
+    for (const auto& q : m_probes)
+      for (std::size_t k = 0; k < n; ++k) mean[k] += q.weight / wsum * q.params[k];
+    double ref = 0, dist = 0;
+    for (double v : mean) ref += v * v;
+    for (const auto& q : m_probes)
+      for (std::size_t k = 0; k < n; ++k) dist += (q.params[k] - mean[k]) * (q.params[k] - mean[k]);
+    p.consensus = ref > 0 ? dist / static_cast<double>(m_probes.size()) / ref : 0.0;
+    return p;
+  }
+
   std::vector<rank_epoch> m_slots;
+  std::vector<probe_sample> m_probes;
   std::barrier<> m_sync;
 };
 
@@ -237,6 +298,14 @@ class bootstrap_exchange final : public epoch_exchange {
   std::shared_ptr<bootstrap> m_boot;
 };
 
+inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const auto& p : timeline)
+    j.push_back({{"step", p.step}, {"lr", p.lr}, {"consensus", p.consensus}, {"consensus_estimate", p.consensus_estimate},
+                 {"weight_min", p.weight_min}, {"weight_max", p.weight_max}, {"sends", p.sends}});
+  return j;
+}
+
 /// One rank's training loop. Rank 0 evaluates the average model at each
 /// epoch boundary and fills the report.
 inline void train_rank(int r, int world, const engine_spec& base, any_transport transport, const train_settings& s, const datasets& data,
@@ -269,6 +338,8 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
       const float loss = net.train_batch(xb.data(), yb.data(), s.batch, opt);
       loss_sum += loss;
       eng.step({.lr = opt.lr, .loss = loss});
+      if (s.probe_every > 0 && (t + 1) % s.probe_every == 0)
+        exchange.probe(r, t + 1, {net.params(), eng.weight(), eng.consensus(), opt.lr, eng.stats().sends}, report.timeline);
     }
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
     const bool last = epoch + 1 == s.epochs;

@@ -100,6 +100,46 @@ inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev,
 
 }  // namespace detail
 
+/// Sums of one mixing pass: ‖m − z‖² and ‖z‖², z as it was before the pass.
+struct mix_sums {
+  double diff_sq = 0;
+  double ref_sq = 0;
+};
+
+/// The merge of one received model, z ← z + b·(m − z), measuring on the way
+/// how far apart the two models were: the distance a consensus estimate needs
+/// costs no pass of its own. Same blocking as drift_pass (float lanes flushed
+/// into doubles every 1024 elements).
+inline mix_sums mix_pass(float* z, const float* m, float b, std::size_t n) noexcept {
+  namespace ei = Eigen::internal;
+  using packet = typename ei::packet_traits<float>::type;
+  constexpr std::size_t width = static_cast<std::size_t>(ei::packet_traits<float>::size);
+  constexpr std::size_t block = 1024;
+  mix_sums s;
+  const packet bv = ei::pset1<packet>(b);
+  const std::size_t vec_end = n / width * width;
+  for (std::size_t start = 0; start < vec_end; start += block) {
+    const std::size_t end = std::min(vec_end, start + block);
+    packet diff = ei::pset1<packet>(0.0f), refs = ei::pset1<packet>(0.0f);
+    for (std::size_t i = start; i < end; i += width) {
+      const packet zv = ei::ploadu<packet>(z + i);
+      const packet d = ei::psub(ei::ploadu<packet>(m + i), zv);
+      diff = ei::pmadd(d, d, diff);
+      refs = ei::pmadd(zv, zv, refs);
+      ei::pstoreu(z + i, ei::pmadd(bv, d, zv));
+    }
+    s.diff_sq += static_cast<double>(ei::predux(diff));
+    s.ref_sq += static_cast<double>(ei::predux(refs));
+  }
+  for (std::size_t i = vec_end; i < n; ++i) {
+    const double zv = z[i], d = static_cast<double>(m[i]) - zv;
+    s.diff_sq += d * d;
+    s.ref_sq += zv * zv;
+    z[i] = z[i] + b * (m[i] - z[i]);
+  }
+  return s;
+}
+
 /// x: current model, ref: x̂. When `prev` is non-null, also measures
 /// ‖x − prev‖² and then copies x into prev (fused into the same pass).
 /// `prev` may not overlap x or ref.

@@ -120,6 +120,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   }
   for (const auto& n : m_tensor_names) m_stats.tensors.push_back(tensor_stats{.name = n});
   m_stats.dead_peers.reserve(static_cast<std::size_t>(world));
+  m_stats.sends_per_window.reserve(send_window_capacity);
 
   transport_setup setup;
   setup.rank = rank;
@@ -202,6 +203,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   sig.steps_since_send = static_cast<std::uint64_t>(static_cast<std::int64_t>(t) - m_last_send_step);
   sig.seconds_since_send = std::chrono::duration<double>(t0 - m_last_send_time).count();
   sig.bytes_sent = m_stats.bytes_sent;
+  sig.consensus = m_consensus;
+  sig.weight = m_protocol.weight();
   // The round counts this rank's sends, not its steps: a time-varying topology
   // then cycles through its peers whatever the sending pattern (with the step
   // index, a period that is a multiple of the cycle would always pick the
@@ -278,6 +281,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
         for (std::size_t i = 0; i < m_slots.size(); ++i) m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;
         ++m_stats.sends;
         m_stats.relative_drift_at_send_sum += result.relative_drift;
+        m_stats.lr_at_send_sum += info.lr;
+        m_stats.count_send_window(t);
         result.sent = true;
       }
     }
@@ -297,11 +302,20 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     ts.last_diff_sq = m_tensor_drift[i].diff_sq;
     if (m_tensor_drift[i].ref_sq > 0) ts.max_relative = std::max(ts.max_relative, std::sqrt(m_tensor_drift[i].diff_sq / m_tensor_drift[i].ref_sq));
   }
+  const double w = m_protocol.weight();
+  m_stats.weight_min = std::min(m_stats.weight_min, w);
+  m_stats.weight_max = std::max(m_stats.weight_max, w);
+  if (!std::isnan(m_consensus)) {
+    m_stats.consensus_last = m_consensus;
+    m_stats.consensus_sum += m_consensus;
+    ++m_stats.consensus_steps;
+  }
   m_policy.observe(outcome{t, result.sent, bytes, m_stats.bytes_sent, sig.bytes_per_send});
   if (m_trace.capacity() > m_trace.size() && (result.sent || t % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0)) {
     m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t0 - m_start).count(),
                                   std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
-                                  static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes});
+                                  static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, static_cast<float>(info.lr),
+                                  static_cast<float>(w), static_cast<float>(m_consensus)});
   }
   ++m_stats.steps;
   m_stats.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
@@ -313,7 +327,13 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 inline void engine::merge_received(std::size_t n) {
   const std::span<const received> msgs(m_received.data(), n);
   if (!m_device) {
-    m_protocol.merge(m_slots, msgs, m_snapshot);
+    const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot);
+    if (sums.models > 0 && sums.ref_sq > 0) {
+      // E‖x_i − x_j‖² = 2·E‖x_i − x̄‖² for two models drawn around the mean:
+      // half the squared distance to what arrived estimates the consensus distance.
+      const double sample = 0.5 * sums.diff_sq / sums.ref_sq;
+      m_consensus = std::isnan(m_consensus) ? sample : (1 - consensus_smoothing) * m_consensus + consensus_smoothing * sample;
+    }
     return;
   }
   if (n == 0) return;

@@ -115,6 +115,8 @@ class engine {
   /// transport takes device memory directly, this points to device memory.
   std::span<const float> snapshot() const noexcept { return {m_snapshot, m_elements}; }
   const std::vector<trace_event>& trace() const noexcept { return m_trace; }
+  /// The consensus-distance estimate policies see (signal::consensus); NaN until a model arrived.
+  double consensus() const noexcept { return m_consensus; }
 
  private:
   step_result run_step(const step_info& info, bool forced);
@@ -157,6 +159,10 @@ class engine {
   any_transport m_transport;  // after m_inbox: destroyed (and departed) first
 
   engine_stats m_stats;
+  // Consensus-distance estimate from received models (signal::consensus):
+  // an exponential average over merges, weight consensus_smoothing on the newest.
+  static constexpr double consensus_smoothing = 0.25;
+  double m_consensus = std::numeric_limits<double>::quiet_NaN();
   std::uint64_t m_step = 0;
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;

@@ -34,6 +34,7 @@
 #include <Eigen/Core>
 #include <fmt/format.h>
 
+#include "gossip/drift.hpp"
 #include "gossip/error.hpp"
 #include "gossip/options.hpp"
 #include "gossip/registry.hpp"
@@ -91,21 +92,34 @@ class protocol {
     if (m_kind == kind::push_sum) m_weight += share;
   }
 
+  /// What a merge saw: Σ over received models of ‖m − z‖² and ‖z‖² (z before
+  /// that model was merged), for push-sum and pairwise; zero for the others.
+  struct merge_sums {
+    double diff_sq = 0, ref_sq = 0;
+    std::size_t models = 0;  ///< received models measured
+  };
+
   /// Merges received messages into x. `snapshot` is x̂ (what peers last got).
-  void merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot) noexcept {
+  merge_sums merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot) noexcept {
     using vec = Eigen::Map<Eigen::ArrayXf, Eigen::Unaligned>;
     using cvec = Eigen::Map<const Eigen::ArrayXf, Eigen::Unaligned>;
-    if (msgs.empty()) return;
+    merge_sums sums;
+    if (msgs.empty()) return sums;
+    auto mix = [&](const received& m, float b) {
+      for (const auto& t : x) {
+        const mix_sums d = mix_pass(t.data, m.data + t.offset, b, t.count);
+        sums.diff_sq += d.diff_sq;
+        sums.ref_sq += d.ref_sq;
+      }
+      if (!x.empty()) ++sums.models;
+    };
     switch (m_kind) {
       case kind::push_sum:
+        // z ← (w·z + w_m·m) / (w + w_m) = z + b·(m − z), b = w_m / (w + w_m)
         for (const auto& m : msgs) {
           const double total = m_weight + m.weight;
           if (!(total > 0)) continue;
-          const auto a = static_cast<float>(m_weight / total), b = static_cast<float>(m.weight / total);
-          for (const auto& t : x) {
-            vec z(t.data, static_cast<Eigen::Index>(t.count));
-            z = a * z + b * cvec(m.data + t.offset, static_cast<Eigen::Index>(t.count));
-          }
+          mix(m, static_cast<float>(m.weight / total));
           m_weight = total;
         }
         break;
@@ -113,10 +127,7 @@ class protocol {
         float k = 1;
         for (const auto& m : msgs) {
           k += 1;
-          for (const auto& t : x) {
-            vec z(t.data, static_cast<Eigen::Index>(t.count));
-            z += (cvec(m.data + t.offset, static_cast<Eigen::Index>(t.count)) - z) / k;
-          }
+          mix(m, 1.0f / k);
         }
         break;
       }
@@ -152,6 +163,7 @@ class protocol {
         break;
       }
     }
+    return sums;
   }
 
   /// A peer died: forget its stale copy so it stops pulling the model.

@@ -27,6 +27,11 @@ struct signal {
   double seconds_since_send = 0;
   std::uint64_t bytes_sent = 0;        ///< bytes this rank has posted so far
   std::uint64_t bytes_per_send = 0;    ///< bytes one firing posts (all its peers)
+  /// This rank's estimate of the relative consensus distance ‖x_i − x̄‖²/‖x̄‖²,
+  /// from the models it received (half their mean squared distance to the local
+  /// model at merge time, smoothed); NaN until something was received.
+  double consensus = std::numeric_limits<double>::quiet_NaN();
+  double weight = 1;                   ///< push-sum weight (1 for other protocols)
 
   double drift() const noexcept { return std::sqrt(diff_sq); }
   /// ‖x − x̂‖ / ‖x̂‖; infinite when x̂ is zero and x is not.

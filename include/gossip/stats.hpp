@@ -10,6 +10,7 @@
 namespace gossip {
 
 inline constexpr std::size_t reason_count = 7;
+inline constexpr std::size_t send_window_capacity = 256;
 
 struct peer_stats {
   int rank = -1;
@@ -41,6 +42,21 @@ struct engine_stats {
   std::vector<tensor_stats> tensors;
   std::vector<int> dead_peers;
 
+  // Instruments: how sending is spread over training, and how far apart the models are.
+  double lr_at_send_sum = 0;       ///< Σ learning rate reported at the steps that sent
+  double weight_min = 1, weight_max = 1;  ///< push-sum weight range over the run (after each step)
+  double consensus_last = 0;       ///< latest consensus-distance estimate (see signal::consensus)
+  double consensus_sum = 0;        ///< Σ of the estimate over the steps that had one
+  std::uint64_t consensus_steps = 0;
+  /// Sends per window of `send_window_steps` steps, from step 0. Fixed capacity:
+  /// when full, neighbouring windows are merged and the window doubles, so a run
+  /// of any length fits without allocating on the step path.
+  std::vector<std::uint32_t> sends_per_window;
+  std::uint64_t send_window_steps = 16;
+
+  /// Counts a send at `step` into sends_per_window (capacity reserved by the engine).
+  void count_send_window(std::uint64_t step) noexcept;
+
   /// The report as a JSON document.
   std::string to_json(int indent = 2) const;
 };
@@ -55,6 +71,9 @@ struct trace_event {
   bool sent = false;
   std::uint32_t targets = 0;
   std::uint64_t bytes = 0;
+  float lr = 0;          ///< learning rate the caller reported
+  float weight = 1;      ///< push-sum weight after the step
+  float consensus = 0;   ///< consensus-distance estimate (NaN: none yet)
 };
 
 /// Writes the report to `path` (throws gossip::error naming the path on failure).
