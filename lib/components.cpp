@@ -86,6 +86,10 @@ const std::vector<option_spec>& engine_option_specs() {
       {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},
       {"wait_when_busy", false, "when the policy fires but every send buffer is still on the wire, wait (true) or skip the send (false)",
        "GOSSIP_WAIT_WHEN_BUSY"},
+      {"momentum", std::string("quasi-global"),
+       "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included) or local (left alone)",
+       "GOSSIP_MOMENTUM"},
+      {"momentum_beta", 0.9, "β of quasi-global momentum, in [0, 1): use the optimizer's momentum factor", ""},
   };
   return specs;
 }

@@ -35,6 +35,7 @@ std::string engine_stats::to_json(int indent) const {
   j["topology"] = topology;
   j["protocol"] = protocol;
   j["transport"] = transport;
+  j["momentum"] = momentum;
   j["steps"] = steps;
   j["sends"] = sends;
   j["skips"] = skips;

@@ -53,3 +53,36 @@ TEST_CASE("drift_pass matches a double reference at every size around its block 
     }
   }
 }
+
+TEST_CASE("drift_pass with quasi-global momentum: m̂ ← β·m̂ + (1 − β)·(x_{t−1} − x)/lr, the buffer set to m̂, all in the same pass") {
+  std::mt19937_64 g(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t n : {1ul, 63ul, 64ul, 65ul, 4097ul, 100003ul}) {
+    CAPTURE(n);
+    std::vector<float> x(n), r(n), p(n), mhat(n), buf(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      r[i] = u(g);
+      x[i] = r[i] + 0.01f * u(g);
+      p[i] = x[i] + 0.001f * u(g);
+      mhat[i] = u(g);
+      buf[i] = 99.0f;
+    }
+    const float lr = 0.05f, beta = 0.9f;
+    std::vector<float> want(n);
+    double step = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      want[i] = beta * mhat[i] + (1 - beta) * (p[i] - x[i]) / lr;
+      step += (static_cast<double>(x[i]) - p[i]) * (static_cast<double>(x[i]) - p[i]);
+    }
+    const auto plain = drift_pass(x.data(), r.data(), nullptr, n);
+    const auto d = drift_pass(x.data(), r.data(), p.data(), n, qgm_args{mhat.data(), buf.data(), 1 / lr, beta});
+    CHECK(d.diff_sq == plain.diff_sq);
+    CHECK(d.ref_sq == plain.ref_sq);
+    CHECK(close(d.step_sq, step));
+    for (std::size_t i = 0; i < n; ++i) {
+      CHECK(mhat[i] == doctest::Approx(want[i]).epsilon(1e-5));
+      CHECK(buf[i] == mhat[i]);
+      CHECK(p[i] == x[i]);
+    }
+  }
+}

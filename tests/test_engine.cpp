@@ -201,3 +201,54 @@ TEST_CASE("engine: the consensus estimate follows the received models, and stats
     CHECK(j["weight_range"][0].get<double>() > 0);
   }
 }
+
+TEST_CASE("engine: registered momentum buffers become quasi-global (model displacement, gossip included), or stay local") {
+  for (const char* mode : {"quasi-global", "local"}) {
+    const int world = 2;
+    loopback_fabric fabric(world);
+    std::vector<std::vector<float>> buffers(world), expected(world);
+    std::vector<std::string> reported(world);
+    run_ranks(world, [&](int r) {
+      toy_model m({40, 7}, 3 + r);
+      std::vector<float> v(47, 0.0f);
+      m.view.momentum("t0", std::span<float>(v).first(40)).momentum("t1", std::span<float>(v).subspan(40));
+      auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "push-sum");
+      options o("test [engine]");
+      o.set("momentum", std::string(mode));
+      spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+      engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+      std::vector<float> prev = m.flat(), mhat(47, 0.0f);
+      for (int t = 0; t < 6; ++t) {
+        const float lr = t < 3 ? 0.1f : 0.01f;
+        for (std::size_t k = 0; k < 40; ++k) m.tensors[0][k] -= lr * (v[k] + 0.5f);  // an optimizer step using the buffer
+        e.step({.lr = lr});                                                             // merges at odd steps
+        const auto now = m.flat();
+        for (std::size_t k = 0; k < 47; ++k) mhat[k] = 0.9f * mhat[k] + 0.1f * (prev[k] - now[k]) / lr;
+        prev = now;
+      }
+      buffers[r] = v;
+      expected[r] = mhat;
+      reported[r] = e.stats().momentum;
+      e.finish(0);
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO(mode, " rank ", r);
+      CHECK(reported[r] == mode);
+      for (std::size_t k = 0; k < 47; ++k)
+        if (std::string(mode) == "quasi-global")
+          CHECK(buffers[r][k] == doctest::Approx(expected[r][k]).epsilon(1e-4));
+        else
+          CHECK(buffers[r][k] == 0.0f);
+    }
+    // The merges moved t1 (no local updates) only through gossip: its quasi-global momentum is not zero.
+    if (std::string(mode) == "quasi-global") CHECK(std::abs(buffers[0][45]) > 0);
+  }
+}
+
+TEST_CASE("model_view::momentum names the tensor it cannot match") {
+  std::vector<float> w(4), v(3);
+  model_view m;
+  m.add("w", w);
+  CHECK_THROWS_WITH_AS(m.momentum("w", v), "model_view: momentum buffer of tensor 'w' has 3 elements but the tensor has 4", error);
+  CHECK_THROWS_WITH_AS(m.momentum("b", v), doctest::Contains("no tensor has that name"), error);
+}

@@ -315,10 +315,13 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
   const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
   mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
   net.init(s.seed);  // a common initial model on every worker
+  sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum), .weight_decay = static_cast<float>(s.weight_decay)};
+  opt.velocity.assign(net.params().size(), 0.0f);
   model_view view;
   net.register_tensors(view);
+  // The engine may make the momentum quasi-global ([engine] momentum).
+  for (const auto& t : net.tensors()) view.momentum(t.name, std::span<float>(opt.velocity).subspan(t.offset, t.count));
   engine eng(view, r, world, base, std::move(transport));
-  sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum), .weight_decay = static_cast<float>(s.weight_decay)};
   lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
   std::vector<std::uint32_t> order(shards[ri].begin(), shards[ri].end());
   std::mt19937_64 rng(s.seed * 1000003u + static_cast<std::uint64_t>(r));

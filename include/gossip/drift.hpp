@@ -26,6 +26,17 @@ struct drift_sums {
   double step_sq = 0;
 };
 
+/// Quasi-global momentum (Lin et al., ICML 2021), fused into the drift pass:
+/// with d = (x_{t−1} − x_t)/lr, the displacement of the last step including
+/// what gossip merged in, m̂ ← β·m̂ + (1 − β)·d, and the optimizer's own
+/// momentum buffer is set to m̂. Its next step then builds on a momentum that
+/// points where the consensus goes, not where this rank's shard pulls.
+struct qgm_args {
+  float* mhat = nullptr;    ///< m̂, the engine's
+  float* buffer = nullptr;  ///< the optimizer's momentum buffer, overwritten with m̂
+  float inv_lr = 0, beta = 0.9f;
+};
+
 namespace detail {
 
 inline constexpr std::size_t drift_line = 16;         // floats per stream and iteration (one cache line)
@@ -41,8 +52,8 @@ inline void drift_prefetch_at(const float* p) noexcept {
 #endif
 }
 
-template <bool with_prev>
-inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n) noexcept {
+template <bool with_prev, bool with_qgm = false>
+inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {}) noexcept {
   namespace ei = Eigen::internal;
   using packet = typename ei::packet_traits<float>::type;
   constexpr std::size_t width = static_cast<std::size_t>(ei::packet_traits<float>::size);
@@ -50,6 +61,9 @@ inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev,
   static_assert(drift_line % width == 0, "a SIMD packet wider than 16 floats");
 
   drift_sums s;
+  static_assert(with_prev || !with_qgm, "quasi-global momentum needs x_{t−1}");
+  [[maybe_unused]] const packet inv_lr = ei::pset1<packet>(q.inv_lr), beta = ei::pset1<packet>(q.beta),
+                                rest = ei::pset1<packet>(1.0f - q.beta);
   const std::size_t quarter = n / (drift_streams * drift_line) * drift_line;
   for (std::size_t block = 0; block < quarter; block += drift_block * drift_line) {
     const std::size_t end = std::min(quarter, block + drift_block * drift_line);
@@ -74,6 +88,12 @@ inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev,
             const packet e = ei::psub(xv, ei::ploadu<packet>(prev + at + p * width));
             step[k] = ei::pmadd(e, e, step[k]);
             ei::pstoreu(prev + at + p * width, xv);
+            if constexpr (with_qgm) {  // d = −e / lr
+              const std::size_t i = at + p * width;
+              const packet m = ei::psub(ei::pmul(beta, ei::ploadu<packet>(q.mhat + i)), ei::pmul(rest, ei::pmul(e, inv_lr)));
+              ei::pstoreu(q.mhat + i, m);
+              ei::pstoreu(q.buffer + i, m);
+            }
           }
         }
       }
@@ -93,6 +113,10 @@ inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev,
       const double e = xv - static_cast<double>(prev[i]);
       s.step_sq += e * e;
       prev[i] = x[i];
+      if constexpr (with_qgm) {
+        q.mhat[i] = q.beta * q.mhat[i] - (1.0f - q.beta) * static_cast<float>(e) * q.inv_lr;
+        q.buffer[i] = q.mhat[i];
+      }
     }
   }
   return s;
@@ -145,6 +169,12 @@ inline mix_sums mix_pass(float* z, const float* m, float b, std::size_t n) noexc
 /// `prev` may not overlap x or ref.
 inline drift_sums drift_pass(const float* x, const float* ref, float* prev, std::size_t n) noexcept {
   return prev ? detail::drift_pass_impl<true>(x, ref, prev, n) : detail::drift_pass_impl<false>(x, ref, nullptr, n);
+}
+
+/// drift_pass with prev, and the quasi-global momentum update of `q` (whose
+/// mhat and buffer cover the same n elements) in the same pass.
+inline drift_sums drift_pass(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q) noexcept {
+  return detail::drift_pass_impl<true, true>(x, ref, prev, n, q);
 }
 
 }  // namespace gossip

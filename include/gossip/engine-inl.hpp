@@ -16,6 +16,14 @@ inline engine_settings engine_settings::from(const options& o) {
   s.stats_path = o.string("stats");
   s.finish_rounds = static_cast<int>(o.integer("finish_rounds"));
   s.wait_when_busy = o.boolean("wait_when_busy");
+  const std::string momentum = o.string("momentum");
+  if (momentum != "quasi-global" && momentum != "local")
+    throw config_error(fmt::format("{}: key 'momentum' must be \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
+  s.quasi_global_momentum = momentum == "quasi-global";
+  const double beta = o.real("momentum_beta");
+  if (!(beta >= 0 && beta < 1))
+    throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));
+  s.momentum_beta = static_cast<float>(beta);
   if (!(s.timeout.count() > 0))
     throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
   if (s.send_buffers < 1 || s.send_buffers > 16)
@@ -61,6 +69,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      "a device model in device memory", rank, t.name, t.memory == memory_kind::host ? "host" : "device",
                                      model.device()->name()));
     m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
+    m_momentum.push_back(m_settings.quasi_global_momentum ? t.momentum : nullptr);
+    if (t.momentum && model.device())
+      throw config_error(fmt::format("engine (rank {}): tensor '{}' registered a momentum buffer, but quasi-global momentum is available for "
+                                     "host models only; set [engine] momentum = \"local\" or do not register it", rank, t.name));
     m_tensor_names.push_back(t.name);
     m_elements += t.count;
   }
@@ -89,9 +101,15 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
       for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
     }
-    if (m_policy.wants_step_change()) {
+    const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
+    if (m_policy.wants_step_change() || qgm) {
       m_prev.resize(m_elements);
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
+    }
+    if (qgm) {  // m̂ starts as the optimizer's momentum (normally zero)
+      m_mhat.assign(m_elements, 0.0f);
+      for (std::size_t i = 0; i < m_slots.size(); ++i)
+        if (m_momentum[i]) std::memcpy(m_mhat.data() + m_slots[i].offset, m_momentum[i], m_slots[i].count * sizeof(float));
     }
   }
 
@@ -109,6 +127,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_stats.topology = m_topology.name();
   m_stats.protocol = m_protocol.name();
   m_stats.transport = caps.name;
+  m_stats.momentum = !m_mhat.empty() ? "quasi-global" : "local";
   m_peer_index.assign(static_cast<std::size_t>(world), -1);
   std::vector<int> neighbours = m_topology.sources();
   neighbours.insert(neighbours.end(), targets.begin(), targets.end());
@@ -180,9 +199,15 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       ref += d.ref_sq;
     }
   } else {
+    // Quasi-global momentum needs the step's learning rate: d = (x_{t−1} − x_t)/lr.
+    const bool qgm = !m_mhat.empty() && std::isfinite(info.lr) && info.lr > 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
-      const drift_sums d = drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
+      const drift_sums d = qgm && m_momentum[i]
+                               ? drift_pass(s.data, m_snapshot + s.offset, prev + s.offset, s.count,
+                                            qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr),
+                                                     m_settings.momentum_beta})
+                               : drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
       m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
       diff += d.diff_sq;
       ref += d.ref_sq;

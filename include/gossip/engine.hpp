@@ -50,6 +50,8 @@ struct engine_settings {
   std::string stats_path;               ///< JSON report written by finish(); empty: off
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
+  bool quasi_global_momentum = true;    ///< registered momentum buffers become quasi-global (model_view::momentum)
+  float momentum_beta = 0.9f;
 
   /// From resolved [engine] options (see engine_option_specs()).
   static engine_settings from(const options& o);
@@ -144,7 +146,9 @@ class engine {
   std::unique_ptr<std::byte[]> m_send_storage;  // send_buffers × (header + model)
   int m_current = 0;                            // buffer whose payload is x̂
   float* m_snapshot = nullptr;                  // x̂ = payload of buffer m_current
-  std::vector<float> m_prev;                    // x_{t−1}, only for policies that ask
+  std::vector<float> m_prev;                    // x_{t−1}, for policies that ask and for quasi-global momentum
+  std::vector<float> m_mhat;                    // quasi-global momentum m̂ (only when buffers were registered)
+  std::vector<float*> m_momentum;               // per tensor: the optimizer's momentum buffer, or null
   std::vector<tensor_drift> m_tensor_drift;
   std::vector<received> m_received;
   std::vector<int> m_peer_index;                // rank → index in m_stats.peers, or −1

@@ -51,6 +51,9 @@ struct tensor_view {
   std::size_t count = 0;  ///< elements, not bytes
   gossip::dtype dtype = dtype::f32;
   memory_kind memory = memory_kind::host;
+  /// The optimizer's heavy-ball momentum buffer for this tensor (same count),
+  /// when the training loop lets the engine make it quasi-global; else null.
+  float* momentum = nullptr;
 
   std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
   std::span<float> f32() const noexcept { return {static_cast<float*>(data), count}; }
@@ -90,6 +93,22 @@ class model_view {
     if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
     m_tensors.push_back(std::move(t));
     return *this;
+  }
+
+  /// Registers the optimizer's momentum buffer of tensor `name` (heavy-ball:
+  /// v ← β·v + g; x ← x − lr·v, as torch.optim.SGD without nesterov), so the
+  /// engine can replace it with quasi-global momentum ([engine] momentum).
+  ///
+  ///     model.add("fc1.weight", w1).momentum("fc1.weight", v1);
+  model_view& momentum(std::string_view name, std::span<float> buffer) {
+    for (auto& t : m_tensors)
+      if (t.name == name) {
+        if (buffer.size() != t.count)
+          throw error(fmt::format("model_view: momentum buffer of tensor '{}' has {} elements but the tensor has {}", name, buffer.size(), t.count));
+        t.momentum = buffer.data();
+        return *this;
+      }
+    throw error(fmt::format("model_view: momentum buffer for '{}', but no tensor has that name; add the tensor first", name));
   }
 
   /// The backend for tensors added with memory_kind::cuda, and through it the
