@@ -45,9 +45,9 @@ class consensus {
   static constexpr std::string_view help =
       "send when ‖x − x̂‖/‖x̂‖·w^balance > threshold·(lr/lr_max)^lr_exponent: consensus control with push-sum weights kept in balance";
 
-  double threshold = 0.05;
+  double threshold = 0.1;
   double lr_exponent = 0.5;
-  double balance = 1.0;
+  double balance = 2.0;
   std::uint64_t min_interval = 1;
   std::uint64_t max_interval = 100;  ///< 0: no upper bound
 
@@ -75,9 +75,9 @@ class consensus {
 
   static std::vector<option_spec> specs() {
     return {
-        {"threshold", 0.05, "relative drift ‖x − x̂‖/‖x̂‖ that fires at the largest learning rate (number > 0)"},
+        {"threshold", 0.1, "relative drift ‖x − x̂‖/‖x̂‖ that fires at the largest learning rate (number > 0)"},
         {"lr_exponent", 0.5, "the threshold scales as (lr/lr_max)^lr_exponent (number in [0, 2]; 0: fixed, like 'drift')"},
-        {"balance", 1.0, "the drift is multiplied by w^balance, w the push-sum weight (number in [0, 4]; 0: ignore the weight)"},
+        {"balance", 2.0, "the drift is multiplied by w^balance, w the push-sum weight (number in [0, 4]; 0: ignore the weight)"},
         {"min_interval", std::int64_t{1}, "send at most every this many steps (integer >= 1)"},
         {"max_interval", std::int64_t{100}, "send at least every this many steps (integer >= 0; 0 = no limit)"},
     };

@@ -145,7 +145,10 @@ TEST_CASE("engine construction errors are clear") {
   toy_model m({4}, 1);
   CHECK_THROWS_WITH_AS(engine(m.view, 2, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
                        doctest::Contains("rank 2 is outside the world of 2 ranks"), config_error);
-  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, engine_spec{}, fabric.endpoint(0)), doctest::Contains("no policy was given"), config_error);
+  engine_spec no_policy;
+  no_policy.policy = any_policy{};
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, no_policy, fabric.endpoint(0)), doctest::Contains("no policy was given"), config_error);
+  CHECK(engine_spec{}.policy.name() == "consensus");
   model_view empty;
   CHECK_THROWS_WITH_AS(engine(empty, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
                        doctest::Contains("the model has no tensors"), config_error);

@@ -1003,3 +1003,14 @@ TEST_CASE("bad input: out-of-range values are refused with the key, the value an
     CHECK(contains(msg, c.allowed));
   }
 }
+
+TEST_CASE("periodic: with stagger the ranks take turns, each still every `every` steps") {
+  for (int rank = 0; rank < 4; ++rank) {
+    const gp::periodic p{.every = 8, .stagger = true};
+    sim e;
+    e.run(p, 40, [&](gossip::signal& s) { s.rank = rank, s.world = 4; });
+    INFO("rank ", rank);
+    const std::uint64_t first = 7 - 2 * static_cast<std::uint64_t>(rank);
+    CHECK(e.fired == std::vector<std::uint64_t>{first, first + 8, first + 16, first + 24, first + 32});
+  }
+}

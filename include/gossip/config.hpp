@@ -3,8 +3,8 @@
 ///
 ///     # run.toml
 ///     [policy]
-///     name = "drift"
-///     threshold = 0.05
+///     name = "consensus"
+///     threshold = 0.1
 ///     [topology]
 ///     name = "exponential"
 ///     [transport]
@@ -34,7 +34,7 @@ struct component_config {
 
 struct config {
   std::string source = "<code>";
-  component_config policy{"drift", options("<code> [policy]")};
+  component_config policy{"consensus", options("<code> [policy]")};
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
   component_config transport{"loopback", options("<code> [transport]")};

@@ -230,6 +230,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   sig.bytes_sent = m_stats.bytes_sent;
   sig.consensus = m_consensus;
   sig.weight = m_protocol.weight();
+  sig.rank = m_rank;
+  sig.world = m_world;
   // The round counts this rank's sends, not its steps: a time-varying topology
   // then cycles through its peers whatever the sending pattern (with the step
   // index, a period that is a multiple of the cycle would always pick the

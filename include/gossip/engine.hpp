@@ -32,6 +32,7 @@
 #include "gossip/drift.hpp"
 #include "gossip/error.hpp"
 #include "gossip/model.hpp"
+#include "gossip/policies/consensus.hpp"
 #include "gossip/policy.hpp"
 #include "gossip/protocol.hpp"
 #include "gossip/stats.hpp"
@@ -59,7 +60,7 @@ struct engine_settings {
 
 /// Everything an engine is built from; config::load() produces one, or fill it in code.
 struct engine_spec {
-  any_policy policy;
+  any_policy policy{policies::consensus{}, "consensus"};  ///< the shipped default
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
   engine_settings settings;

@@ -32,6 +32,7 @@ struct signal {
   /// model at merge time, smoothed); NaN until something was received.
   double consensus = std::numeric_limits<double>::quiet_NaN();
   double weight = 1;                   ///< push-sum weight (1 for other protocols)
+  int rank = 0, world = 1;             ///< this rank and the number of ranks
 
   double drift() const noexcept { return std::sqrt(diff_sq); }
   /// ‖x − x̂‖ / ‖x̂‖; infinite when x̂ is zero and x is not.
