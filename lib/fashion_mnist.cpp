@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -147,6 +148,55 @@ void fisher_yates(std::vector<T>& v, std::mt19937_64& rng) {
   }
 }
 
+// A double in (0, 1) from the top 53 bits of the raw stream (never 0, so its
+// logarithm is finite).
+double uniform_open(std::mt19937_64& rng) {
+  for (;;) {
+    const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+    if (u > 0) return u;
+  }
+}
+
+// Standard normal by the Marsaglia polar method (log and sqrt only).
+double standard_normal(std::mt19937_64& rng) {
+  for (;;) {
+    const double u = 2 * uniform_open(rng) - 1, v = 2 * uniform_open(rng) - 1;
+    const double s = u * u + v * v;
+    if (s > 0 && s < 1) return u * std::sqrt(-2 * std::log(s) / s);
+  }
+}
+
+// Gamma(shape, 1) by Marsaglia and Tsang (2000); for shape < 1 the usual boost
+// Gamma(shape + 1) · U^(1/shape). Ours rather than std::gamma_distribution so
+// partitions are the same with every standard library.
+double gamma_sample(std::mt19937_64& rng, double shape) {
+  if (shape < 1) return gamma_sample(rng, shape + 1) * std::pow(uniform_open(rng), 1 / shape);
+  const double d = shape - 1.0 / 3, c = 1 / std::sqrt(9 * d);
+  for (;;) {
+    double x, v;
+    do {
+      x = standard_normal(rng);
+      v = 1 + c * x;
+    } while (v <= 0);
+    v = v * v * v;
+    const double u = uniform_open(rng);
+    if (u < 1 - 0.0331 * x * x * x * x || std::log(u) < 0.5 * x * x + d * (1 - v + std::log(v))) return d * v;
+  }
+}
+
+// Indices of ds stably sorted by label, keeping `order` inside each class;
+// start[c]..start[c + 1] is class c's range.
+std::vector<std::uint32_t> sort_by_label(const dataset& ds, const std::vector<std::uint32_t>& order,
+                                         std::array<std::size_t, 257>& start) {
+  start.fill(0);
+  for (std::uint8_t l : ds.labels) ++start[std::size_t{l} + 1];
+  for (std::size_t l = 1; l < start.size(); ++l) start[l] += start[l - 1];
+  std::array<std::size_t, 257> at = start;
+  std::vector<std::uint32_t> sorted(order.size());
+  for (std::uint32_t i : order) sorted[at[ds.labels[i]]++] = i;
+  return sorted;
+}
+
 }  // namespace
 
 dataset read_idx(const std::string& images_gz, const std::string& labels_gz) {
@@ -238,6 +288,7 @@ std::string_view to_string(partition_kind kind) noexcept {
   switch (kind) {
     case partition_kind::iid: return "iid";
     case partition_kind::by_label: return "by_label";
+    case partition_kind::dirichlet: return "dirichlet";
   }
   return "?";
 }
@@ -245,11 +296,18 @@ std::string_view to_string(partition_kind kind) noexcept {
 partition_kind parse_partition_kind(std::string_view name) {
   if (name == "iid") return partition_kind::iid;
   if (name == "by_label" || name == "non_iid") return partition_kind::by_label;
-  throw config_error(fmt::format("unknown partition kind '{}': expected 'iid' or 'by_label'", name));
+  if (name == "dirichlet") return partition_kind::dirichlet;
+  throw config_error(fmt::format("unknown partition kind '{}': expected 'iid', 'by_label' or 'dirichlet'", name));
 }
 
 std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers, partition_kind kind,
                                                   std::uint64_t seed, int classes_per_worker) {
+  return partition(ds, workers, kind, seed, partition_options{.classes_per_worker = classes_per_worker});
+}
+
+std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers, partition_kind kind,
+                                                  std::uint64_t seed, const partition_options& opts) {
+  const int classes_per_worker = opts.classes_per_worker;
   const std::size_t n = ds.size();
   if (workers < 1 || static_cast<std::size_t>(workers) > n)
     throw config_error(
@@ -273,6 +331,52 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
     return out;
   }
 
+  if (kind == partition_kind::dirichlet) {
+    const double alpha = opts.dirichlet_alpha;
+    if (!(alpha > 0) || !std::isfinite(alpha))
+      throw config_error(fmt::format("dirichlet_alpha = {} for a dirichlet partition: expected a number > 0", alpha));
+    const std::size_t min_samples = std::max<std::size_t>(opts.min_samples, 1);
+    if (min_samples > n / w_count)
+      throw config_error(fmt::format("dirichlet partition of {} samples among workers = {} with at least {} samples each: too few samples",
+                                     n, workers, min_samples));
+    std::array<std::size_t, 257> start{};
+    const auto sorted = sort_by_label(ds, order, start);
+    std::vector<double> p(w_count);
+    for (std::size_t c = 0; c < 256; ++c) {
+      const std::size_t lo = start[c], count = start[c + 1] - lo;
+      if (count == 0) continue;
+      double sum = 0;
+      for (auto& x : p) sum += (x = gamma_sample(rng, alpha));
+      if (!(sum > 0)) {  // every draw underflowed: split evenly
+        std::fill(p.begin(), p.end(), 1.0);
+        sum = static_cast<double>(w_count);
+      }
+      // Cut the class at the rounded cumulative proportions: every sample once.
+      double cum = 0;
+      std::size_t from = 0;
+      for (std::size_t w = 0; w < w_count; ++w) {
+        cum += p[w];
+        const std::size_t to = w + 1 == w_count ? count : std::min(count, static_cast<std::size_t>(std::llround(cum / sum * static_cast<double>(count))));
+        if (to > from) out[w].insert(out[w].end(), sorted.begin() + static_cast<std::ptrdiff_t>(lo + from), sorted.begin() + static_cast<std::ptrdiff_t>(lo + to));
+        from = std::max(from, to);
+      }
+    }
+    // Top up: a worker short of min_samples takes random samples from the
+    // largest share (the lowest rank among equals) until it has enough.
+    for (std::size_t w = 0; w < w_count; ++w) {
+      while (out[w].size() < min_samples) {
+        std::size_t big = 0;
+        for (std::size_t v = 1; v < w_count; ++v)
+          if (out[v].size() > out[big].size()) big = v;
+        auto& from = out[big];
+        const std::size_t k = static_cast<std::size_t>(uniform_below(rng, from.size()));
+        out[w].push_back(from[k]);
+        from.erase(from.begin() + static_cast<std::ptrdiff_t>(k));
+      }
+    }
+    return out;
+  }
+
   if (classes_per_worker < 1)
     throw config_error(
         fmt::format("classes_per_worker = {} for a by_label partition: expected >= 1", classes_per_worker));
@@ -285,10 +389,7 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
 
   // Stable counting sort by label keeps the shuffled order inside each class.
   std::array<std::size_t, 257> start{};
-  for (std::uint8_t l : ds.labels) ++start[std::size_t{l} + 1];
-  for (std::size_t l = 1; l < start.size(); ++l) start[l] += start[l - 1];
-  std::vector<std::uint32_t> sorted(n);
-  for (std::uint32_t i : order) sorted[start[ds.labels[i]]++] = i;
+  const auto sorted = sort_by_label(ds, order, start);
 
   std::vector<std::uint32_t> shard_ids(shards);
   for (std::size_t s = 0; s < shards; ++s) shard_ids[s] = static_cast<std::uint32_t>(s);

@@ -15,6 +15,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "../examples/common/batch_stream.hpp"
+#include "../examples/common/local_sgd.hpp"
 #include "../examples/common/mlp.hpp"
 #include "gossip/data.hpp"
 #include "gossip/error.hpp"
@@ -442,7 +445,134 @@ TEST_SUITE("partition") {
     CHECK(gossip::data::parse_partition_kind("iid") == partition_kind::iid);
     CHECK(gossip::data::parse_partition_kind("by_label") == partition_kind::by_label);
     CHECK(gossip::data::to_string(partition_kind::by_label) == "by_label");
-    CHECK_THROWS_AS(gossip::data::parse_partition_kind("dirichlet"), gossip::config_error);
+    CHECK(gossip::data::parse_partition_kind("dirichlet") == partition_kind::dirichlet);
+    CHECK(gossip::data::to_string(partition_kind::dirichlet) == "dirichlet");
+    CHECK_THROWS_AS(gossip::data::parse_partition_kind("zipf"), gossip::config_error);
+    auto dirichlet_message = [&](double alpha, std::size_t min_samples) {
+      try {
+        (void)gossip::data::partition(ds, 2, partition_kind::dirichlet, 1, {.dirichlet_alpha = alpha, .min_samples = min_samples});
+      } catch (const gossip::config_error& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    CHECK(dirichlet_message(0, 1).find("dirichlet_alpha = 0") != std::string::npos);
+    CHECK(dirichlet_message(-1, 1).find("dirichlet_alpha = -1") != std::string::npos);
+    CHECK(dirichlet_message(0.1, 6).find("at least 6 samples each") != std::string::npos);
+    CHECK(dirichlet_message(0.1, 5).empty());
+  }
+
+  TEST_CASE("by_label class histograms: each shard holds whole label shards") {
+    // 10 classes of 100; 5 workers x 2 shards of 100: every shard is one class,
+    // so each worker's histogram has at most two nonzero bins of 100 (or one of 200).
+    const auto ds = labelled(balanced_labels(100, 10));
+    const auto shares = gossip::data::partition(ds, 5, partition_kind::by_label, 3, 2);
+    std::array<std::size_t, 10> total{};
+    for (const auto& s : shares) {
+      std::array<std::size_t, 10> h{};
+      for (auto i : s) ++h[ds.labels[i]];
+      std::size_t bins = 0;
+      for (std::size_t c = 0; c < 10; ++c) {
+        if (h[c] == 0) continue;
+        ++bins;
+        CHECK((h[c] == 100 || h[c] == 200));
+        total[c] += h[c];
+      }
+      CHECK(bins >= 1);
+      CHECK(bins <= 2);
+    }
+    for (auto t : total) CHECK(t == 100);
+    // 16 workers, 2 shards each of 1000/32 samples: a shard may straddle two
+    // labels, so a worker sees at most 4 classes.
+    for (const auto& s : gossip::data::partition(ds, 16, partition_kind::by_label, 3, 2)) {
+      std::set<int> labels;
+      for (auto i : s) labels.insert(ds.labels[i]);
+      CHECK(labels.size() <= 4);
+    }
+  }
+
+  TEST_CASE("dirichlet: every sample once, reproducible per seed, skewed, every worker at least a batch") {
+    const auto ds = labelled(balanced_labels(300, 10));  // 3000 samples
+    const gossip::data::partition_options opts{.dirichlet_alpha = 0.1, .min_samples = 32};
+    for (int workers : {4, 16}) {
+      CAPTURE(workers);
+      for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+        CAPTURE(seed);
+        const auto shares = gossip::data::partition(ds, workers, partition_kind::dirichlet, seed, opts);
+        REQUIRE(shares.size() == static_cast<std::size_t>(workers));
+        std::vector<int> seen(ds.size(), 0);
+        std::size_t smallest = ds.size(), largest = 0;
+        for (const auto& s : shares) {
+          CHECK(s.size() >= 32);
+          smallest = std::min(smallest, s.size());
+          largest = std::max(largest, s.size());
+          for (auto i : s) {
+            REQUIRE(i < ds.size());
+            ++seen[i];
+          }
+        }
+        CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
+        CHECK(largest > 2 * smallest);  // alpha = 0.1: very unequal shares
+        CHECK(gossip::data::partition(ds, workers, partition_kind::dirichlet, seed, opts) == shares);
+        CHECK(gossip::data::partition(ds, workers, partition_kind::dirichlet, seed + 100, opts) != shares);
+      }
+    }
+    // Skew: with alpha = 0.1 a worker's largest class is about half its share; with
+    // alpha = 1000 every worker's histogram is close to uniform.
+    auto dominant_share = [&](double alpha) {
+      double sum = 0;
+      const auto shares = gossip::data::partition(ds, 10, partition_kind::dirichlet, 7, {.dirichlet_alpha = alpha, .min_samples = 1});
+      for (const auto& s : shares) {
+        std::array<std::size_t, 10> h{};
+        for (auto i : s) ++h[ds.labels[i]];
+        sum += static_cast<double>(*std::max_element(h.begin(), h.end())) / static_cast<double>(s.size());
+      }
+      return sum / 10;
+    };
+    CHECK(dominant_share(0.1) > 0.4);
+    CHECK(dominant_share(1000) < 0.2);
+  }
+
+  TEST_CASE("dirichlet partitions are pinned: the same on every standard library") {
+    // mt19937_64, the shuffle and the Gamma sampler are ours: only the shares'
+    // sizes are pinned here (a change to the sampler shows as a change here).
+    const auto ds = labelled(balanced_labels(100, 10));
+    const auto shares = gossip::data::partition(ds, 4, partition_kind::dirichlet, 1, {.dirichlet_alpha = 0.5, .min_samples = 1});
+    std::vector<std::size_t> sizes;
+    for (const auto& s : shares) sizes.push_back(s.size());
+    MESSAGE("dirichlet sizes: ", sizes[0], " ", sizes[1], " ", sizes[2], " ", sizes[3]);
+    CHECK(sizes == std::vector<std::size_t>{268, 183, 431, 118});
+  }
+
+  TEST_CASE("batch_stream: the same batches as one shuffle per epoch, and small shards wrap") {
+    // A shard of 10 with batches of 4: two batches per epoch never wrap and
+    // equal the old per-epoch Fisher–Yates order.
+    std::vector<std::uint32_t> shard(10);
+    for (std::uint32_t i = 0; i < 10; ++i) shard[i] = i;
+    gossip::examples::batch_stream s(shard, 77);
+    std::vector<std::uint32_t> order = shard;
+    std::mt19937_64 rng(77);
+    for (int epoch = 0; epoch < 3; ++epoch) {
+      for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);
+      s.new_epoch();
+      std::vector<std::uint32_t> b(4);
+      for (int k = 0; k < 2; ++k) {
+        s.next(b);
+        CHECK(std::equal(b.begin(), b.end(), order.begin() + 4 * k));
+      }
+    }
+    // A shard of 3 with batches of 4: every batch is full and each pass covers the shard.
+    gossip::examples::batch_stream tiny({5, 6, 7}, 1);
+    tiny.new_epoch();
+    std::vector<std::uint32_t> b(4), all;
+    for (int k = 0; k < 3; ++k) {
+      tiny.next(b);
+      all.insert(all.end(), b.begin(), b.end());
+    }
+    for (std::size_t pass = 0; pass < 4; ++pass) {
+      std::set<std::uint32_t> p(all.begin() + 3 * static_cast<std::ptrdiff_t>(pass), all.begin() + 3 * static_cast<std::ptrdiff_t>(pass) + 3);
+      CHECK(p == std::set<std::uint32_t>{5, 6, 7});
+    }
   }
 
   TEST_CASE("gather copies the named samples") {
@@ -614,6 +744,55 @@ TEST_SUITE("mlp") {
     CHECK(opt.velocity[0] == doctest::Approx(0.555f));
     CHECK(opt.velocity[1] == doctest::Approx(-0.37f));
     CHECK(w[0] == doctest::Approx(0.85f - 0.2775f));
+  }
+
+  TEST_CASE("outer_optimizer: Nesterov outer step by hand, and plain averaging when inactive") {
+    gossip::examples::outer_optimizer o{.lr = 0.7f, .momentum = 0.9f};
+    CHECK(o.active());
+    std::vector<float> x = {1.0f, -2.0f};
+    o.start(x);
+    // Averaging moved x to {0.8, -1.5}: Δ = anchor − x = {0.2, −0.5}; v = Δ;
+    // x = anchor − 0.7 (Δ + 0.9 v) = anchor − 1.33 Δ = {0.734, −1.335}.
+    x = {0.8f, -1.5f};
+    o.step(x);
+    CHECK(x[0] == doctest::Approx(0.734f));
+    CHECK(x[1] == doctest::Approx(-1.335f));
+    CHECK(o.anchor[0] == x[0]);
+    CHECK(o.velocity[0] == doctest::Approx(0.2f));
+    // Next averaging point at {0.634, −1.235}: Δ = {0.1, −0.1}; v = 0.9 v + Δ = {0.28, −0.55};
+    // x = anchor − 0.7 (Δ + 0.9 v) = {0.734 − 0.7·0.352, −1.335 + 0.7·0.595}.
+    x = {0.634f, -1.235f};
+    o.step(x);
+    CHECK(o.velocity[0] == doctest::Approx(0.28f));
+    CHECK(o.velocity[1] == doctest::Approx(-0.55f));
+    CHECK(x[0] == doctest::Approx(0.734f - 0.7f * 0.352f));
+    CHECK(x[1] == doctest::Approx(-1.335f + 0.7f * 0.595f));
+
+    // Without Nesterov: x = anchor − lr·v.
+    gossip::examples::outer_optimizer h{.lr = 0.5f, .momentum = 0.5f, .nesterov = false};
+    std::vector<float> y = {2.0f};
+    h.start(y);
+    y = {1.0f};
+    h.step(y);  // Δ = 1, v = 1, y = 2 − 0.5
+    CHECK(y[0] == doctest::Approx(1.5f));
+    y = {1.0f};
+    h.step(y);  // Δ = 0.5, v = 0.5 + 0.5 = 1, y = 1.5 − 0.5
+    CHECK(y[0] == doctest::Approx(1.0f));
+
+    CHECK_FALSE(gossip::examples::outer_optimizer{}.active());  // lr 1, momentum 0: x stays the average
+  }
+
+  TEST_CASE("averaging_schedule fires the rounds of each averaging point") {
+    const gossip::examples::averaging_schedule a{.every = 4, .rounds = 2};
+    std::string fires;
+    for (std::uint64_t t = 0; t < 12; ++t) {
+      gossip::signal s;
+      s.step = t;
+      fires += a.decide(s).send ? 'x' : '.';
+    }
+    // Cycle of 6 engine steps: local steps 0..3 (the 4th sends round 0), then
+    // round 1 and a merge-only step.
+    CHECK(fires == "...xx....xx.");
   }
 
   TEST_CASE("learning-rate schedules") {

@@ -20,27 +20,48 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         doc = json.load(f)
     styles = {"never": ("tab:gray", "x"), "periodic-1": ("tab:red", "o"), "adaptive": ("tab:green", "*"),
-              "equal-traffic": ("tab:blue", "s")}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for role, (color, marker) in styles.items():
+              "equal-traffic": ("tab:blue", "s"), "local-sgd": ("tab:purple", "D"), "diloco": ("tab:orange", "^")}
+    s = doc["summary"]
+    baselines = s.get("baselines", {})
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for role in list(styles) + sorted({r.get("role") for r in doc["runs"]} - set(styles)):
+        color, marker = styles.get(role, ("black", "."))
         runs = [r for r in doc["runs"] if r.get("role") == role]
         if not runs:
             continue
-        # never sends zero bytes: draw it at the left edge of the log axis
-        xs = [max(r["bytes_sent"], 1e6) / 1e6 for r in runs]
-        ys = [100 * r["accuracy"] for r in runs]
-        label = role if role != "equal-traffic" else f"periodic every {doc.get('equal_traffic_period')} (equal traffic)"
+        b = baselines.get(role, {})
+        label = role
         if role == "adaptive":
             label = f"adaptive ({runs[0]['policy']})"
-        ax.scatter(xs, ys, c=color, marker=marker, s=60, label=label)
-    s = doc["summary"]
+        elif role == "equal-traffic":
+            label = f"periodic every {b.get('every', doc.get('equal_traffic_period'))} (equal traffic)"
+        elif role in ("local-sgd", "diloco"):
+            label = f"{role}: average every {b.get('every')} steps, {b.get('rounds', doc.get('average_rounds'))} rounds"
+            if role == "diloco" and "diloco" in doc:
+                label += f", outer lr {doc['diloco']['outer_lr']} / mom. {doc['diloco']['outer_momentum']}"
+        if role == s.get("equal_traffic_best"):
+            label += " [best equal-bytes]"
+        for eligible in (True, False):
+            part = [r for r in runs if r.get("eligible", True) == eligible]
+            if not part:
+                continue
+            # never sends zero bytes: draw it at the left edge of the log axis
+            xs = [max(r["bytes_sent"], 1e6) / 1e6 for r in part]
+            ys = [100 * r["accuracy"] for r in part]
+            if eligible:
+                ax.scatter(xs, ys, c=color, marker=marker, s=60, label=label)
+            else:  # overshot the adaptive run's bytes: shown hollow, not compared
+                ax.scatter(xs, ys, facecolors="none", edgecolors=color, marker=marker, s=60, label=f"{role} (overshoot)")
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent by all workers (MB, log scale; never drawn at 1 MB)")
+    ax.set_xlabel("bytes sent by all workers (MB, log scale; zero drawn at 1 MB)")
     ax.set_ylabel("test accuracy of the average model (%)")
-    ax.set_title(f"Fashion-MNIST, {doc['workers']} workers: traffic -{100 * s['traffic_reduction']:.1f} %, "
-                 f"accuracy {s['accuracy_delta_pt']:+.2f} pt")
+    delta = s.get("equal_traffic_accuracy_delta_pt")
+    sub = f", vs best equal-bytes {delta:+.2f} pt" if delta is not None else ""
+    part = doc.get("partition", "iid")
+    ax.set_title(f"Fashion-MNIST, {doc['workers']} workers, {part}: traffic -{100 * s['traffic_reduction']:.1f} %, "
+                 f"accuracy {s['accuracy_delta_pt']:+.2f} pt{sub}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(sys.argv[2], dpi=120)
     return 0

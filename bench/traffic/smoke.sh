@@ -1,25 +1,55 @@
 #!/usr/bin/env bash
-# bench/traffic on a slice of the data with one seed: checks the JSON schema.
+# bench/traffic on a slice of the data: checks the JSON schema, the roles and
+# the equal-bytes rule; a second run on Dirichlet shards with 8 workers.
 set -euo pipefail
 exe=$1 src=$2
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"$exe" --quick --seeds 1 --out "$out" --set train.train_limit=3000 --set bench.quick_epochs=1 --set transport.bandwidth_gbps=0
+"$exe" --quick --seeds 2 --out "$out" --set train.train_limit=3000 --set bench.quick_epochs=1 --set transport.bandwidth_gbps=0
 /usr/bin/python3 - "$out/traffic.json" <<'PY'
-import json, sys
+import json, statistics, sys
 d = json.load(open(sys.argv[1]))
-for k in ("dataset", "workers", "runs", "summary"):
+for k in ("dataset", "workers", "runs", "summary", "equal_traffic_period", "local_sgd_every", "diloco_every", "average_rounds"):
     assert k in d, k
 roles = [r["role"] for r in d["runs"]]
-assert roles == ["never", "periodic-1", "adaptive", "equal-traffic"], roles
+assert roles[:6] == ["never", "periodic-1", "adaptive"] * 2, roles
+for role in ("equal-traffic", "local-sgd", "diloco"):
+    assert roles.count(role) >= 2, (role, roles)
 for r in d["runs"]:
     for k in ("policy", "options", "seed", "bytes_sent", "messages", "accuracy", "local_accuracy_mean", "wall_s"):
         assert k in r, k
     assert 0 <= r["accuracy"] <= 1 and 0 <= r["local_accuracy_mean"] <= 1
-assert d["runs"][0]["bytes_sent"] == 0 and d["runs"][1]["bytes_sent"] > d["runs"][2]["bytes_sent"] > 0
+by = lambda role: [r for r in d["runs"] if r["role"] == role and r.get("eligible", True)]
+assert all(r["bytes_sent"] == 0 for r in by("never"))
+mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
+p1, ad = mean(by("periodic-1"), "bytes_sent"), mean(by("adaptive"), "bytes_sent")
+assert p1 > ad > 0
 s = d["summary"]
-for k in ("traffic_reduction", "accuracy_delta_pt", "equal_traffic_accuracy_delta_pt"):
+for k in ("traffic_reduction", "accuracy_delta_pt", "accuracy_delta_sigma_pt", "equal_traffic_accuracy_delta_pt",
+          "equal_traffic_delta_sigma_pt", "equal_traffic_best", "baselines", "time_reduction"):
     assert k in s, k
-assert abs(s["traffic_reduction"] - (1 - d["runs"][2]["bytes_sent"] / d["runs"][1]["bytes_sent"])) < 1e-9
-print("bench smoke:", s)
+assert abs(s["traffic_reduction"] - (1 - ad / p1)) < 1e-9
+# Every eligible baseline sent no more bytes than the adaptive run; the best is the most accurate of them.
+elig = {b: v for b, v in s["baselines"].items() if v["eligible"]}
+assert elig and all(mean(by(b), "bytes_sent") <= ad for b in elig)
+assert elig[s["equal_traffic_best"]]["accuracy"] == max(v["accuracy"] for v in elig.values())  # ties: either
+best = s["equal_traffic_best"]
+diff = [100 * (a["accuracy"] - b["accuracy"]) for a, b in zip(by("adaptive"), by(best))]
+assert abs(s["equal_traffic_accuracy_delta_pt"] - statistics.mean(diff)) < 1e-9
+assert abs(s["equal_traffic_delta_sigma_pt"] - statistics.stdev(diff)) < 1e-9
+diff = [100 * (a["accuracy"] - b["accuracy"]) for a, b in zip(by("adaptive"), by("periodic-1"))]
+assert abs(s["accuracy_delta_pt"] - statistics.mean(diff)) < 1e-9
+assert abs(s["accuracy_delta_sigma_pt"] - statistics.stdev(diff)) < 1e-9
+print("bench smoke:", {k: v for k, v in s.items() if k != "baselines"})
+PY
+"$exe" --quick --seeds 1 --out "$out/dirichlet" --set train.train_limit=3000 --set bench.quick_epochs=1 --set transport.bandwidth_gbps=0 \
+  --set train.workers=8 --set train.partition=dirichlet --set baseline.roles=local-sgd,diloco
+/usr/bin/python3 - "$out/dirichlet/traffic.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+assert d["partition"] == "dirichlet" and d["dirichlet_alpha"] == 0.1 and d["workers"] == 8
+assert [r["role"] for r in d["runs"]][:3] == ["never", "periodic-1", "adaptive"]
+assert {"local-sgd", "diloco"} <= {r["role"] for r in d["runs"]}
+assert d["summary"]["accuracy_delta_sigma_pt"] is None  # one seed
+print("bench smoke (dirichlet):", d["summary"]["equal_traffic_best"], d["summary"]["equal_traffic_accuracy_delta_pt"])
 PY

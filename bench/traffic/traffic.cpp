@@ -1,11 +1,17 @@
 // bench/traffic — the founding experiment: how much traffic does drift-triggered
-// gossip save at equal accuracy, and does it beat a fixed period that sends the
+// gossip save at equal accuracy, and does it beat the controls that send the
 // same bytes?
 //
-// For each seed, the same schedule and data: `never` (local SGD, a control),
-// `periodic` every step (the gossip-SGD baseline), the adaptive policy of the
-// config, and `periodic` at the period that sends about the adaptive run's
-// bytes (the equal-traffic control). Prints a table, writes JSON and a PNG.
+// For each seed, the same schedule and data: `never` (local SGD without any
+// averaging, a control), `periodic` every step (the gossip-SGD baseline), the
+// adaptive policy of the config, and the equal-bytes baselines, each at the
+// shortest period whose bytes do not exceed the adaptive run's:
+//   equal-traffic  periodic gossip every P steps;
+//   local-sgd      local SGD, averaging every H steps by `rounds` gossip
+//                  rounds in a row (examples/common/local_sgd.hpp);
+//   diloco         the same with an outer Nesterov step at each averaging
+//                  point (DiLoCo).
+// Prints a table, writes JSON and a PNG.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -27,8 +33,9 @@ using namespace gossip;
 struct run_row {
   std::string role, policy;
   nlohmann::json options;
-  std::uint64_t seed = 0, bytes_sent = 0, messages = 0;
+  std::uint64_t seed = 0, bytes_sent = 0, messages = 0, sends = 0, steps = 0;
   double accuracy = 0, local_accuracy_mean = 0, wall_s = 0;
+  bool eligible = true;  ///< an equal-bytes baseline that sent no more than the adaptive run
 };
 
 nlohmann::json options_json(const options& o) {
@@ -47,6 +54,24 @@ const std::vector<option_spec>& bench_specs() {
   return specs;
 }
 
+// [baseline]: the equal-bytes controls.
+const std::vector<option_spec>& baseline_specs() {
+  static const std::vector<option_spec> specs = {
+      {"roles", std::string("equal-traffic,local-sgd,diloco"), "equal-bytes baselines to run, comma-separated"},
+      {"rounds", std::int64_t{-1}, "gossip rounds at each local-sgd/diloco averaging point (-1: ceil(log2 workers))"},
+      {"outer_lr", 0.7, "diloco: outer learning rate"},
+      {"outer_momentum", 0.9, "diloco: outer Nesterov momentum"},
+      {"max_attempts", std::int64_t{3}, "longer periods tried when a baseline's bytes overshoot the adaptive run's"},
+  };
+  return specs;
+}
+
+// How one run trains beyond its policy: local SGD and the outer optimizer.
+struct variant {
+  int average_every = 0, average_rounds = -1;
+  double outer_lr = 1.0, outer_momentum = 0.0;
+};
+
 // One run as real processes: gossip-run starts `workers` ranks of the
 // Fashion-MNIST example with the bench's config and this run's policy and
 // seed; rank 0 writes the report.
@@ -63,6 +88,10 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   set(fmt::format("train.seed={}", s.seed));
   set(fmt::format("train.epochs={}", s.epochs));
   set(fmt::format("train.train_limit={}", s.train_limit));
+  set(fmt::format("train.average_every={}", s.average_every));
+  set(fmt::format("train.average_rounds={}", s.average_rounds));
+  set(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
+  set(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
   cmd += fmt::format(" --json '{}' > '{}/run.log' 2>&1", report, out_dir);
   if (std::system(cmd.c_str()) != 0 || !std::filesystem::exists(report))
     throw error(fmt::format("a run over processes failed; its output is in {}/run.log (command: {})", out_dir, cmd));
@@ -74,6 +103,20 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
 #endif
 }
 
+double mean_of(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+}
+// Sample standard deviation (n − 1); null with fewer than two values.
+nlohmann::json sigma_of(const std::vector<double>& v) {
+  if (v.size() < 2) return nullptr;
+  const double m = mean_of(v);
+  double s = 0;
+  for (double x : v) s += (x - m) * (x - m);
+  return std::sqrt(s / static_cast<double>(v.size() - 1));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,7 +125,8 @@ int main(int argc, char** argv) {
   std::string out_dir = "results";
   bool quick = false;
   int seeds = 0;
-  app.add_option("-c,--config", config_path, "bench config: [policy] is the adaptive policy; [train], [transport], [bench]")->check(CLI::ExistingFile);
+  app.add_option("-c,--config", config_path, "bench config: [policy] is the adaptive policy; [train], [transport], [bench], [baseline]")
+      ->check(CLI::ExistingFile);
   app.add_option("-o,--out", out_dir, "directory for traffic.json and traffic.png");
   app.add_flag("--quick", quick, "fewer epochs (the [bench] quick_* settings): a few minutes on 2 cores");
   app.add_option("--seeds", seeds, "override [bench] seeds")->check(CLI::Range(1, 100));
@@ -96,35 +140,74 @@ int main(int argc, char** argv) {
     ::setenv("UCX_NET_DEVICES", "lo", 0);  // the ranks run on this machine
     for (const auto& o : overrides) base.apply_override(o);
     const auto bench = base.section("bench", bench_specs());
+    const auto bl = base.section("baseline", baseline_specs());
     const int n_seeds = seeds ? seeds : static_cast<int>(bench.integer("seeds"));
     auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
     if (quick) {
       settings.epochs = static_cast<int>(bench.integer("quick_epochs"));
       if (bench.integer("quick_train_limit") > 0) settings.train_limit = static_cast<std::size_t>(bench.integer("quick_train_limit"));
     }
+    std::vector<std::string> roles;
+    {
+      const std::string list = bl.string("roles");
+      for (std::size_t at = 0; at <= list.size();) {
+        const auto comma = std::min(list.find(',', at), list.size());
+        if (comma > at) roles.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
+    }
+    for (const auto& r : roles)
+      if (r != "equal-traffic" && r != "local-sgd" && r != "diloco")
+        throw config_error(fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, local-sgd, diloco", bl.where(), r));
+    examples::train_settings rounds_probe = settings;
+    rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
+    if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
+      throw config_error(fmt::format("{}: key 'rounds' must be >= 1, or -1 for automatic", bl.where()));
+    const int avg_rounds = rounds_probe.rounds_per_average();
+    const double outer_lr = bl.real("outer_lr"), outer_momentum = bl.real("outer_momentum");
+    const int max_attempts = std::max<int>(1, static_cast<int>(bl.integer("max_attempts")));
     const auto data = examples::datasets::load(settings);
     std::filesystem::create_directories(out_dir);
 
+    std::string partition_label(data::to_string(settings.partition));
+    if (settings.partition == data::partition_kind::by_label) partition_label += fmt::format(" ({} classes/worker)", settings.classes_per_worker);
+    if (settings.partition == data::partition_kind::dirichlet) partition_label += fmt::format(" (alpha {})", settings.dirichlet_alpha);
     fmt::print("bench/traffic: Fashion-MNIST ({} train / {} test), {} workers, {} epochs, batch {}, {} data, topology '{}', "
                "protocol '{}', {} Gbit/s links, {} seed(s){}\n",
-               data.train.size(), data.test.size(), settings.workers, settings.epochs, settings.batch, data::to_string(settings.partition),
+               data.train.size(), data.test.size(), settings.workers, settings.epochs, settings.batch, partition_label,
                base.topology.name, base.protocol.name, base.transport.opts.has("bandwidth_gbps") ? to_string(base.transport.opts.values().at("bandwidth_gbps")) : "unlimited",
                n_seeds, quick ? " (quick)" : "");
     fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>9} {:>9} {:>8}\n", "role", "policy", "seed", "bytes", "messages", "acc-avg", "acc-local", "wall-s");
     std::fflush(stdout);
 
     std::vector<run_row> rows;
-    auto run = [&](const std::string& role, const component_config& policy, std::uint64_t seed) {
+    auto run = [&](const std::string& role, const component_config& policy, std::uint64_t seed, const variant& v = {}) {
       config cfg = base;
       cfg.policy = policy;
       auto s = settings;
       s.seed = seed;
-      const auto resolved = policy.opts.resolved(policy_registry().find(policy.name, policy.opts.where()).specs, "policy '" + policy.name + "'");
-      run_row r{role, policy.name, options_json(resolved), seed};
+      s.average_every = v.average_every;
+      s.average_rounds = v.average_rounds;
+      s.outer_lr = v.outer_lr;
+      s.outer_momentum = v.outer_momentum;
+      run_row r{role, policy.name, nlohmann::json::object(), seed};
+      std::string label = policy.name;
+      if (v.average_every > 0) {
+        r.policy = role == "diloco" ? "diloco" : "local-sgd";
+        r.options = {{"every", v.average_every}, {"rounds", s.rounds_per_average()}};
+        if (role == "diloco") r.options["outer_lr"] = v.outer_lr, r.options["outer_momentum"] = v.outer_momentum;
+        label = fmt::format("{} every={} rounds={}", r.policy, v.average_every, s.rounds_per_average());
+      } else {
+        const auto resolved = policy.opts.resolved(policy_registry().find(policy.name, policy.opts.where()).specs, "policy '" + policy.name + "'");
+        r.options = options_json(resolved);
+        for (const auto& [k, val] : resolved.values()) label += fmt::format(" {}={}", k, to_string(val));
+      }
       if (examples::runs_as_processes(cfg)) {
         const auto j = run_processes(config_path, overrides, policy, s, out_dir);
         r.bytes_sent = j.at("bytes_sent");
         r.messages = j.at("messages");
+        r.sends = j.value("sends", std::uint64_t{0});
+        r.steps = j.value("steps", std::uint64_t{0});
         r.accuracy = j.at("accuracy");
         r.local_accuracy_mean = j.at("local_accuracy_mean");
         r.wall_s = j.at("train_seconds");
@@ -132,47 +215,103 @@ int main(int argc, char** argv) {
         const auto rep = examples::train(cfg, s, data);
         r.bytes_sent = rep.bytes_sent;
         r.messages = rep.messages;
+        r.sends = rep.sends;
+        r.steps = rep.steps;
         r.accuracy = rep.accuracy;
         r.local_accuracy_mean = rep.local_accuracy_mean;
         r.wall_s = rep.train_seconds;
       }
-      std::string label = policy.name;
-      for (const auto& [k, v] : resolved.values()) label += fmt::format(" {}={}", k, to_string(v));
       fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>8.2f}% {:>8.2f}% {:>8.1f}\n", role, label.substr(0, 34), seed, r.bytes_sent, r.messages,
                  100 * r.accuracy, 100 * r.local_accuracy_mean, r.wall_s);
       std::fflush(stdout);
       rows.push_back(r);
-      return r;
+      return rows.size() - 1;
     };
     auto periodic = [](std::int64_t every) {
       component_config c{"periodic", options("bench [periodic]")};
       c.opts.set("every", every);
       return c;
     };
+    auto seed_of = [&](int i) { return settings.seed + static_cast<std::uint64_t>(i); };
 
-    std::map<std::string, std::vector<run_row>> by_role;
+    // Rows by role, in seed order (for an equal-bytes baseline: its eligible attempt).
+    std::map<std::string, std::vector<std::size_t>> by_role;
     for (int i = 0; i < n_seeds; ++i) {
-      const auto seed = settings.seed + static_cast<std::uint64_t>(i);
-      by_role["never"].push_back(run("never", {"never", options("bench [never]")}, seed));
-      by_role["periodic-1"].push_back(run("periodic-1", periodic(1), seed));
-      by_role["adaptive"].push_back(run("adaptive", base.policy, seed));
+      by_role["never"].push_back(run("never", {"never", options("bench [never]")}, seed_of(i)));
+      by_role["periodic-1"].push_back(run("periodic-1", periodic(1), seed_of(i)));
+      by_role["adaptive"].push_back(run("adaptive", base.policy, seed_of(i)));
     }
-    auto mean = [](const std::vector<run_row>& v, auto field) {
-      double s = 0;
-      for (const auto& r : v) s += static_cast<double>(r.*field);
-      return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+    auto field = [&](const std::string& role, auto member) {
+      std::vector<double> v;
+      for (auto i : by_role[role]) v.push_back(static_cast<double>(rows[i].*member));
+      return v;
     };
-    const double bytes_p1 = mean(by_role["periodic-1"], &run_row::bytes_sent);
-    const double bytes_ad = mean(by_role["adaptive"], &run_row::bytes_sent);
-    const auto period = std::max<std::int64_t>(1, std::llround(bytes_p1 / std::max(bytes_ad, 1.0)));
-    for (int i = 0; i < n_seeds; ++i) by_role["equal-traffic"].push_back(run("equal-traffic", periodic(period), settings.seed + static_cast<std::uint64_t>(i)));
+    const double bytes_p1 = mean_of(field("periodic-1", &run_row::bytes_sent));
+    const double bytes_ad = mean_of(field("adaptive", &run_row::bytes_sent));
+    // Periodic-1 sends at every training step: its runs give the bytes of one
+    // send (all peers of one worker) and the training steps per worker.
+    const auto& p1 = rows[by_role["periodic-1"].front()];
+    const double bytes_per_send = p1.sends ? static_cast<double>(p1.bytes_sent) / static_cast<double>(p1.sends) : 0.0;
+    const std::int64_t steps_per_worker = static_cast<std::int64_t>(p1.steps) / settings.workers;
+    auto predicted = [&](std::int64_t every, std::int64_t sends_per_point) {
+      return bytes_per_send * static_cast<double>(settings.workers) * static_cast<double>(sends_per_point * (steps_per_worker / every));
+    };
+    // The shortest period whose predicted bytes do not exceed the adaptive run's.
+    auto shortest_period = [&](std::int64_t sends_per_point) {
+      std::int64_t every = sends_per_point;
+      while (every <= steps_per_worker && predicted(every, sends_per_point) > bytes_ad) ++every;
+      return every;
+    };
 
-    const double acc_p1 = mean(by_role["periodic-1"], &run_row::accuracy);
-    const double acc_ad = mean(by_role["adaptive"], &run_row::accuracy);
-    const double acc_eq = mean(by_role["equal-traffic"], &run_row::accuracy);
-    const double bytes_eq = mean(by_role["equal-traffic"], &run_row::bytes_sent);
-    const double wall_p1 = mean(by_role["periodic-1"], &run_row::wall_s);
-    const double wall_ad = mean(by_role["adaptive"], &run_row::wall_s);
+    struct baseline_result {
+      std::string role;
+      std::int64_t every = 0;
+      int rounds = 0;
+      int attempts = 0;
+      bool eligible = false;
+    };
+    std::vector<baseline_result> baselines;
+    for (const auto& role : roles) {
+      const std::int64_t per_point = role == "equal-traffic" ? 1 : avg_rounds;
+      baseline_result b{role, shortest_period(per_point), role == "equal-traffic" ? 0 : avg_rounds};
+      for (b.attempts = 1;; ++b.attempts, ++b.every) {
+        std::vector<std::size_t> idx;
+        for (int i = 0; i < n_seeds; ++i) {
+          if (role == "equal-traffic")
+            idx.push_back(run(role, periodic(b.every), seed_of(i)));
+          else
+            idx.push_back(run(role, periodic(1), seed_of(i),
+                              variant{.average_every = static_cast<int>(b.every), .average_rounds = avg_rounds,
+                                      .outer_lr = role == "diloco" ? outer_lr : 1.0, .outer_momentum = role == "diloco" ? outer_momentum : 0.0}));
+        }
+        double bytes = 0;
+        for (auto i : idx) bytes += static_cast<double>(rows[i].bytes_sent) / n_seeds;
+        b.eligible = bytes <= bytes_ad;
+        for (auto i : idx) rows[i].eligible = b.eligible;
+        if (b.eligible || b.attempts >= max_attempts) {
+          by_role[role] = idx;
+          break;
+        }
+        fmt::print("({} every {} sent {:.0f} bytes, more than the adaptive run's {:.0f}: trying every {})\n", role, b.every, bytes, bytes_ad, b.every + 1);
+      }
+      baselines.push_back(b);
+    }
+
+    const auto acc_ad_seeds = field("adaptive", &run_row::accuracy);
+    auto deltas = [&](const std::string& role) {
+      const auto other = field(role, &run_row::accuracy);
+      std::vector<double> d;
+      for (std::size_t i = 0; i < other.size() && i < acc_ad_seeds.size(); ++i) d.push_back(100 * (acc_ad_seeds[i] - other[i]));
+      return d;
+    };
+    const double acc_p1 = mean_of(field("periodic-1", &run_row::accuracy));
+    const double acc_ad = mean_of(acc_ad_seeds);
+    const double wall_p1 = mean_of(field("periodic-1", &run_row::wall_s));
+    const double wall_ad = mean_of(field("adaptive", &run_row::wall_s));
+    // The best equal-bytes baseline: highest mean accuracy among those that sent no more than the adaptive run.
+    const baseline_result* best = nullptr;
+    for (const auto& b : baselines)
+      if (b.eligible && (!best || mean_of(field(b.role, &run_row::accuracy)) > mean_of(field(best->role, &run_row::accuracy)))) best = &b;
 
     nlohmann::json j;
     j["dataset"] = "fashion-mnist";
@@ -180,6 +319,8 @@ int main(int argc, char** argv) {
     j["epochs"] = settings.epochs;
     j["batch"] = settings.batch;
     j["partition"] = std::string(data::to_string(settings.partition));
+    if (settings.partition == data::partition_kind::by_label) j["classes_per_worker"] = settings.classes_per_worker;
+    if (settings.partition == data::partition_kind::dirichlet) j["dirichlet_alpha"] = settings.dirichlet_alpha;
     j["topology"] = base.topology.name;
     j["protocol"] = base.protocol.name;
     j["transport"] = {{"name", base.transport.name},
@@ -187,27 +328,66 @@ int main(int argc, char** argv) {
                                                                     : options_json(base.transport.opts)}};
     j["quick"] = quick;
     j["seeds"] = n_seeds;
-    j["equal_traffic_period"] = period;
+    j["steps_per_worker"] = steps_per_worker;
+    for (const auto& b : baselines) {
+      if (b.role == "equal-traffic") j["equal_traffic_period"] = b.every;
+      if (b.role == "local-sgd") j["local_sgd_every"] = b.every;
+      if (b.role == "diloco") j["diloco_every"] = b.every;
+    }
+    j["average_rounds"] = avg_rounds;
+    j["diloco"] = {{"outer_lr", outer_lr}, {"outer_momentum", outer_momentum}, {"nesterov", true}};
     j["runs"] = nlohmann::json::array();
-    for (const auto& r : rows)
-      j["runs"].push_back({{"role", r.role}, {"policy", r.policy}, {"options", r.options}, {"seed", r.seed}, {"bytes_sent", r.bytes_sent},
-                           {"messages", r.messages}, {"accuracy", r.accuracy}, {"local_accuracy_mean", r.local_accuracy_mean}, {"wall_s", r.wall_s}});
-    j["summary"] = {{"traffic_reduction", 1.0 - bytes_ad / bytes_p1},
-                    {"accuracy_delta_pt", 100 * (acc_ad - acc_p1)},
-                    {"equal_traffic_accuracy_delta_pt", 100 * (acc_ad - acc_eq)},
-                    {"equal_traffic_bytes_ratio", bytes_eq / bytes_ad},
-                    {"time_reduction", 1.0 - wall_ad / wall_p1},
-                    {"accuracy", {{"never", mean(by_role["never"], &run_row::accuracy)}, {"periodic_1", acc_p1}, {"adaptive", acc_ad}, {"equal_traffic", acc_eq}}}};
+    for (const auto& r : rows) {
+      nlohmann::json jr = {{"role", r.role}, {"policy", r.policy}, {"options", r.options}, {"seed", r.seed}, {"bytes_sent", r.bytes_sent},
+                           {"messages", r.messages}, {"sends", r.sends}, {"accuracy", r.accuracy}, {"local_accuracy_mean", r.local_accuracy_mean},
+                           {"wall_s", r.wall_s}};
+      if (r.role == "equal-traffic" || r.role == "local-sgd" || r.role == "diloco") jr["eligible"] = r.eligible;
+      j["runs"].push_back(jr);
+    }
+    nlohmann::json sm;
+    sm["traffic_reduction"] = 1.0 - bytes_ad / bytes_p1;
+    sm["accuracy_delta_pt"] = mean_of(deltas("periodic-1"));
+    sm["accuracy_delta_sigma_pt"] = sigma_of(deltas("periodic-1"));
+    sm["equal_traffic_best"] = best ? nlohmann::json(best->role) : nlohmann::json(nullptr);
+    sm["equal_traffic_accuracy_delta_pt"] = best ? nlohmann::json(mean_of(deltas(best->role))) : nlohmann::json(nullptr);
+    sm["equal_traffic_delta_sigma_pt"] = best ? sigma_of(deltas(best->role)) : nlohmann::json(nullptr);
+    sm["equal_traffic_bytes_ratio"] = best ? nlohmann::json(mean_of(field(best->role, &run_row::bytes_sent)) / bytes_ad) : nlohmann::json(nullptr);
+    sm["time_reduction"] = 1.0 - wall_ad / wall_p1;
+    sm["baselines"] = nlohmann::json::object();
+    for (const auto& b : baselines) {
+      nlohmann::json jb = {{"every", b.every}, {"eligible", b.eligible}, {"attempts", b.attempts},
+                           {"bytes_ratio", mean_of(field(b.role, &run_row::bytes_sent)) / bytes_ad},
+                           {"accuracy", mean_of(field(b.role, &run_row::accuracy))},
+                           {"accuracy_delta_pt", mean_of(deltas(b.role))}, {"accuracy_delta_sigma_pt", sigma_of(deltas(b.role))}};
+      if (b.rounds) jb["rounds"] = b.rounds;
+      sm["baselines"][b.role] = jb;
+    }
+    sm["accuracy"] = {{"never", mean_of(field("never", &run_row::accuracy))}, {"periodic_1", acc_p1}, {"adaptive", acc_ad}};
+    for (const auto& b : baselines) {
+      std::string key = b.role;
+      std::replace(key.begin(), key.end(), '-', '_');
+      sm["accuracy"][key] = mean_of(field(b.role, &run_row::accuracy));
+    }
+    j["summary"] = sm;
     const auto json_path = (std::filesystem::path(out_dir) / "traffic.json").string();
     std::ofstream(json_path) << j.dump(2) << '\n';
 
-    const auto& sm = j["summary"];
-    fmt::print("\nsummary over {} seed(s):\n", n_seeds);
+    auto pm = [](const nlohmann::json& sig) { return sig.is_null() ? std::string() : fmt::format(" ± {:.2f}", sig.get<double>()); };
+    fmt::print("\nsummary over {} seed(s) (± is the standard deviation of the per-seed difference):\n", n_seeds);
     fmt::print("  traffic_reduction                {:.4f}   (adaptive sends {:.1f}x fewer bytes than periodic every step)\n",
                sm["traffic_reduction"].get<double>(), bytes_p1 / bytes_ad);
-    fmt::print("  accuracy_delta_pt                {:+.2f}    (adaptive {:.2f}% vs periodic-1 {:.2f}%)\n", sm["accuracy_delta_pt"].get<double>(), 100 * acc_ad, 100 * acc_p1);
-    fmt::print("  equal_traffic_accuracy_delta_pt  {:+.2f}    (vs periodic every {} steps at {:.2f}x the adaptive bytes: {:.2f}%)\n",
-               sm["equal_traffic_accuracy_delta_pt"].get<double>(), period, bytes_eq / bytes_ad, 100 * acc_eq);
+    fmt::print("  accuracy_delta_pt                {:+.2f}{}    (adaptive {:.2f}% vs periodic-1 {:.2f}%)\n", sm["accuracy_delta_pt"].get<double>(),
+               pm(sm["accuracy_delta_sigma_pt"]), 100 * acc_ad, 100 * acc_p1);
+    for (const auto& b : baselines) {
+      const auto& jb = sm["baselines"][b.role];
+      fmt::print("  vs {:<14} every {:>4}{}  {:+.2f}{}    ({:.2f}% at {:.2f}x the adaptive bytes{})\n", b.role, b.every,
+                 b.rounds ? fmt::format(" ({} rounds)", b.rounds) : std::string(), jb["accuracy_delta_pt"].get<double>(),
+                 pm(jb["accuracy_delta_sigma_pt"]), 100 * jb["accuracy"].get<double>(), jb["bytes_ratio"].get<double>(),
+                 b.eligible ? "" : ", overshoots: not compared");
+    }
+    if (best)
+      fmt::print("  equal_traffic_accuracy_delta_pt  {:+.2f}{}    (vs the best equal-bytes baseline, {})\n",
+                 sm["equal_traffic_accuracy_delta_pt"].get<double>(), pm(sm["equal_traffic_delta_sigma_pt"]), best->role);
     fmt::print("  time_reduction                   {:.4f}   (training time, {:.1f} s vs {:.1f} s)\n", sm["time_reduction"].get<double>(), wall_ad, wall_p1);
     fmt::print("wrote {}\n", json_path);
 

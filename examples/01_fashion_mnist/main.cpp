@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
   app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
   app.add_option("--seed", seed, "override [train] seed");
-  app.add_option("--partition", partition, "override [train] partition (iid or by_label)");
+  app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)");
   app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)");
   app.add_option("--json", json_path, "write the run report as JSON here");
   std::vector<std::string> overrides;
@@ -78,6 +78,8 @@ int main(int argc, char** argv) {
       j["local_accuracy_mean"] = report.local_accuracy_mean;
       j["bytes_sent"] = report.bytes_sent;
       j["messages"] = report.messages;
+      j["sends"] = report.sends;
+      j["steps"] = report.steps;
       j["train_seconds"] = report.train_seconds;
       if (!report.timeline.empty()) j["timeline"] = examples::to_json(report.timeline);
       j["ranks"] = nlohmann::json::array();

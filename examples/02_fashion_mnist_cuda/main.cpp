@@ -177,13 +177,12 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
   const auto link_opts = cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
   loopback_fabric fabric(world, {.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
   const engine_spec base = engine_spec::from(cfg);
-  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.classes_per_worker);
-  std::size_t shard_min = data.train.size();
-  for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size());
-  const int steps_per_epoch = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
-  if (steps_per_epoch < 1)
-    throw config_error(fmt::format("{} [train]: each of {} workers has only {} samples, fewer than one batch of {}", cfg.source, world,
-                                   shard_min, s.batch));
+  if (s.average_every > 0 || s.outer_lr != 1.0 || s.outer_momentum != 0.0)
+    throw config_error(fmt::format("{} [train]: local SGD and the outer optimizer (average_every, outer_lr, outer_momentum) are not "
+                                   "available in this example; use examples/01_fashion_mnist",
+                                   cfg.source));
+  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.partition_opts());
+  const int steps_per_epoch = examples::detail::steps_per_epoch(cfg, s, shards);
   const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
   const mlp_config arch{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch};
   const std::size_t features = data.train.features();
@@ -223,8 +222,8 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
       sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum),
                        .weight_decay = static_cast<float>(s.weight_decay)};
       lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
-      std::vector<std::uint32_t> order(shards[ri].begin(), shards[ri].end());
-      std::mt19937_64 rng(s.seed * 1000003u + static_cast<std::uint64_t>(r));
+      batch_stream batches(shards[ri], s.seed * 1000003u + static_cast<std::uint64_t>(r));
+      std::vector<std::uint32_t> idx(static_cast<std::size_t>(s.batch));
       pinned_array<float> xb(static_cast<std::size_t>(s.batch) * features), loss(static_cast<std::size_t>(s.batch));
       pinned_array<std::uint8_t> yb(static_cast<std::size_t>(s.batch));
       device_array<float> dx(static_cast<std::size_t>(s.batch) * features);
@@ -233,13 +232,12 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
       cuda_check(cudaEventCreateWithFlags(&loss_ready, cudaEventDisableTiming), "cudaEventCreate");
       std::int64_t t = 0;
       for (int epoch = 0; epoch < s.epochs; ++epoch) {
-        for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher–Yates
+        batches.new_epoch();
         double loss_sum = 0;
         for (int b = 0; b < steps_per_epoch; ++b, ++t) {
           // The previous step's uploads finished: engine.step() returned after its passes on this stream.
-          data::gather(data.train, {order.data() + static_cast<std::size_t>(b) * static_cast<std::size_t>(s.batch),
-                                    static_cast<std::size_t>(s.batch)},
-                       xb.data(), yb.data());
+          batches.next(idx);
+          data::gather(data.train, idx, xb.data(), yb.data());
           cuda_check(cudaMemcpyAsync(dx.data(), xb.data(), dx.size() * sizeof(float), cudaMemcpyHostToDevice, stream), "upload batch");
           cuda_check(cudaMemcpyAsync(dy.data(), yb.data(), dy.size(), cudaMemcpyHostToDevice, stream), "upload labels");
           opt.lr = sched.at(t, total_steps);

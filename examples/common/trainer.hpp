@@ -3,6 +3,7 @@
 // shard, optimizer and gossip engine — as threads of one process (loopback,
 // switch) or as processes (ucx). Shared by examples/01_fashion_mnist and
 // bench/traffic.
+#include <algorithm>
 #include <barrier>
 #include <cstring>
 #include <limits>
@@ -21,6 +22,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/batch_stream.hpp"
+#include "common/local_sgd.hpp"
 #include "common/mlp.hpp"
 #include "gossip/data.hpp"
 #include "gossip/bootstrap.hpp"
@@ -46,8 +49,15 @@ inline const std::vector<option_spec>& train_option_specs() {
       {"weight_decay", 0.0, "L2 weight decay"},
       {"schedule", std::string("step"), "learning-rate schedule: constant, step (x0.1 at 50 % and 75 %) or cosine"},
       {"warmup_steps", std::int64_t{0}, "linear learning-rate warmup"},
-      {"partition", std::string("iid"), "iid, or by_label (non-iid: each worker sees about classes_per_worker classes)"},
+      {"partition", std::string("iid"),
+       "iid, by_label (non-iid: each worker sees about classes_per_worker classes) or dirichlet (each class split by Dir(dirichlet_alpha))"},
       {"classes_per_worker", std::int64_t{2}, "classes per worker for partition = by_label"},
+      {"dirichlet_alpha", 0.1, "concentration for partition = dirichlet (0.1: strongly skewed; large: nearly iid)"},
+      {"average_every", std::int64_t{0},
+       "0: the [policy] decides after every step; H >= 1: local SGD instead, average_rounds gossip rounds after every H steps"},
+      {"average_rounds", std::int64_t{-1}, "gossip rounds at each local-SGD averaging point (-1: ceil(log2 workers), at least 1)"},
+      {"outer_lr", 1.0, "outer learning rate at each averaging point (DiLoCo: 0.7; 1 with outer_momentum 0: plain averaging)"},
+      {"outer_momentum", 0.0, "outer Nesterov momentum at each averaging point (DiLoCo: 0.9)"},
       {"seed", std::int64_t{1}, "seed for initialisation, partition and batch order"},
       {"train_limit", std::int64_t{0}, "use only the first N training samples (0: all 60000)"},
       {"data_dir", std::string(), "Fashion-MNIST directory (default: $GOSSIP_FASHION_MNIST_DIR or the Debian package's)"},
@@ -64,6 +74,10 @@ struct train_settings {
   int warmup_steps = 0;
   data::partition_kind partition = data::partition_kind::iid;
   int classes_per_worker = 2;
+  double dirichlet_alpha = 0.1;
+  int average_every = 0;   ///< 0: gossip as the [policy] decides; H: local SGD averaging every H steps
+  int average_rounds = -1; ///< -1: ceil(log2 workers)
+  double outer_lr = 1.0, outer_momentum = 0.0;
   std::uint64_t seed = 1;
   std::size_t train_limit = 0;
   std::string data_dir;
@@ -98,11 +112,34 @@ struct train_settings {
     }
     s.warmup_steps = positive("warmup_steps", 0, 1 << 30);
     s.classes_per_worker = positive("classes_per_worker", 1, 10);
+    s.dirichlet_alpha = o.real("dirichlet_alpha");
+    if (!(s.dirichlet_alpha > 0) || !std::isfinite(s.dirichlet_alpha))
+      throw config_error(fmt::format("{}: key 'dirichlet_alpha' must be > 0, got {}", o.where(), s.dirichlet_alpha));
+    s.average_every = positive("average_every", 0, 1 << 30);
+    s.average_rounds = positive("average_rounds", -1, 64);
+    if (s.average_rounds == 0) throw config_error(fmt::format("{}: key 'average_rounds' must be >= 1, or -1 for automatic", o.where()));
+    s.outer_lr = o.real("outer_lr");
+    s.outer_momentum = o.real("outer_momentum");
+    if (!(s.outer_lr > 0) || !std::isfinite(s.outer_lr)) throw config_error(fmt::format("{}: key 'outer_lr' must be > 0, got {}", o.where(), s.outer_lr));
+    if (!(s.outer_momentum >= 0 && s.outer_momentum < 1))
+      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", o.where(), s.outer_momentum));
     s.seed = static_cast<std::uint64_t>(o.integer("seed"));
     s.train_limit = static_cast<std::size_t>(positive("train_limit", 0, 1 << 30));
     s.data_dir = o.string("data_dir");
     s.probe_every = positive("probe_every", 0, 1 << 30);
     return s;
+  }
+
+  /// How the training set is split (every worker gets at least one batch).
+  data::partition_options partition_opts() const {
+    return {.classes_per_worker = classes_per_worker, .dirichlet_alpha = dirichlet_alpha, .min_samples = static_cast<std::size_t>(batch)};
+  }
+  /// Gossip rounds at each local-SGD averaging point.
+  int rounds_per_average() const {
+    if (average_rounds > 0) return average_rounds;
+    int k = 0;
+    while ((1 << k) < workers) ++k;
+    return std::max(k, 1);
   }
 };
 
@@ -322,9 +359,12 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
   // The engine may make the momentum quasi-global ([engine] momentum).
   for (const auto& t : net.tensors()) view.momentum(t.name, std::span<float>(opt.velocity).subspan(t.offset, t.count));
   engine eng(view, r, world, base, std::move(transport));
+  const int average_every = s.average_every, rounds = s.rounds_per_average();
+  outer_optimizer outer{.lr = static_cast<float>(s.outer_lr), .momentum = static_cast<float>(s.outer_momentum)};
+  if (outer.active()) outer.start(net.params());
   lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
-  std::vector<std::uint32_t> order(shards[ri].begin(), shards[ri].end());
-  std::mt19937_64 rng(s.seed * 1000003u + static_cast<std::uint64_t>(r));
+  batch_stream batches(shards[ri], s.seed * 1000003u + static_cast<std::uint64_t>(r));
+  std::vector<std::uint32_t> idx(static_cast<std::size_t>(s.batch));
   std::vector<float> xb(static_cast<std::size_t>(s.batch) * data.train.features());
   std::vector<std::uint8_t> yb(static_cast<std::size_t>(s.batch));
   std::int64_t t = 0;
@@ -332,15 +372,22 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
   const auto wall_start = std::chrono::steady_clock::now();
   for (int epoch = 0; epoch < s.epochs; ++epoch) {
     const auto phase_start = std::chrono::steady_clock::now();
-    for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[rng() % i]);  // Fisher–Yates
+    batches.new_epoch();
     double loss_sum = 0;
     for (int b = 0; b < steps_per_epoch; ++b, ++t) {
-      data::gather(data.train, {order.data() + static_cast<std::size_t>(b) * static_cast<std::size_t>(s.batch), static_cast<std::size_t>(s.batch)},
-                   xb.data(), yb.data());
+      batches.next(idx);
+      data::gather(data.train, idx, xb.data(), yb.data());
       opt.lr = sched.at(t, total_steps);
       const float loss = net.train_batch(xb.data(), yb.data(), s.batch, opt);
       loss_sum += loss;
-      eng.step({.lr = opt.lr, .loss = loss});
+      const auto res = eng.step({.lr = opt.lr, .loss = loss});
+      if (average_every > 0 && (t + 1) % average_every == 0) {
+        // An averaging point: the rounds of averaging_schedule, no local update in between.
+        for (int k = 0; k < rounds; ++k) eng.step({.lr = opt.lr, .loss = loss});
+        if (outer.active()) outer.step(net.params());
+      } else if (average_every == 0 && outer.active() && res.merged > 0) {
+        outer.step(net.params());  // gossip: an outer step at each merge
+      }
       if (s.probe_every > 0 && (t + 1) % s.probe_every == 0)
         exchange.probe(r, t + 1, {net.params(), eng.weight(), eng.consensus(), opt.lr, eng.stats().sends}, report.timeline);
     }
@@ -392,14 +439,36 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
 }
 
 namespace detail {
+/// iid and by_label: ⌊smallest shard / batch⌋, every sample of the smallest
+/// shard once per epoch. dirichlet: ⌊samples / (workers · batch)⌋, the mean
+/// shard's batches; each worker cycles through its own shard (batch_stream),
+/// so small shards repeat and large ones are subsampled within an epoch.
 inline int steps_per_epoch(const config& cfg, const train_settings& s, const std::vector<std::vector<std::uint32_t>>& shards) {
-  std::size_t shard_min = std::numeric_limits<std::size_t>::max();
-  for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size());
+  std::size_t shard_min = std::numeric_limits<std::size_t>::max(), total = 0;
+  for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size()), total += sh.size();
+  if (s.partition == data::partition_kind::dirichlet) {
+    const auto steps = total / (shards.size() * static_cast<std::size_t>(s.batch));
+    if (steps < 1 || shard_min < 1)
+      throw config_error(fmt::format("{} [train]: {} samples among {} workers make less than one batch of {} each", cfg.source, total,
+                                     s.workers, s.batch));
+    return static_cast<int>(steps);
+  }
   const int steps = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
   if (steps < 1)
     throw config_error(fmt::format("{} [train]: each of {} workers has only {} samples, fewer than one batch of {}", cfg.source, s.workers, shard_min,
                                    s.batch));
   return steps;
+}
+
+/// The engine settings of `cfg`; for local SGD (s.average_every > 0) the
+/// [policy] is replaced by the averaging schedule.
+inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
+  engine_spec spec = engine_spec::from(cfg);
+  if (s.average_every > 0)
+    spec.policy = any_policy(averaging_schedule{.every = static_cast<std::uint64_t>(s.average_every),
+                                                .rounds = static_cast<std::uint64_t>(s.rounds_per_average())},
+                             "local-sgd");
+  return spec;
 }
 }  // namespace detail
 
@@ -415,7 +484,7 @@ inline bool runs_as_processes(const config& cfg) { return cfg.transport.name == 
 /// only rank 0's report is complete.
 inline run_report train(const config& cfg, const train_settings& s, const datasets& data,
                         const std::function<void(const epoch_record&)>& on_epoch = {}) {
-  const engine_spec base = engine_spec::from(cfg);
+  const engine_spec base = detail::engine_spec_for(cfg, s);
   run_report report;
   const auto wall_start = std::chrono::steady_clock::now();
 
@@ -426,7 +495,7 @@ inline run_report train(const config& cfg, const train_settings& s, const datase
       throw config_error(fmt::format("{} [train]: workers = {} but {} processes were started (rank {}); start as many ranks as workers, "
                                      "e.g. gossip-run -n {} …",
                                      cfg.source, s.workers, boot->world(), boot->rank(), s.workers));
-    const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.classes_per_worker);
+    const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.partition_opts());
     bootstrap_exchange exchange(boot);
     train_rank(boot->rank(), boot->world(), base, ucx_transport(boot), s, data, shards, detail::steps_per_epoch(cfg, s, shards), exchange, report,
                on_epoch);
@@ -460,7 +529,7 @@ inline run_report train(const config& cfg, const train_settings& s, const datase
 #endif
     return fabric->endpoint(r);
   };
-  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.classes_per_worker);
+  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.partition_opts());
   const int steps = detail::steps_per_epoch(cfg, s, shards);
   thread_exchange exchange(world);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
