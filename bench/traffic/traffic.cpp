@@ -36,6 +36,8 @@ struct run_row {
   std::uint64_t seed = 0, bytes_sent = 0, messages = 0, sends = 0, steps = 0;
   double accuracy = 0, local_accuracy_mean = 0, wall_s = 0;
   bool eligible = true;  ///< an equal-bytes baseline that sent no more than the adaptive run
+  std::string momentum;
+  nlohmann::json timeline;  ///< the instruments over the run (first seed, workers as threads)
 };
 
 nlohmann::json options_json(const options& o) {
@@ -57,7 +59,7 @@ const std::vector<option_spec>& bench_specs() {
 // [baseline]: the equal-bytes controls.
 const std::vector<option_spec>& baseline_specs() {
   static const std::vector<option_spec> specs = {
-      {"roles", std::string("equal-traffic,local-sgd,diloco"), "equal-bytes baselines to run, comma-separated"},
+      {"roles", std::string("equal-traffic,local-sgd,diloco,staggered-qgm"), "equal-bytes baselines to run, comma-separated"},
       {"rounds", std::int64_t{-1}, "gossip rounds at each local-sgd/diloco averaging point (-1: ceil(log2 workers))"},
       {"outer_lr", 0.7, "diloco: outer learning rate"},
       {"outer_momentum", 0.9, "diloco: outer Nesterov momentum"},
@@ -70,13 +72,17 @@ const std::vector<option_spec>& baseline_specs() {
 struct variant {
   int average_every = 0, average_rounds = -1;
   double outer_lr = 1.0, outer_momentum = 0.0;
+  /// [engine] momentum for this run: controls run with their optimizer's own
+  /// (local) momentum, as users run them; empty keeps the config's.
+  std::string momentum = "local";
+  bool probe = false;  ///< record the instruments' timeline (first seed)
 };
 
 // One run as real processes: gossip-run starts `workers` ranks of the
 // Fashion-MNIST example with the bench's config and this run's policy and
 // seed; rank 0 writes the report.
 nlohmann::json run_processes(const std::string& config_path, const std::vector<std::string>& overrides, const component_config& policy,
-                             const examples::train_settings& s, const std::string& out_dir) {
+                             const examples::train_settings& s, const std::string& momentum, const std::string& out_dir) {
 #if defined(GOSSIP_RUN_PATH) && defined(GOSSIP_FASHION_MNIST_PATH)
   const auto report = std::filesystem::absolute(std::filesystem::path(out_dir) / "run.json").string();
   std::filesystem::remove(report);
@@ -92,13 +98,14 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   set(fmt::format("train.average_rounds={}", s.average_rounds));
   set(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
   set(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
+  if (!momentum.empty()) set("engine.momentum=\"" + momentum + "\"");
   cmd += fmt::format(" --json '{}' > '{}/run.log' 2>&1", report, out_dir);
   if (std::system(cmd.c_str()) != 0 || !std::filesystem::exists(report))
     throw error(fmt::format("a run over processes failed; its output is in {}/run.log (command: {})", out_dir, cmd));
   std::ifstream in(report);
   return nlohmann::json::parse(in);
 #else
-  (void)config_path, (void)overrides, (void)policy, (void)s, (void)out_dir;
+  (void)config_path, (void)overrides, (void)policy, (void)s, (void)momentum, (void)out_dir;
   throw config_error("this bench was built without the Fashion-MNIST example or gossip-run, which runs over processes need");
 #endif
 }
@@ -157,8 +164,9 @@ int main(int argc, char** argv) {
       }
     }
     for (const auto& r : roles)
-      if (r != "equal-traffic" && r != "local-sgd" && r != "diloco")
-        throw config_error(fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, local-sgd, diloco", bl.where(), r));
+      if (r != "equal-traffic" && r != "local-sgd" && r != "diloco" && r != "staggered-qgm")
+        throw config_error(
+            fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, local-sgd, diloco, staggered-qgm", bl.where(), r));
     examples::train_settings rounds_probe = settings;
     rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
     if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
@@ -190,7 +198,11 @@ int main(int argc, char** argv) {
       s.average_rounds = v.average_rounds;
       s.outer_lr = v.outer_lr;
       s.outer_momentum = v.outer_momentum;
-      run_row r{role, policy.name, nlohmann::json::object(), seed};
+      if (!v.momentum.empty()) cfg.engine.set("momentum", v.momentum);
+      // The instruments' timeline: about 80 points over the run, threads only.
+      if (v.probe) s.probe_every = std::max(1, s.epochs * static_cast<int>(data.train.size() / static_cast<std::size_t>(s.workers * s.batch)) / 80);
+      run_row r;
+      r.role = role, r.policy = policy.name, r.options = nlohmann::json::object(), r.seed = seed;
       std::string label = policy.name;
       if (v.average_every > 0) {
         r.policy = role == "diloco" ? "diloco" : "local-sgd";
@@ -203,7 +215,7 @@ int main(int argc, char** argv) {
         for (const auto& [k, val] : resolved.values()) label += fmt::format(" {}={}", k, to_string(val));
       }
       if (examples::runs_as_processes(cfg)) {
-        const auto j = run_processes(config_path, overrides, policy, s, out_dir);
+        const auto j = run_processes(config_path, overrides, policy, s, v.momentum, out_dir);
         r.bytes_sent = j.at("bytes_sent");
         r.messages = j.at("messages");
         r.sends = j.value("sends", std::uint64_t{0});
@@ -220,7 +232,9 @@ int main(int argc, char** argv) {
         r.accuracy = rep.accuracy;
         r.local_accuracy_mean = rep.local_accuracy_mean;
         r.wall_s = rep.train_seconds;
+        if (!rep.timeline.empty()) r.timeline = examples::to_json(rep.timeline);
       }
+      r.momentum = v.momentum.empty() ? cfg.engine.has("momentum") ? cfg.engine.string("momentum") : "quasi-global (default)" : v.momentum;
       fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>8.2f}% {:>8.2f}% {:>8.1f}\n", role, label.substr(0, 34), seed, r.bytes_sent, r.messages,
                  100 * r.accuracy, 100 * r.local_accuracy_mean, r.wall_s);
       std::fflush(stdout);
@@ -239,7 +253,7 @@ int main(int argc, char** argv) {
     for (int i = 0; i < n_seeds; ++i) {
       by_role["never"].push_back(run("never", {"never", options("bench [never]")}, seed_of(i)));
       by_role["periodic-1"].push_back(run("periodic-1", periodic(1), seed_of(i)));
-      by_role["adaptive"].push_back(run("adaptive", base.policy, seed_of(i)));
+      by_role["adaptive"].push_back(run("adaptive", base.policy, seed_of(i), variant{.momentum = "", .probe = i == 0}));
     }
     auto field = [&](const std::string& role, auto member) {
       std::vector<double> v;
@@ -272,13 +286,19 @@ int main(int argc, char** argv) {
     };
     std::vector<baseline_result> baselines;
     for (const auto& role : roles) {
-      const std::int64_t per_point = role == "equal-traffic" ? 1 : avg_rounds;
-      baseline_result b{role, shortest_period(per_point), role == "equal-traffic" ? 0 : avg_rounds};
+      const bool gossip = role == "equal-traffic" || role == "staggered-qgm";
+      const std::int64_t per_point = gossip ? 1 : avg_rounds;
+      baseline_result b{role, shortest_period(per_point), gossip ? 0 : avg_rounds};
       for (b.attempts = 1;; ++b.attempts, ++b.every) {
         std::vector<std::size_t> idx;
         for (int i = 0; i < n_seeds; ++i) {
           if (role == "equal-traffic")
-            idx.push_back(run(role, periodic(b.every), seed_of(i)));
+            idx.push_back(run(role, periodic(b.every), seed_of(i), variant{.probe = i == 0}));
+          else if (role == "staggered-qgm") {  // the fair control for quasi-global momentum: ranks take turns
+            auto p = periodic(b.every);
+            p.opts.set("stagger", true);
+            idx.push_back(run(role, p, seed_of(i), variant{.momentum = "quasi-global"}));
+          }
           else
             idx.push_back(run(role, periodic(1), seed_of(i),
                               variant{.average_every = static_cast<int>(b.every), .average_rounds = avg_rounds,
@@ -341,7 +361,9 @@ int main(int argc, char** argv) {
       nlohmann::json jr = {{"role", r.role}, {"policy", r.policy}, {"options", r.options}, {"seed", r.seed}, {"bytes_sent", r.bytes_sent},
                            {"messages", r.messages}, {"sends", r.sends}, {"accuracy", r.accuracy}, {"local_accuracy_mean", r.local_accuracy_mean},
                            {"wall_s", r.wall_s}};
-      if (r.role == "equal-traffic" || r.role == "local-sgd" || r.role == "diloco") jr["eligible"] = r.eligible;
+      if (r.role != "never" && r.role != "periodic-1" && r.role != "adaptive") jr["eligible"] = r.eligible;
+      jr["momentum"] = r.momentum;
+      if (!r.timeline.is_null()) jr["timeline"] = r.timeline;
       j["runs"].push_back(jr);
     }
     nlohmann::json sm;
@@ -396,6 +418,11 @@ int main(int argc, char** argv) {
     const std::string cmd = fmt::format("/usr/bin/python3 '{}/tools/plot_traffic.py' '{}' '{}'", GOSSIP_SOURCE_DIR, json_path, png);
     if (std::system(cmd.c_str()) == 0)
       fmt::print("wrote {}\n", png);
+    // The instruments (consensus distance, sends, push-sum weights) of the first seed's runs.
+    const auto diag = (std::filesystem::path(out_dir) / "traffic-diagnosis.png").string();
+    if (std::any_of(rows.begin(), rows.end(), [](const run_row& r) { return !r.timeline.is_null(); }) &&
+        std::system(fmt::format("/usr/bin/python3 '{}/tools/plot_diagnosis.py' '{}' '{}'", GOSSIP_SOURCE_DIR, json_path, diag).c_str()) == 0)
+      fmt::print("wrote {}\n", diag);
     else
       fmt::print("(no PNG: {} failed; apt-get install python3-matplotlib)\n", cmd);
   } catch (const gossip::error& e) {
