@@ -345,8 +345,8 @@ int main(int argc, char** argv) {
     return 77;
   }
   try {
-    // [train] is this program's; [bench] is read by bench/traffic, whose configs run this example too.
-    const std::vector<std::string> own_sections = {"train", "bench"};
+    // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
+    const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
     config cfg = config_path.empty() ? config(own_sections) : config::load(config_path, own_sections);
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
