@@ -1,12 +1,15 @@
 // TOML → gossip::config, with errors that name the file, the key and what to do.
 #include "gossip/config.hpp"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <toml++/toml.h>
 
+#include "did_you_mean.hpp"
 #include "gossip/error.hpp"
 
 namespace gossip {
@@ -63,7 +66,22 @@ component_config to_component(const toml::table& t, const std::string& where, co
 
 }  // namespace
 
-config config::parse(std::string_view text, const std::string& source) {
+std::vector<std::string> config::known_sections() const {
+  std::vector<std::string> known = {"policy", "topology", "protocol", "transport", "engine"};
+  known.insert(known.end(), app_sections.begin(), app_sections.end());
+  return known;
+}
+
+namespace {
+// "unknown section [x] (did you mean [y]?); known sections: …", after "<where>: ".
+std::string unknown_section(const config& c, std::string_view section) {
+  const auto known = c.known_sections();
+  return fmt::format("unknown section [{}]{}; known sections: {}", section, detail::did_you_mean(section, known, "[", "]"),
+                     fmt::join(known, ", "));
+}
+}  // namespace
+
+config config::parse(std::string_view text, const std::string& source, std::vector<std::string> app_sections) {
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -71,16 +89,15 @@ config config::parse(std::string_view text, const std::string& source) {
     const auto& b = e.source().begin;
     throw config_error(fmt::format("{}:{}:{}: {}", source, b.line, b.column, e.description()));
   }
-  config c;
+  config c(std::move(app_sections));
   c.source = source;
   const auto where = [&](std::string_view section) { return fmt::format("{} [{}]", source, section); };
   for (const auto& [k, v] : root) {
     const std::string section(k.str());
     auto* t = v.as_table();
     if (!t)
-      throw config_error(fmt::format("{}: top-level key '{}' must be a section ([{}]); known sections: policy, topology, protocol, "
-                                     "transport, engine, and any of the application's",
-                                     source, section, section));
+      throw config_error(fmt::format("{}: top-level key '{}' must be inside a section; known sections: {}", source, section,
+                                     fmt::join(c.known_sections(), ", ")));
     if (section == "policy")
       c.policy = to_component(*t, where(section), c.policy.name);
     else if (section == "topology")
@@ -91,18 +108,20 @@ config config::parse(std::string_view text, const std::string& source) {
       c.transport = to_component(*t, where(section), c.transport.name);
     else if (section == "engine")
       c.engine = to_options(*t, where(section), false);
-    else
+    else if (std::find(c.app_sections.begin(), c.app_sections.end(), section) != c.app_sections.end())
       c.sections.emplace(section, to_options(*t, where(section), false));
+    else
+      throw config_error(fmt::format("{}: {}", source, unknown_section(c, section)));
   }
   return c;
 }
 
-config config::load(const std::string& path) {
+config config::load(const std::string& path, std::vector<std::string> app_sections) {
   std::ifstream in(path);
   if (!in) throw config_error(fmt::format("{}: cannot open the config file (does it exist and is it readable?)", path));
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse(ss.str(), path);
+  return parse(ss.str(), path, std::move(app_sections));
 }
 
 void config::apply_override(std::string_view assignment) {
@@ -110,9 +129,11 @@ void config::apply_override(std::string_view assignment) {
   const auto eq = text.find('=');
   const auto dot = text.find('.');
   if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
-    throw config_error(fmt::format("override '{}': expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
+    throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
   const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1), value = text.substr(eq + 1);
-  const std::string where = fmt::format("override '{}'", text);
+  const std::string where = fmt::format("--set {}", text);
+  if (const auto known = known_sections(); std::find(known.begin(), known.end(), section) == known.end())
+    throw config_error(fmt::format("{}: {}", where, unknown_section(*this, section)));
   toml::table parsed;
   try {
     parsed = toml::parse("v = " + value, where);
@@ -135,10 +156,14 @@ void config::apply_override(std::string_view assignment) {
   }
   options& target = comp ? comp->opts : section == "engine" ? engine
                   : sections.try_emplace(section, options(fmt::format("{} [{}]", source, section))).first->second;
-  target.set(key, to_value(v, where, key));
+  target.set(key, to_value(v, where, key), where);
 }
 
 options config::section(std::string_view name, std::span<const option_spec> specs) const {
+  if (std::find(app_sections.begin(), app_sections.end(), name) == app_sections.end())
+    throw config_error(fmt::format("{}: section [{}] is read but was not declared; load the config with config::load(path, {{\"{}\"}}) "
+                                   "(or config({{\"{}\"}})) so that a file or --set may set it",
+                                   source, name, name, name));
   auto it = sections.find(name);
   if (it == sections.end()) return options(fmt::format("{} [{}]", source, name)).resolved(specs, fmt::format("[{}]", name));
   return it->second.resolved(specs, fmt::format("[{}]", name));

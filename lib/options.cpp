@@ -5,6 +5,8 @@
 
 #include <fmt/ranges.h>
 
+#include "did_you_mean.hpp"
+
 namespace gossip {
 
 std::string to_string(const option_value& v) {
@@ -23,6 +25,11 @@ std::string to_string(const option_value& v) {
       v);
 }
 
+const std::string& options::where(std::string_view key) const {
+  auto it = m_origins.find(key);
+  return it == m_origins.end() ? m_where : it->second;
+}
+
 const option_value& options::at(std::string_view key) const {
   auto it = m_values.find(std::string(key));
   if (it == m_values.end())
@@ -34,31 +41,31 @@ double options::real(std::string_view key) const {
   const auto& v = at(key);
   if (auto* d = std::get_if<double>(&v)) return *d;
   if (auto* i = std::get_if<std::int64_t>(&v)) return static_cast<double>(*i);
-  throw config_error(fmt::format("{}: key '{}' must be a number, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+  throw config_error(fmt::format("{}: key '{}' must be a number, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
 std::int64_t options::integer(std::string_view key) const {
   const auto& v = at(key);
   if (auto* i = std::get_if<std::int64_t>(&v)) return *i;
-  throw config_error(fmt::format("{}: key '{}' must be an integer, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+  throw config_error(fmt::format("{}: key '{}' must be an integer, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
 bool options::boolean(std::string_view key) const {
   const auto& v = at(key);
   if (auto* b = std::get_if<bool>(&v)) return *b;
-  throw config_error(fmt::format("{}: key '{}' must be true or false, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+  throw config_error(fmt::format("{}: key '{}' must be true or false, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
 const std::string& options::string(std::string_view key) const {
   const auto& v = at(key);
   if (auto* s = std::get_if<std::string>(&v)) return *s;
-  throw config_error(fmt::format("{}: key '{}' must be a string, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+  throw config_error(fmt::format("{}: key '{}' must be a string, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
 const int_list& options::integers(std::string_view key) const {
   const auto& v = at(key);
   if (auto* s = std::get_if<int_list>(&v)) return *s;
-  throw config_error(fmt::format("{}: key '{}' must be an array of integers, got {} {}", m_where, key, option_type_name(v), to_string(v)));
+  throw config_error(fmt::format("{}: key '{}' must be an array of integers, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
 namespace {
@@ -102,17 +109,18 @@ options options::resolved(std::span<const option_spec> specs, std::string_view c
     const option_value& value = entry.second;
     auto spec = std::find_if(specs.begin(), specs.end(), [&](const option_spec& s) { return s.key == key; });
     if (spec == specs.end()) {
-      std::string known;
-      for (const auto& s : specs) known += (known.empty() ? "" : ", ") + s.key;
-      throw config_error(fmt::format("{}: unknown key '{}' for {}; known keys: {}", m_where, key, component,
-                                     known.empty() ? "(none)" : known));
+      std::vector<std::string> known;
+      for (const auto& s : specs) known.push_back(s.key);
+      throw config_error(fmt::format("{}: unknown key '{}' for {}{}; known keys: {}", where(key), key, component,
+                                     detail::did_you_mean(key, known), known.empty() ? "(none)" : fmt::format("{}", fmt::join(known, ", "))));
     }
     const bool widen = std::holds_alternative<double>(spec->default_value) && std::holds_alternative<std::int64_t>(value);
     if (value.index() != spec->default_value.index() && !widen)
-      throw config_error(fmt::format("{}: key '{}' of {} must be a {} (default {}), got {} {}", m_where, key, component,
+      throw config_error(fmt::format("{}: key '{}' of {} must be a {} (default {}), got {} {}", where(key), key, component,
                                      option_type_name(spec->default_value), to_string(spec->default_value),
                                      option_type_name(value), to_string(value)));
     out.set(key, widen ? option_value(static_cast<double>(std::get<std::int64_t>(value))) : value);
+    if (auto o = m_origins.find(key); o != m_origins.end()) out.m_origins.insert(*o);
   }
   for (const auto& s : specs) {
     if (!s.env.empty())

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "did_you_mean.hpp"
 #include "gossip/gossip.hpp"
 
 using namespace gossip;
@@ -18,7 +19,12 @@ TEST_CASE("options are checked against their specs") {
   options bad("run.toml [policy]");
   bad.set("treshold", 0.5);
   CHECK_THROWS_WITH_AS(bad.resolved(specs, "policy 'drift'"),
-                       "run.toml [policy]: unknown key 'treshold' for policy 'drift'; known keys: threshold, every, relative", config_error);
+                       "run.toml [policy]: unknown key 'treshold' for policy 'drift' (did you mean 'threshold'?); known keys: threshold, every, relative",
+                       config_error);
+  options far("run.toml [policy]");
+  far.set("colour", 0.5);
+  CHECK_THROWS_WITH_AS(far.resolved(specs, "policy 'drift'"),
+                       "run.toml [policy]: unknown key 'colour' for policy 'drift'; known keys: threshold, every, relative", config_error);
   options typed("run.toml [policy]");
   typed.set("every", std::string("often"));
   CHECK_THROWS_WITH_AS(typed.resolved(specs, "policy 'drift'"),
@@ -46,7 +52,7 @@ name = "edges"
 edges = [[0, 1], [1, 2]]
 [train]
 epochs = 3
-)", "run.toml");
+)", "run.toml", {"train"});
   CHECK(cfg.policy.name == "drift");
   CHECK(cfg.policy.opts.real("threshold") == 0.05);
   CHECK(cfg.topology.opts.integers("edges") == int_list{0, 1, 1, 2});
@@ -61,7 +67,9 @@ epochs = 3
 TEST_CASE("malformed config files name the file, the key and what is expected") {
   CHECK_THROWS_WITH_AS(config::parse("[policy\nname = 1", "bad.toml"), doctest::Contains("bad.toml:1:"), config_error);
   CHECK_THROWS_WITH_AS(config::parse("[policy]\nname = 3\n", "bad.toml"), "bad.toml [policy]: key 'name' must be a string", config_error);
-  CHECK_THROWS_WITH_AS(config::parse("threshold = 3\n", "bad.toml"), doctest::Contains("top-level key 'threshold' must be a section"), config_error);
+  CHECK_THROWS_WITH_AS(config::parse("threshold = 3\n", "bad.toml"),
+                       "bad.toml: top-level key 'threshold' must be inside a section; known sections: policy, topology, protocol, transport, engine",
+                       config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
 
   const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
@@ -73,7 +81,7 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   const auto engine_bad = config::parse("[engine]\ntimeout_s = -1\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(engine_bad), "run.toml [engine]: key 'timeout_s' must be > 0 seconds, got -1", config_error);
   const auto engine_key = config::parse("[engine]\ntimeuot_s = 1\n", "run.toml");
-  CHECK_THROWS_WITH_AS(engine_spec::from(engine_key), doctest::Contains("unknown key 'timeuot_s' for [engine]; known keys: timeout_s,"), config_error);
+  CHECK_THROWS_WITH_AS(engine_spec::from(engine_key), doctest::Contains("unknown key 'timeuot_s' for [engine] (did you mean 'timeout_s'?); known keys: timeout_s,"), config_error);
 }
 
 TEST_CASE("layouts: the first difference is named") {
@@ -103,7 +111,7 @@ TEST_CASE("model_view refuses ambiguous tensors") {
 }
 
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
-  auto cfg = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[train]\nepochs = 3\n", "run.toml");
+  auto cfg = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[train]\nepochs = 3\n", "run.toml", {"train"});
   cfg.apply_override("policy.threshold=0.1");
   cfg.apply_override("train.epochs=1");
   cfg.apply_override("train.partition=by_label");  // a bare word is a string
@@ -119,4 +127,74 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK_FALSE(cfg.policy.opts.has("threshold"));
   CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
+}
+
+TEST_CASE("unknown sections are refused with the known ones, and a close one is suggested") {
+  CHECK_THROWS_WITH_AS(config::parse("[enigne]\ntimeout_s = 5\n", "run.toml"),
+                       doctest::Contains("run.toml: unknown section [enigne] (did you mean [engine]?); known sections: policy, topology, "
+                                         "protocol, transport, engine"),
+                       config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[trian]\nepochs = 5\n", "run.toml", {"train", "bench"}),
+                       "run.toml: unknown section [trian] (did you mean [train]?); known sections: policy, topology, protocol, transport, "
+                       "engine, train, bench",
+                       config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[nosuch]\nkey = 1\n", "run.toml", {"train"}),
+                       "run.toml: unknown section [nosuch]; known sections: policy, topology, protocol, transport, engine, train", config_error);
+  // A program's own section is refused by a program that does not read it.
+  CHECK_THROWS_WITH_AS(config::parse("[train]\nepochs = 5\n", "run.toml"), doctest::Contains("unknown section [train]"), config_error);
+  CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml", {"train"}), doctest::Contains("cannot open"), config_error);
+
+  // Reading a section the program did not declare is a mistake in the program.
+  const auto cfg = config::parse("[policy]\nname = \"drift\"\n", "run.toml");
+  const std::vector<option_spec> train = {{"epochs", std::int64_t{1}, "epochs"}};
+  CHECK_THROWS_WITH_AS(cfg.section("train", train), doctest::Contains("run.toml: section [train] is read but was not declared"), config_error);
+  CHECK(config({"train"}).section("train", train).integer("epochs") == 1);
+}
+
+TEST_CASE("--set: unknown sections and keys name the override") {
+  auto cfg = config::parse("[policy]\nname = \"drift\"\n[train]\nepochs = 3\n", "run.toml", {"train"});
+  CHECK_THROWS_WITH_AS(cfg.apply_override("nosuch.key=1"),
+                       "--set nosuch.key=1: unknown section [nosuch]; known sections: policy, topology, protocol, transport, engine, train",
+                       config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("polcy.threshold=0.1"), doctest::Contains("--set polcy.threshold=0.1: unknown section [polcy] (did you mean [policy]?)"),
+                       config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("train.epochs=\"three"), doctest::Contains("--set train.epochs=\"three: "), config_error);
+
+  // Keys are checked when their section is read, and the message names the
+  // override rather than the file.
+  cfg.apply_override("policy.thresold=0.1");
+  CHECK_THROWS_WITH_AS(engine_spec::from(cfg),
+                       doctest::Contains("--set policy.thresold=0.1: unknown key 'thresold' for policy 'drift' (did you mean 'threshold'?); known keys: "),
+                       config_error);
+  auto engine_cfg = config::parse("[engine]\ntimeout_s = 5\n", "run.toml");
+  engine_cfg.apply_override("engine.timeuot_s=1");
+  CHECK_THROWS_WITH_AS(engine_spec::from(engine_cfg),
+                       doctest::Contains("--set engine.timeuot_s=1: unknown key 'timeuot_s' for [engine] (did you mean 'timeout_s'?)"), config_error);
+
+  auto app = config::parse("[train]\nepochs = 3\n", "run.toml", {"train"});
+  const std::vector<option_spec> train = {{"epochs", std::int64_t{1}, "epochs"}, {"batch", std::int64_t{32}, "batch"}};
+  app.apply_override("train.bacth=64");
+  CHECK_THROWS_WITH_AS(app.section("train", train),
+                       "--set train.bacth=64: unknown key 'bacth' for [train] (did you mean 'batch'?); known keys: epochs, batch", config_error);
+  app.apply_override("train.epochs=\"many\"");
+  app.apply_override("train.batch=8");
+  CHECK_THROWS_WITH_AS(app.section("train", train), doctest::Contains("--set train.bacth=64"), config_error);
+  auto typed = config::parse("[train]\nepochs = 3\n", "run.toml", {"train"});
+  typed.apply_override("train.epochs=\"many\"");
+  CHECK_THROWS_WITH_AS(typed.section("train", train), doctest::Contains("--set train.epochs=\"many\": key 'epochs' of [train] must be a integer"),
+                       config_error);
+  // A file's own key still names the file.
+  auto file_key = config::parse("[train]\nepoch = 3\n", "run.toml", {"train"});
+  CHECK_THROWS_WITH_AS(file_key.section("train", train), doctest::Contains("run.toml [train]: unknown key 'epoch' for [train] (did you mean 'epochs'?)"),
+                       config_error);
+}
+
+TEST_CASE("did you mean: edit distance with swapped letters as one edit") {
+  CHECK(detail::edit_distance("enigne", "engine") == 1);
+  CHECK(detail::edit_distance("trian", "train") == 1);
+  CHECK(detail::edit_distance("", "abc") == 3);
+  const std::vector<std::string> known = {"policy", "topology", "protocol", "transport", "engine"};
+  CHECK(detail::closest("protocl", known) == "protocol");
+  CHECK(detail::closest("nosuch", known).empty());
+  CHECK(detail::closest("x", std::vector<std::string>{"y"}).empty());  // too short to guess
 }

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
 
   try {
     config_path = std::filesystem::absolute(config_path).string();
-    config base = config::load(config_path);
+    config base = config::load(config_path, {"train", "bench", "baseline"});
     ::setenv("UCX_NET_DEVICES", "lo", 0);  // the ranks run on this machine
     for (const auto& o : overrides) base.apply_override(o);
     const auto bench = base.section("bench", bench_specs());

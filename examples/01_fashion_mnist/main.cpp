@@ -43,7 +43,9 @@ int main(int argc, char** argv) {
   try {
     // gossip-run --config passes the file as GOSSIP_CONFIG.
     if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) config_path = env;
-    config cfg = config_path.empty() ? config{} : config::load(config_path);
+    // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
+    const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
+    config cfg = config_path.empty() ? config(own_sections) : config::load(config_path, own_sections);
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
     if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);

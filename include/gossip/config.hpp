@@ -12,10 +12,13 @@
 ///     bandwidth_gbps = 1.0
 ///
 ///     auto cfg = gossip::config::load("run.toml");
+///     auto cfg = gossip::config::load("run.toml", {"train"});   // a program with its own [train]
 ///
 /// Each section's keys are checked against the chosen component's option
-/// table; an application can keep its own sections ([train], …) in the same
-/// file and read them with section(name, specs), checked the same way.
+/// table. A program may keep its own sections ([train], …) in the same file:
+/// it names them when loading and reads them with section(name, specs),
+/// checked the same way. Any other section, in the file or in an override,
+/// is refused with the known ones (a misspelt [enigne] is not ignored).
 #include <cstdint>
 #include <map>
 #include <span>
@@ -39,21 +42,35 @@ struct config {
   component_config protocol{"push-sum", options("<code> [protocol]")};
   component_config transport{"loopback", options("<code> [transport]")};
   options engine{"<code> [engine]"};
-  std::map<std::string, options, std::less<>> sections;  ///< every other section, unchecked until read
+  /// The program's own sections, besides policy, topology, protocol,
+  /// transport and engine; load(), parse() and apply_override() refuse others.
+  std::vector<std::string> app_sections;
+  std::map<std::string, options, std::less<>> sections;  ///< the app_sections present, unchecked until read
 
-  /// Reads a TOML file; errors name the file, the key and what was expected.
-  static config load(const std::string& path);
+  config() = default;
+  /// All defaults, taking the program's own sections: config({"train"}).
+  explicit config(std::vector<std::string> app_sections) : app_sections(std::move(app_sections)) {}
+
+  /// Reads a TOML file; errors name the file, the section or key and what was
+  /// expected. `app_sections`: the sections this program reads besides the
+  /// library's (e.g. {"train"}).
+  static config load(const std::string& path, std::vector<std::string> app_sections = {});
   /// Parses TOML text; `source` names it in messages.
-  static config parse(std::string_view text, const std::string& source = "<string>");
+  static config parse(std::string_view text, const std::string& source = "<string>", std::vector<std::string> app_sections = {});
 
   /// Applies "section.key=value" (value in TOML syntax: 3, 0.5, true, "ring",
-  /// [1, 2]) on top of the file, e.g. from a --set command-line option. Setting
-  /// `policy.name` (or topology/protocol/transport) switches the component and
-  /// drops the options of the old one.
+  /// [1, 2]) on top of the file, e.g. from a --set command-line option: errors
+  /// about it, now or when its section is read, name "--set section.key=value".
+  /// Setting `policy.name` (or topology/protocol/transport) switches the
+  /// component and drops the options of the old one.
   void apply_override(std::string_view assignment);
 
-  /// An application section checked against `specs` (missing section: all defaults).
+  /// A section of the program's own, checked against `specs` (absent: all
+  /// defaults). `name` must be one of app_sections.
   options section(std::string_view name, std::span<const option_spec> specs) const;
+
+  /// policy, topology, protocol, transport, engine, then app_sections.
+  std::vector<std::string> known_sections() const;
 
   /// Fingerprint of the settings every rank must share (component names and options).
   std::uint64_t fingerprint() const;

@@ -48,12 +48,22 @@ class options {
   explicit options(std::string where) : m_where(std::move(where)) {}
 
   options& set(std::string key, option_value v) {
+    m_origins.erase(key);
+    m_values[std::move(key)] = std::move(v);
+    return *this;
+  }
+  /// Sets a value that came from somewhere other than where(), e.g. "--set
+  /// policy.threshold=0.1": messages about this key name that origin instead.
+  options& set(std::string key, option_value v, std::string origin) {
+    m_origins[key] = std::move(origin);
     m_values[std::move(key)] = std::move(v);
     return *this;
   }
   bool has(std::string_view key) const { return m_values.find(std::string(key)) != m_values.end(); }
   const std::map<std::string, option_value>& values() const noexcept { return m_values; }
   const std::string& where() const noexcept { return m_where; }
+  /// Where `key` was set: its origin if it has one, else where().
+  const std::string& where(std::string_view key) const;
 
   double real(std::string_view key) const;
   std::int64_t integer(std::string_view key) const;
@@ -63,7 +73,8 @@ class options {
 
   /// Checks keys and types against `specs` and fills in defaults. An integer
   /// given where a number is expected is widened; anything else that differs is
-  /// a config_error naming where, the key, and the expected type or known keys.
+  /// a config_error naming where the key was set, the key, and the expected
+  /// type or the known keys (with the closest one when it looks misspelt).
   /// A spec's environment variable, when set, overrides the given value.
   options resolved(std::span<const option_spec> specs, std::string_view component) const;
 
@@ -71,6 +82,7 @@ class options {
   const option_value& at(std::string_view key) const;
   std::string m_where = "options";
   std::map<std::string, option_value> m_values;
+  std::map<std::string, std::string, std::less<>> m_origins;  ///< keys set from elsewhere than m_where
 };
 
 }  // namespace gossip
