@@ -14,6 +14,13 @@
 /// learned from its last valid packet. Every header is read with bounds
 /// checks against the frame's data length; the IP total length and the UDP
 /// length must agree with it.
+///
+/// Peers that come and go: a net_memif port is only touched while an
+/// intr_gate keeps the EAL interrupt thread parked, because that thread
+/// unmaps the port's memory when its peer leaves (see intr_gate.hpp). The
+/// port stays configured and serves the next peer that connects to it; what
+/// is queued for it meanwhile waits for the next slice. net_af_packet needs no
+/// gate: its rings are its own socket's and stay mapped until the port closes.
 #include <rte_byteorder.h>
 #include <rte_cycles.h>
 #include <rte_ethdev.h>
@@ -27,13 +34,16 @@
 
 #include <array>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
+#include <string_view>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "aggregator.hpp"
+#include "intr_gate.hpp"
 #include "report.hpp"
 
 namespace gossip::sw {
@@ -85,6 +95,9 @@ class dpdk_switch {
     rte_eth_promiscuous_enable(port);  // not supported by every vdev; harmless
     port_state p;
     p.id = port;
+    // Drivers that connect and disconnect peers on the EAL interrupt thread.
+    p.gated = std::string_view(info.driver_name) == "net_memif";
+    if (p.gated && !m_gate) m_gate = std::make_unique<intr_gate>("gossip-switch: net_memif ports");
     rte_eth_macaddr_get(port, &p.mac);
     char name[RTE_ETH_NAME_MAX_LEN] = {};
     rte_eth_dev_get_name_by_port(port, name);
@@ -108,13 +121,18 @@ class dpdk_switch {
     }
   }
 
-  /// One rx burst on every port; returns the packets received.
+  /// One rx burst on every port that may be touched now; returns the packets received.
   std::size_t poll() {
+    m_gate_held = m_gate && m_gate->hold();
+    if (m_gate_held) flush_all();  // replies queued for gated ports while the gate was open
     std::size_t total = 0;
+    bool gated_traffic = false;
     for (auto& p : m_ports) {
+      if (!may_touch(p)) continue;
       std::array<rte_mbuf*, 64> rx;
       const std::uint16_t n = rte_eth_rx_burst(p.id, 0, rx.data(), std::min<std::uint16_t>(m_cfg.burst, 64));
       total += n;
+      gated_traffic |= p.gated && n;
       for (std::uint16_t i = 0; i < n; ++i) {
         ++p.counters.rx_packets;
         p.counters.rx_bytes += rte_pktmbuf_pkt_len(rx[i]);
@@ -123,12 +141,17 @@ class dpdk_switch {
       }
       if (n) flush_all();
     }
+    if (gated_traffic) m_gate->busy();
     return total;
   }
 
+  /// After the polling loop: flushes, lets the interrupt thread go, stops and closes every port.
   void stop() {
-    flush_all();
+    flush_all();  // gated ports only if the gate is still held since the last poll()
+    if (m_gate) m_gate->open();
+    m_gate_held = false;
     for (auto& p : m_ports) {
+      drop_pending(p);
       rte_eth_dev_stop(p.id);
       rte_eth_dev_close(p.id);
     }
@@ -158,6 +181,7 @@ class dpdk_switch {
     port_counters counters;
     std::array<rte_mbuf*, 64> tx{};
     std::uint16_t pending = 0;
+    bool gated = false;  ///< touched only while m_gate is held
   };
   struct member {
     bool known = false;
@@ -288,8 +312,17 @@ class dpdk_switch {
     enqueue(p, r);
   }
 
+  bool may_touch(const port_state& p) const noexcept { return !p.gated || m_gate_held; }
+
   void enqueue(port_state& p, rte_mbuf* m) {
-    if (p.pending == p.tx.size()) flush(p);
+    if (p.pending == p.tx.size()) {
+      if (!may_touch(p)) {  // a gated port's queue is full until the next slice
+        rte_pktmbuf_free(m);
+        ++p.counters.tx_failed;
+        return drop(drop_reason::tx_full);
+      }
+      flush(p);
+    }
     p.tx[p.pending++] = m;
   }
 
@@ -310,7 +343,16 @@ class dpdk_switch {
   }
   void flush_all() {
     for (auto& p : m_ports)
-      if (p.pending) flush(p);
+      if (p.pending && may_touch(p)) flush(p);
+  }
+  // Replies that can no longer be sent (the switch stops).
+  void drop_pending(port_state& p) noexcept {
+    for (std::uint16_t i = 0; i < p.pending; ++i) {
+      rte_pktmbuf_free(p.tx[i]);
+      ++p.counters.tx_failed;
+      drop(drop_reason::tx_full);
+    }
+    p.pending = 0;
   }
 
   dpdk_switch_config m_cfg;
@@ -321,6 +363,8 @@ class dpdk_switch {
   std::uint16_t m_ip_id = 0;
   rte_mempool* m_pool = nullptr;
   std::vector<port_state> m_ports;
+  std::unique_ptr<intr_gate> m_gate;  // only with gated ports
+  bool m_gate_held = false;           // as of the last poll(): gated ports may be touched
   std::vector<std::vector<member>> m_members;
   std::uint64_t m_arp_replies = 0;
 };
