@@ -35,7 +35,9 @@ TAG=${GSW_TAG:-6}
 TMP=$(mktemp -d /tmp/gsw-example.XXXXXX)
 SW=
 NETNS=0
-stop_switch() {
+source "$SRC/tests/switch_stop.sh"
+# kill_switch: stops the switch without judging how it ended (cleanup, a retry).
+kill_switch() {
   [[ -n $SW ]] || return 0
   kill -INT "$SW" 2>/dev/null
   for _ in $(seq 50); do kill -0 "$SW" 2>/dev/null || break; sleep 0.1; done
@@ -43,8 +45,21 @@ stop_switch() {
   wait "$SW" 2>/dev/null
   SW=
 }
+# stop_switch NAME LOG: fails (and shows the log) unless the switch exits cleanly.
+stop_switch() {
+  [[ -n $SW ]] || return 0
+  local rc=0
+  gsw_stop "$SW" "$1" || rc=1
+  SW=
+  if [[ $rc != 0 ]]; then
+    fail=1
+    echo "-- $1 log, last lines:"
+    tail -15 "$2"
+  fi
+  return $rc
+}
 cleanup() {
-  stop_switch
+  kill_switch
   if [[ $NETNS == 1 ]]; then gsw_down "$TAG"; fi
   rm -rf "$TMP"
 }
@@ -54,7 +69,7 @@ fail=0
 
 wait_started() {  # $1 log, $2 pattern: 0 started, 1 exited
   for _ in $(seq 100); do
-    grep -q "$2" "$1" && return 0
+    grep -qs "$2" "$1" && return 0
     kill -0 "$SW" 2>/dev/null || return 1
     sleep 0.1
   done
@@ -107,7 +122,7 @@ for try in 1 2 3 4 5; do
   "$B/gossip-switch-udp" --bind 127.0.0.1 --port "$p" "${GROUPS_ARGS[@]}" --stats-json "$TMP/udp.json" >"$TMP/udp.log" 2>&1 &
   SW=$!
   if wait_started "$TMP/udp.log" "serving"; then PORT=$p; break; fi
-  stop_switch
+  kill_switch  # most likely the port was taken: try another
 done
 [[ -n $PORT ]] || { echo "FAIL: gossip-switch-udp did not start:"; cat "$TMP/udp.log"; exit 1; }
 train udp periodic -- address=127.0.0.1 port="$PORT"
@@ -136,9 +151,10 @@ sys.exit(0 if ok else 1)
 PY
   fi
 fi
-stop_switch
-tail -4 "$TMP/udp.log"
-check_stats "$TMP/udp.json"
+if stop_switch gossip-switch-udp "$TMP/udp.log"; then
+  tail -4 "$TMP/udp.log"
+  check_stats "$TMP/udp.json"
+fi
 
 echo "### gossip-switch (DPDK) on a veth"
 if [[ $SKIP == *dpdk* ]]; then
@@ -158,9 +174,10 @@ else
     # The switch polls core 1; the example's threads stay on core 0.
     train dpdk periodic ip netns exec "${GSW_P}-w0" taskset -c 0 -- address="$GSW_IP"
     train dpdk drift ip netns exec "${GSW_P}-w0" taskset -c 0 -- address="$GSW_IP"
-    stop_switch
-    tail -4 "$TMP/dpdk.log"
-    check_stats "$TMP/dpdk.json"
+    if stop_switch gossip-switch "$TMP/dpdk.log"; then
+      tail -4 "$TMP/dpdk.log"
+      check_stats "$TMP/dpdk.json"
+    fi
   fi
 fi
 

@@ -2,11 +2,17 @@
 # gossip-switch and DPDK workers (switch_memif_client) over net_memif: the
 # switch holds one server vdev per worker, the client one client vdev per
 # worker on the same socket; both --no-huge, pinned to different cores.
-# Sync all-reduces of 2 and 3 workers must equal the reference sum.
+# Sync all-reduces of 2 and 3 workers must equal the reference sum. Each
+# switch serves GSW_MEMIF_RUNS (default 2) client processes one after the
+# other: every departure unmaps the client's memory inside the switch, and
+# the next client reconnects to the same ports. The switch must survive it
+# all and exit cleanly on SIGINT; a crash is reported as one, with its signal.
 # Usage: test_switch_memif.sh BUILD_DIR_OF_SWITCH. Exits 77 (skip) where the
 # binaries are missing or EAL cannot start.
 set -uo pipefail
 B=${1:?build dir of transports/switch}
+RUNS=${GSW_MEMIF_RUNS:-2}
+source "$(dirname "${BASH_SOURCE[0]}")/switch_stop.sh"
 for exe in gossip-switch switch_memif_client; do
   [[ -x $B/$exe ]] || { echo "SKIP: $B/$exe not built"; exit 77; }
 done
@@ -33,7 +39,7 @@ for n in 2 3; do
     -- --ip 10.77.0.1 --group "id=1,mode=sync,members=$n,slots=64" --link-wait 0 --stats-json "$TMP/switch-$n.json" >"$TMP/switch-$n.log" 2>&1 &
   SW=$!
   for _ in $(seq 100); do
-    grep -q "polling on lcore" "$TMP/switch-$n.log" && break
+    grep -qs "polling on lcore" "$TMP/switch-$n.log" && break
     kill -0 "$SW" 2>/dev/null || break
     sleep 0.1
   done
@@ -42,15 +48,23 @@ for n in 2 3; do
     if grep -q "EAL init failed\|Cannot create\|cannot create" "$TMP/switch-$n.log"; then echo "SKIP: DPDK EAL or memif cannot start here"; exit 77; fi
     echo "FAIL: gossip-switch did not start"; exit 1
   fi
-  timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$n") \
-    -- --ip 10.77.0.1 --group 1 --window 64 --elements 200000 --reps 3 --timeout 20 || { echo "FAIL: switch_memif_client ($n workers)"; fail=1; }
-  kill -INT "$SW"
-  for _ in $(seq 50); do kill -0 "$SW" 2>/dev/null || break; sleep 0.1; done
-  wait "$SW" 2>/dev/null
-  SW=
-  tail -3 "$TMP/switch-$n.log"
-  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); d={k:v for k,v in s["drops"].items() if v}; print("switch drops:", d or "none"); sys.exit(1 if d else 0)' \
-    "$TMP/switch-$n.json" || { echo "FAIL: the switch dropped packets"; fail=1; }
+  for ((run = 1; run <= RUNS; run++)); do
+    timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$n") \
+      -- --ip 10.77.0.1 --group 1 --window 64 --elements 200000 --reps 3 --timeout 20 ||
+      { echo "FAIL: switch_memif_client ($n workers, client run $run of $RUNS)"; fail=1; }
+    kill -0 "$SW" 2>/dev/null || break  # gsw_stop says how it ended
+  done
+  if gsw_stop "$SW" "gossip-switch ($n workers)"; then
+    SW=
+    tail -3 "$TMP/switch-$n.log"
+    python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); d={k:v for k,v in s["drops"].items() if v}; print("switch drops:", d or "none"); sys.exit(1 if d else 0)' \
+      "$TMP/switch-$n.json" || { echo "FAIL: the switch dropped packets"; fail=1; }
+  else
+    SW=
+    fail=1
+    echo "-- gossip-switch log ($n workers), last lines:"
+    tail -15 "$TMP/switch-$n.log"
+  fi
 done
 [[ $fail == 0 ]] && echo "PASS" || echo "FAILED"
 exit $fail

@@ -12,6 +12,7 @@ set -uo pipefail
 B=${1:?build dir of transports/switch}
 SRC=${2:?source root}
 source "$SRC/transports/switch/netns.sh"
+source "$SRC/tests/switch_stop.sh"
 set +e
 gsw_can_run || exit 77
 for exe in gossip-switch switch_bench; do
@@ -35,19 +36,28 @@ start_switch() {  # $1: drop fraction
     --group id=5,mode=async,members=4,elements=5000 --drop "$1" --stats-json "$TMP/switch-$1.json" >"$TMP/switch-$1.log" 2>&1 &
   SW=$!
   for _ in $(seq 100); do
-    grep -q "polling on lcore" "$TMP/switch-$1.log" && return 0
+    grep -qs "polling on lcore" "$TMP/switch-$1.log" && return 0
     kill -0 "$SW" 2>/dev/null || break
     sleep 0.1
   done
   echo "FAIL: gossip-switch did not start:"; cat "$TMP/switch-$1.log"; exit 1
 }
-stop_switch() {
-  kill -INT "$SW"
-  for _ in $(seq 50); do kill -0 "$SW" 2>/dev/null || break; sleep 0.1; done
-  wait "$SW" 2>/dev/null
+stop_switch() {  # $1: drop fraction. Fails (and shows the log) unless the switch exits cleanly.
+  local rc=0
+  gsw_stop "$SW" "gossip-switch (drop $1)" || rc=1
   SW=
+  if [[ $rc != 0 ]]; then
+    fail=1
+    echo "-- gossip-switch log (drop $1), last lines:"
+    tail -15 "$TMP/switch-$1.log"
+  fi
+  return $rc
 }
-bench() { "$B/switch_bench" "$@" --address "$GSW_IP" --netns-prefix "${GSW_P}-w" --timeout 60; }
+bench() {
+  # A switch that died fails every later run after its timeout; stop_switch says how it ended.
+  if ! kill -0 "$SW" 2>/dev/null; then echo "(not run: gossip-switch is not running)"; return 1; fi
+  "$B/switch_bench" "$@" --address "$GSW_IP" --netns-prefix "${GSW_P}-w" --timeout 60
+}
 fail=0
 check() { if "$@"; then :; else echo "FAIL: $*"; fail=1; fi; }
 
@@ -61,9 +71,9 @@ echo "== fuzz"
 bench fuzz --group 2 --count 2000 >"$TMP/fuzz.json" || fail=1
 cat "$TMP/fuzz.json"
 check bench run --mode switch-dpdk --workers 2 --group 2 --sizes 64K --reps 1 --cpus 0   # still serving
-stop_switch
-tail -4 "$TMP/switch-0.log"
-python3 - "$TMP/fuzz.json" "$TMP/switch-0.json" <<'PY' || fail=1
+if stop_switch 0; then
+  tail -4 "$TMP/switch-0.log"
+  python3 - "$TMP/fuzz.json" "$TMP/switch-0.json" <<'PY' || fail=1
 import json, sys
 fuzz = json.load(open(sys.argv[1])); sw = json.load(open(sys.argv[2]))
 d = sw["drops"]
@@ -72,6 +82,7 @@ counted = sum(v for k, v in d.items() if k not in ("not_ipv4", "injected"))
 print(f"fuzz sent {fuzz['total']}, switch counted {counted} drops by reason: " + ", ".join(f"{k}={v}" for k, v in d.items() if v))
 sys.exit(0 if counted == fuzz["total"] else 1)
 PY
+fi
 
 for drop in 0.01 0.10; do
   echo "== switch drops $drop of requests and of replies"
@@ -80,7 +91,7 @@ for drop in 0.01 0.10; do
     check bench run --mode switch-dpdk --workers "$n" --group "$n" --sizes 4 64K 1M --reps 1 --cpus 0 --rto-ms 2
   done
   check bench async-check --workers 4 --group 5 --elements 5000 --pushes 10 --rto-ms 2
-  stop_switch
+  stop_switch "$drop" || continue
   tail -3 "$TMP/switch-$drop.log"
   # 4 workers x (10 deltas + 1 read-back) x 20 chunks of 256: each applied exactly once.
   python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print("deltas_applied", s["deltas_applied"]); sys.exit(s["deltas_applied"] != 880)' \
