@@ -4,9 +4,11 @@
 # worker on the same socket; both --no-huge, pinned to different cores.
 # Sync all-reduces of 2 and 3 workers must equal the reference sum. Each
 # switch serves GSW_MEMIF_RUNS (default 2) client processes one after the
-# other: every departure unmaps the client's memory inside the switch, and
-# the next client reconnects to the same ports. The switch must survive it
-# all and exit cleanly on SIGINT; a crash is reported as one, with its signal.
+# other, and between the first two a client that is killed (SIGKILL) in the
+# middle of its traffic: every departure unmaps the client's memory inside
+# the switch, and the next client reconnects to the same ports. The switch
+# must survive it all and exit cleanly on SIGINT; a crash is reported as one,
+# with its signal.
 # Usage: test_switch_memif.sh BUILD_DIR_OF_SWITCH. Exits 77 (skip) where the
 # binaries are missing or EAL cannot start.
 set -uo pipefail
@@ -31,6 +33,22 @@ vdevs() {  # $1 role, $2 workers
   local i
   for ((i = 0; i < $2; i++)); do printf -- '--vdev=net_memif%d,role=%s,id=%d,socket=%s/gsw.sock,socket-abstract=no ' "$i" "$1" "$i" "$TMP"; done
 }
+CLIENT=(--ip 10.77.0.1 --group 1 --window 64 --timeout 20)
+killed_client() {  # N-WORKERS: a client killed once its first all-reduce is done
+  local pid i
+  timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$1") -- "${CLIENT[@]}" --elements 2000000 --reps 1000 \
+    >"$TMP/killed-$1.log" 2>&1 &
+  pid=$!
+  for ((i = 0; i < 300; i++)); do
+    grep -qs "^all-reduce 1:" "$TMP/killed-$1.log" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  grep -qs "^all-reduce 1:" "$TMP/killed-$1.log" || { echo "FAIL: the client to kill did not get going:"; cat "$TMP/killed-$1.log"; fail=1; }
+  kill -KILL -- "-$pid" 2>/dev/null  # timeout(1) and the client: its own process group
+  wait "$pid" 2>/dev/null
+  echo "killed a client of $1 workers in the middle of its traffic"
+}
 fail=0
 for n in 2 3; do
   echo "== $n DPDK workers over net_memif"
@@ -49,10 +67,12 @@ for n in 2 3; do
     echo "FAIL: gossip-switch did not start"; exit 1
   fi
   for ((run = 1; run <= RUNS; run++)); do
-    timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$n") \
-      -- --ip 10.77.0.1 --group 1 --window 64 --elements 200000 --reps 3 --timeout 20 ||
-      { echo "FAIL: switch_memif_client ($n workers, client run $run of $RUNS)"; fail=1; }
+    timeout 60 "$B/switch_memif_client" -l 0 "${EAL[@]}" $(vdevs client "$n") -- "${CLIENT[@]}" --elements 200000 --reps 3 || { echo "FAIL: switch_memif_client ($n workers, client run $run of $RUNS)"; fail=1; }
     kill -0 "$SW" 2>/dev/null || break  # gsw_stop says how it ended
+    if ((run == 1)); then
+      killed_client "$n"
+      kill -0 "$SW" 2>/dev/null || break
+    fi
   done
   if gsw_stop "$SW" "gossip-switch ($n workers)"; then
     SW=

@@ -23,6 +23,7 @@
 #include <arpa/inet.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -251,6 +252,7 @@ int run(const options& o) {
     for (const auto& w : ws) rt += w.retransmits;
     fmt::print("all-reduce {}: {} workers x {} floats over net_memif in {:.4f} s ({:.3e} elements/s), {} retransmits, {}\n", rep + 1, ws.size(),
                o.elements, s, static_cast<double>(o.elements) / s, rt, wrong ? fmt::format("{} WRONG values", wrong) : std::string("exact"));
+    std::fflush(stdout);  // a test watching the log learns that traffic flows
     ok = wrong == 0;
   }
   for (const auto& w : ws) {
