@@ -33,11 +33,12 @@
 #include <arpa/inet.h>
 
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
-#include <string_view>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -87,6 +88,9 @@ class dpdk_switch {
     auto check = [&](int rc, const char* what) {
       if (rc < 0) throw std::runtime_error(fmt::format("port {} ({}): {}: {}", port, info.driver_name, what, rte_strerror(-rc)));
     };
+    // Drivers that connect and disconnect peers on the EAL interrupt thread.
+    const bool gated = std::string_view(info.driver_name) == "net_memif";
+    if (gated && !m_gate) m_gate = std::make_unique<intr_gate>("gossip-switch: net_memif ports");
     check(rte_eth_dev_configure(port, 1, 1, &conf), "configure");
     check(rte_eth_dev_adjust_nb_rx_tx_desc(port, &rxd, &txd), "adjust descriptors");
     check(rte_eth_rx_queue_setup(port, 0, rxd, rte_eth_dev_socket_id(port), nullptr, m_pool), "rx queue setup");
@@ -95,9 +99,7 @@ class dpdk_switch {
     rte_eth_promiscuous_enable(port);  // not supported by every vdev; harmless
     port_state p;
     p.id = port;
-    // Drivers that connect and disconnect peers on the EAL interrupt thread.
-    p.gated = std::string_view(info.driver_name) == "net_memif";
-    if (p.gated && !m_gate) m_gate = std::make_unique<intr_gate>("gossip-switch: net_memif ports");
+    p.gated = gated;
     rte_eth_macaddr_get(port, &p.mac);
     char name[RTE_ETH_NAME_MAX_LEN] = {};
     rte_eth_dev_get_name_by_port(port, name);
@@ -145,17 +147,32 @@ class dpdk_switch {
     return total;
   }
 
-  /// After the polling loop: flushes, lets the interrupt thread go, stops and closes every port.
+  /// After the polling loop: flushes, stops and closes every port.
   void stop() {
-    flush_all();  // gated ports only if the gate is still held since the last poll()
-    if (m_gate) m_gate->open();
-    m_gate_held = false;
+    // With the interrupt thread parked: a peer that just left is torn down
+    // there (memif_disconnect, munmap), and rte_eth_dev_stop() does the same
+    // on this thread; side by side they unmap and free twice.
+    if (m_gate) {
+      m_gate_held = m_gate->acquire(std::chrono::seconds(2));
+      if (!m_gate_held)
+        fmt::print(stderr, "gossip-switch: the EAL interrupt thread did not come within 2 s; closing the net_memif ports beside it\n");
+    }
+    flush_all();
     for (auto& p : m_ports) {
       drop_pending(p);
       rte_eth_dev_stop(p.id);
       rte_eth_dev_close(p.id);
     }
+    if (m_gate) m_gate->let_go();
+    m_gate_held = false;
     m_ports.clear();
+  }
+
+  /// At exit, after stop() and right before rte_eal_cleanup(): keeps the EAL
+  /// interrupt thread out of the cleanup (see intr_gate::park_for_exit).
+  void park_for_exit() {
+    if (m_gate && !intr_gate::park_for_exit(std::move(m_gate), std::chrono::seconds(2)))
+      fmt::print(stderr, "gossip-switch: the EAL interrupt thread did not come within 2 s; rte_eal_cleanup() runs beside it\n");
   }
 
   switch_report report(double seconds) {

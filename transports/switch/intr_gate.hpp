@@ -9,18 +9,18 @@
 ///     }
 ///     gate.open();                             // before stopping the ports
 ///
-/// Why. net_memif (DPDK 22.11, and still so upstream) runs a peer's connect
-/// and disconnect on the EAL interrupt thread. When the peer leaves (closes
-/// the control socket, sends a disconnect message, or dies), memif_disconnect()
-/// clears the port's CONNECTED flag and, in the same call, munmap()s the
-/// shared-memory regions that hold the rings and buffers. Nothing waits for
-/// the data path: eth_memif_rx/tx test the flag once, on entry, so a burst
-/// that entered just before reads unmapped memory (SIGSEGV in
-/// rte_eth_rx_burst, seen when the polling thread was preempted inside it). An
-/// RTE_ETH_EVENT_INTR_LSC callback cannot close that window: memif raises no
-/// ethdev event, and one raised from the same handler would come after the
-/// munmap. Stopping the port first is not possible either: the peer decides
-/// when it leaves, and a crashed peer tells nobody.
+/// Why. net_memif (DPDK 22.11, and upstream's main as of 2026-07) runs a
+/// peer's connect and disconnect on the EAL interrupt thread. When the peer
+/// leaves (closes the control socket, sends a disconnect message, or dies),
+/// memif_disconnect() clears the port's CONNECTED flag and, in the same call,
+/// munmap()s the shared-memory regions that hold the rings and buffers.
+/// Nothing waits for the data path: eth_memif_rx/tx test the flag once, on
+/// entry, so a burst that entered just before reads unmapped memory (SIGSEGV
+/// in rte_eth_rx_burst, seen when the polling thread was preempted inside
+/// it). An RTE_ETH_EVENT_INTR_LSC callback cannot close that window: memif
+/// raises no ethdev event, and one raised from the same handler would come
+/// after the munmap. Stopping the port first is not possible either: the peer
+/// decides when it leaves, and a crashed peer tells nobody.
 ///
 /// So the gate serialises the two threads: the polling thread asks, through an
 /// eventfd registered as an EAL interrupt source, for the interrupt thread to
@@ -33,14 +33,16 @@
 /// next peer that connects to it.
 ///
 /// Each round trip costs the gated ports the time the interrupt thread takes
-/// to be scheduled again: tens of microseconds on a quiet machine, milliseconds
-/// when its core is busy (EAL puts it on the cores that are not lcores). So the
-/// gate is held for `idle_slice` while the gated ports are quiet and for up to
-/// `busy_slice` while they carry traffic (busy()); a peer's arrival or
-/// departure waits at most that long, plus the way back, per control message.
+/// to be scheduled again. EAL puts it on the cores that are not lcores, where
+/// anything else may run: on 2 cores under a load of 15 it took 15 ms on
+/// average, 160 ms at worst. So the gate is held for `idle_slice` while the
+/// gated ports are quiet and for up to `busy_slice` while they carry traffic
+/// (busy()); a peer's arrival or departure waits at most that long, plus the
+/// way back, per control message.
 ///
-/// hold() runs on the polling thread only; open() on the polling thread or
-/// after it stopped. The destructor opens the gate and unregisters it.
+/// hold(), busy() and acquire() run on the polling thread, or on one that took
+/// over after it stopped; open() too. The destructor opens the gate and
+/// unregisters it.
 #include <rte_cycles.h>
 #include <rte_interrupts.h>
 
@@ -54,6 +56,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -120,15 +123,9 @@ class intr_gate {
         set_and_wake(released);  // our last burst on a gated port is behind this
         return false;
       }
-      case idle: {
-        // The state before the eventfd: the callback expects `requested`.
-        m_state.store(requested, std::memory_order_release);
-        const std::uint64_t one = 1;
-        [[maybe_unused]] const auto n = ::write(m_fd, &one, sizeof one);  // EAGAIN only at 2^64 - 2: already readable
-        m_since = rte_get_timer_cycles();
-        m_warned = false;
+      case idle:
+        request();
         return false;
-      }
       case requested:
         if (!m_warned && rte_get_timer_cycles() - m_since > 2 * rte_get_timer_hz()) {
           m_warned = true;  // once per request; the ports just stay idle meanwhile
@@ -136,21 +133,70 @@ class intr_gate {
         }
         return false;
       default:
-        return false;  // released (on its way back) or open for good
+        return false;  // released (on its way back), open for good, or exiting
+    }
+  }
+
+  /// Waits up to `timeout` for the interrupt thread to be parked and keeps it
+  /// there until let_go() or open(): to stop and close gated ports, whose
+  /// driver would otherwise tear down a departing peer beside us. False on
+  /// the timeout.
+  bool acquire(std::chrono::milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const int s = m_state.load(std::memory_order_acquire);
+      if (s == held) return true;
+      if (s == closed || std::chrono::steady_clock::now() > deadline) return false;
+      if (s == idle) request();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
 
   /// Polling thread: a gated port had traffic in this round (keeps the slice going).
   void busy() noexcept { m_busy_at = rte_get_timer_cycles(); }
 
+  /// Lets a parked interrupt thread go until the next hold() or acquire().
+  void let_go() noexcept {
+    {
+      std::lock_guard lk(m_mutex);
+      int expected = held;
+      m_state.compare_exchange_strong(expected, released, std::memory_order_acq_rel);
+    }
+    m_wake.notify_all();
+  }
+
   /// Lets the interrupt thread go for good; hold() is false from now on.
   void open() noexcept { set_and_wake(closed); }
 
+  /// At the end of the process, right before rte_eal_cleanup(): parks the
+  /// interrupt thread (waiting up to `timeout`) until the process exits.
+  /// DPDK 22.11's rte_eal_cleanup() unmaps EAL memory without stopping that
+  /// thread, and the thread walks its interrupt sources, which live there,
+  /// whenever a callback was unregistered, as closing a memif port does:
+  /// SIGSEGV in rte_intr_fd_get() at exit. Parked it walks nothing. The gate
+  /// is leaked on purpose, the thread waits in it; no EAL interrupt or alarm
+  /// is served afterwards. False on the timeout (the gate is then closed).
+  static bool park_for_exit(std::unique_ptr<intr_gate> gate, std::chrono::milliseconds timeout) {
+    if (!gate->acquire(timeout)) return false;
+    gate->set_and_wake(exiting);
+    [[maybe_unused]] auto* leaked = gate.release();
+    return true;
+  }
+
  private:
-  enum state : int { idle, requested, held, released, closed };
+  enum state : int { idle, requested, held, released, closed, exiting };
 
   static std::uint64_t cycles(std::chrono::microseconds d) noexcept {
     return static_cast<std::uint64_t>(std::chrono::duration<double>(d).count() * static_cast<double>(rte_get_timer_hz()));
+  }
+
+  void request() noexcept {
+    // The state before the eventfd: the callback expects `requested`.
+    m_state.store(requested, std::memory_order_release);
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const auto n = ::write(m_fd, &one, sizeof one);  // EAGAIN only at 2^64 - 2: already readable
+    m_since = rte_get_timer_cycles();
+    m_warned = false;
   }
 
   void set_and_wake(state s) noexcept {
@@ -171,11 +217,12 @@ class intr_gate {
     std::unique_lock lk(g.m_mutex);
     const auto start = std::chrono::steady_clock::now();
     bool warned = false;
-    // Released by the polling thread after its slice, or by open(). Waking
-    // up every 100 ms is only there to say so when neither comes.
-    while (g.m_state.load(std::memory_order_acquire) == held) {
+    // Released by the polling thread after its slice, or by open(); never
+    // when exiting. Waking up every 100 ms is only there to say when neither
+    // comes.
+    for (int s; (s = g.m_state.load(std::memory_order_acquire)) == held || s == exiting;) {
       g.m_wake.wait_for(lk, std::chrono::milliseconds(100));
-      if (!warned && std::chrono::steady_clock::now() - start > std::chrono::seconds(2)) {
+      if (s == held && !warned && std::chrono::steady_clock::now() - start > std::chrono::seconds(2)) {
         warned = true;
         fmt::print(stderr, "{}: the polling thread has kept the EAL interrupt thread for 2 s; peers cannot connect or leave until it lets go\n",
                    g.m_what);

@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
     std::fputs(report.text().c_str(), stderr);
     if (!stats_path.empty() && !report.write_json(stats_path)) fmt::print(stderr, "gossip-switch: cannot write {}\n", stats_path);
     sw.stop();
+    sw.park_for_exit();
   } catch (const std::exception& e) {
     fmt::print(stderr, "gossip-switch: {}\n", e.what());
     rc = 1;
