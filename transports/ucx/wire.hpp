@@ -20,7 +20,8 @@ namespace gossip::detail {
 /// the index of each source rank or -1, `message_bytes` the size of an inbox
 /// slot. Returns the sender's source index and fills `h`, or -1 when the
 /// message is foreign or corrupt. A length from the wire is never trusted: an
-/// accepted message fits a slot.
+/// accepted message fits a slot, also when the length is near SIZE_MAX (a
+/// rendezvous length is what the sender claims).
 inline int accept_message(const void* header, std::size_t header_length, std::size_t length, std::span<const int> source_of,
                           std::size_t message_bytes, std::uint64_t layout_fingerprint, wire_header& h) noexcept {
   if (header_length != sizeof h) return -1;
@@ -28,7 +29,7 @@ inline int accept_message(const void* header, std::size_t header_length, std::si
   if (h.sender < 0 || static_cast<std::size_t>(h.sender) >= source_of.size()) return -1;
   const int si = source_of[static_cast<std::size_t>(h.sender)];
   if (si < 0 || h.magic != wire_header::magic_value || h.version != wire_header::version_value || h.payload_bytes != length ||
-      sizeof h + length > message_bytes || h.layout_fingerprint != layout_fingerprint)
+      message_bytes < sizeof h || length > message_bytes - sizeof h || h.layout_fingerprint != layout_fingerprint)
     return -1;
   return si;
 }
