@@ -6,6 +6,7 @@
 # fails if any target crashed.
 #
 #   bash tools/fuzz.sh [SECONDS] [TARGET...]      e.g. bash tools/fuzz.sh 20 config idx
+#   GOSSIP_FUZZ_RUNS=1000000 bash tools/fuzz.sh 3600   stop each target after that many executions
 #   build-fuzz/fuzz/fuzz_config CRASH_FILE         replays one input
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,11 +34,12 @@ report=()
 for t in "${targets[@]}"; do
   mkdir -p $dir/corpus/$t
   log=$dir/fuzz-$t.log
-  echo "== fuzz_$t for $seconds s"
+  echo "== fuzz_$t for $seconds s${GOSSIP_FUZZ_RUNS:+ or $GOSSIP_FUZZ_RUNS executions}"
   rc=0
-  dict=()
-  [ -f fuzz/$t.dict ] && dict=(-dict=fuzz/$t.dict)
-  $dir/fuzz/fuzz_$t "${dict[@]}" -max_total_time="$seconds" -timeout=25 -print_final_stats=1 \
+  opts=()
+  [ -f fuzz/$t.dict ] && opts+=(-dict=fuzz/$t.dict)
+  [ -n "${GOSSIP_FUZZ_RUNS:-}" ] && opts+=(-runs="$GOSSIP_FUZZ_RUNS")
+  $dir/fuzz/fuzz_$t "${opts[@]}" -max_total_time="$seconds" -timeout=25 -print_final_stats=1 \
     -artifact_prefix=$dir/artifacts/$t- $dir/corpus/$t fuzz/corpus/$t >"$log" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
