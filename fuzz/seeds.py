@@ -69,6 +69,7 @@ lr = 0.05
 layers = [64, 32]
 """)
 put("config", "budget.toml", b"[policy]\nname = \"budget\"\n[engine]\ntrace_capacity = 1000\ntrace_skips_every = 10\n")
+put("config", "consensus.toml", b"[policy]\nname = \"consensus\"\nlr_exponent = 0.5\nbalance = 1.0\n[engine]\nmomentum = \"local\"\nmomentum_beta = 0.9\n")
 put("config", "adacomm.toml", b"[policy]\nname = \"adacomm\"\n[topology]\nname = \"complete\"\n")
 put("config", "history.toml", b"[policy]\nname = \"drift-history\"\n[topology]\nname = \"ring\"\n[protocol]\nname = \"pairwise\"\n")
 put("config", "overrides", b"[policy]\nname = \"never\"\n\0policy.name=periodic\npolicy.every=3\nengine.timeout_s=5\ntrain.epochs=2\ntopology.edges=[[0,1]]\n")
