@@ -35,7 +35,13 @@ topology_registry_t& topology_registry() {
                throw config_error(fmt::format("{}: key 'edges' must list pairs of ranks, e.g. [[0, 1], [1, 2]]; got {} integers",
                                               o.where(), flat.size()));
              std::vector<std::pair<int, int>> list;
-             for (std::size_t i = 0; i < flat.size(); i += 2) list.emplace_back(static_cast<int>(flat[i]), static_cast<int>(flat[i + 1]));
+             for (std::size_t i = 0; i < flat.size(); i += 2) {
+               // Checked before narrowing to int: 2^32 + 1 is not rank 1.
+               if (flat[i] < 0 || flat[i] >= world || flat[i + 1] < 0 || flat[i + 1] >= world)
+                 throw config_error(fmt::format("{}: edge [{}, {}] is invalid for a world of {} ranks (ranks are 0..{}, no self-loops)",
+                                                o.where(), flat[i], flat[i + 1], world, world - 1));
+               list.emplace_back(static_cast<int>(flat[i]), static_cast<int>(flat[i + 1]));
+             }
              return topology(topologies::edges(rank, world, list, o.boolean("directed"), o.where()), rank, world, "edges");
            }});
     return t;

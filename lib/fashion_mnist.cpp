@@ -31,9 +31,10 @@ constexpr std::uint32_t images_magic = 0x00000803;  // uint8, 3 dimensions
 constexpr std::uint32_t labels_magic = 0x00000801;  // uint8, 1 dimension
 constexpr std::uint32_t max_side = 4096;
 constexpr std::uint32_t max_count = 10'000'000;
-// What we reserve up front from a header's word alone; beyond it the buffer
-// only grows as data actually arrives, so a lying header in a small file ends
-// in a truncation error, not a huge allocation.
+// What we reserve from a header's word once the first chunk of pixels has
+// arrived in full; beyond it the buffer only grows as data actually arrives,
+// so a lying header in a small file ends in a truncation error, not a huge
+// allocation.
 constexpr std::size_t trusted_reserve = std::size_t{1} << 26;
 constexpr unsigned chunk_bytes = 1u << 20;
 
@@ -237,12 +238,12 @@ dataset read_idx(const std::string& images_gz, const std::string& labels_gz) {
 
   // Images: 64-bit product of values each already bounded, so no overflow.
   const std::size_t expected = std::size_t{n} * rows * cols;
-  ds.images.reserve(std::min(expected, trusted_reserve));
   std::vector<unsigned char> chunk(std::min<std::size_t>(expected, chunk_bytes));
   std::size_t done = 0;
   while (done < expected) {
     const std::size_t want = std::min<std::size_t>(expected - done, chunk.size());
     const std::size_t got = img.read(chunk.data(), want, 16 + done, "images");
+    if (done == 0 && got == want) ds.images.reserve(std::min(expected, trusted_reserve));
     const std::size_t old = ds.images.size();
     ds.images.resize(old + got);
     std::transform(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(got),

@@ -80,6 +80,15 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   CHECK_THROWS_WITH_AS(engine_spec::from(typed), doctest::Contains("run.toml [policy]: key 'threshold' of policy 'drift' must be a number"), config_error);
   const auto engine_bad = config::parse("[engine]\ntimeout_s = -1\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(engine_bad), "run.toml [engine]: key 'timeout_s' must be > 0 seconds, got -1", config_error);
+  // Found by fuzz/fuzz_config: an infinite timeout overflowed every wait's deadline, and
+  // integers were narrowed before their range check (2^32 + 2 buffers read as 2).
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\ntimeout_s = inf\n", "run.toml")),
+                       doctest::Contains("key 'timeout_s' must be at most 31536000 seconds (a year), got inf"), config_error);
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\nsend_buffers = 4294967298\n", "run.toml")),
+                       "run.toml [engine]: key 'send_buffers' must be in 1..16, got 4294967298", config_error);
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\ntrace_capacity = -1\n", "run.toml")),
+                       "run.toml [engine]: key 'trace_capacity' must be >= 0, got -1", config_error);
+  CHECK_THROWS_AS(engine_spec::from(config::parse("[engine]\nfinish_rounds = 4294967296\n", "run.toml")), config_error);
   const auto engine_key = config::parse("[engine]\ntimeuot_s = 1\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(engine_key), doctest::Contains("unknown key 'timeuot_s' for [engine] (did you mean 'timeout_s'?); known keys: timeout_s,"), config_error);
 }

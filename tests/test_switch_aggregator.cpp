@@ -16,7 +16,7 @@ std::vector<std::byte> make_packet(packet_header h, const std::vector<float>& v)
   h.elements = static_cast<std::uint16_t>(v.size());
   std::vector<std::byte> p(packet_bytes(v.size()));
   std::memcpy(p.data(), &h, sizeof h);
-  std::memcpy(p.data() + sizeof h, v.data(), v.size() * sizeof(float));
+  if (!v.empty()) std::memcpy(p.data() + sizeof h, v.data(), v.size() * sizeof(float));  // an empty vector's data() may be null
   return p;
 }
 

@@ -156,6 +156,9 @@ TEST_CASE("bad topology settings are refused with the key named") {
   options bad("run.toml [topology]");
   bad.set("edges", int_list{0, 1, 1, 9});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", bad, 0, 4), doctest::Contains("edge [1, 9] is invalid"), config_error);
+  options wide("run.toml [topology]");  // found by fuzz/fuzz_config: 2^32 was read as rank 0
+  wide.set("edges", int_list{std::int64_t{1} << 32, 1});
+  CHECK_THROWS_WITH_AS(topology_registry().make("edges", wide, 0, 4), doctest::Contains("edge [4294967296, 1] is invalid"), config_error);
   options odd("run.toml [topology]");
   odd.set("edges", int_list{0, 1, 2});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", odd, 0, 4), doctest::Contains("key 'edges' must list pairs"), config_error);

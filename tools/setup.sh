@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages libgossip builds and runs with. Idempotent: when
-# everything is present it only checks and returns.
+# Installs the Debian packages libgossip builds and runs with (`setup.sh fuzz`:
+# also clang for the fuzzers). Idempotent: when everything is present it only
+# checks and returns.
 set -euo pipefail
 
 packages=(
@@ -9,6 +10,11 @@ packages=(
   libucx-dev ucx-utils dpdk dpdk-dev libdpdk-dev iproute2 ethtool
   dataset-fashion-mnist python3-matplotlib
 )
+# `setup.sh fuzz`: also clang and its runtimes (libFuzzer, sanitizers) for
+# tools/fuzz.sh; the default build does not need them.
+if [ "${1:-}" = fuzz ]; then
+  packages+=(clang libclang-rt-dev)
+fi
 
 missing=()
 for p in "${packages[@]}"; do

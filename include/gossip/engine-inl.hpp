@@ -1,20 +1,30 @@
 #pragma once
 // Bodies of gossip::engine (included by engine.hpp).
 #include <algorithm>
+#include <limits>
 
 #include "gossip/engine.hpp"
 
 namespace gossip {
 
 inline engine_settings engine_settings::from(const options& o) {
+  // Integers are checked before they are narrowed, so 2^32 + 2 is refused rather than read as 2.
+  const auto in_range = [&](std::string_view key, std::int64_t lo, std::int64_t hi, std::string_view expected) {
+    const std::int64_t v = o.integer(key);
+    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(), key, expected, v));
+    return v;
+  };
+  // A deadline is steady_clock::now() + timeout in nanoseconds: bounded so that it cannot overflow.
+  constexpr double max_timeout_s = 365.0 * 24 * 3600;
   engine_settings s;
   s.timeout = std::chrono::duration<double>(o.real("timeout_s"));
-  s.send_buffers = static_cast<int>(o.integer("send_buffers"));
+  s.send_buffers = static_cast<int>(in_range("send_buffers", 1, 16, "in 1..16"));
   s.trace_path = o.string("trace");
-  s.trace_capacity = static_cast<std::size_t>(o.integer("trace_capacity"));
-  s.trace_skips_every = static_cast<int>(o.integer("trace_skips_every"));
+  s.trace_capacity = static_cast<std::size_t>(in_range("trace_capacity", 0, std::numeric_limits<std::int64_t>::max(), ">= 0"));
+  s.trace_skips_every = static_cast<int>(in_range("trace_skips_every", 1, std::numeric_limits<int>::max(), ">= 1"));
   s.stats_path = o.string("stats");
-  s.finish_rounds = static_cast<int>(o.integer("finish_rounds"));
+  s.finish_rounds =
+      static_cast<int>(in_range("finish_rounds", -1, std::numeric_limits<int>::max(), ">= 0, or -1 for automatic"));
   s.wait_when_busy = o.boolean("wait_when_busy");
   const std::string momentum = o.string("momentum");
   if (momentum != "quasi-global" && momentum != "local")
@@ -26,12 +36,9 @@ inline engine_settings engine_settings::from(const options& o) {
   s.momentum_beta = static_cast<float>(beta);
   if (!(s.timeout.count() > 0))
     throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
-  if (s.send_buffers < 1 || s.send_buffers > 16)
-    throw config_error(fmt::format("{}: key 'send_buffers' must be in 1..16, got {}", o.where(), s.send_buffers));
-  if (s.trace_skips_every < 1)
-    throw config_error(fmt::format("{}: key 'trace_skips_every' must be >= 1, got {}", o.where(), s.trace_skips_every));
-  if (s.finish_rounds < -1)
-    throw config_error(fmt::format("{}: key 'finish_rounds' must be >= 0, or -1 for automatic, got {}", o.where(), s.finish_rounds));
+  if (!(s.timeout.count() <= max_timeout_s))
+    throw config_error(fmt::format("{}: key 'timeout_s' must be at most {} seconds (a year), got {}", o.where(), max_timeout_s,
+                                   s.timeout.count()));
   return s;
 }
 

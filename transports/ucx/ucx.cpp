@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gossip/wait.hpp"
+#include "wire.hpp"
 
 namespace gossip {
 
@@ -604,13 +605,8 @@ struct ucx_transport::impl {
     const bool rndv = attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
     const bool persistent = attr & UCP_AM_RECV_ATTR_FLAG_DATA;
     wire_header h;
-    const bool valid_header = header_length == sizeof h;
-    if (valid_header) std::memcpy(&h, header, sizeof h);
-    const int si = valid_header && h.sender >= 0 && static_cast<std::size_t>(h.sender) < source_of.size()
-                       ? source_of[static_cast<std::size_t>(h.sender)]
-                       : -1;
-    if (si < 0 || h.magic != wire_header::magic_value || h.version != wire_header::version_value || h.payload_bytes != length ||
-        sizeof h + length > setup.message_bytes || h.layout_fingerprint != setup.layout_fingerprint) {
+    const int si = detail::accept_message(header, header_length, length, source_of, setup.message_bytes, setup.layout_fingerprint, h);
+    if (si < 0) {
       dropped.fetch_add(1, std::memory_order_relaxed);  // foreign or corrupt: never trust a length from the wire
       return UCS_OK;
     }

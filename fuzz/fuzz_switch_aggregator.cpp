@@ -1,0 +1,47 @@
+// Datagrams into the switch's aggregator (transports/switch/aggregator.hpp),
+// the code that runs inside gossip-switch and gossip-switch-udp.
+//
+// Input: a sequence of datagrams, each a little-endian 16-bit length and that
+// many bytes (a length past the end takes what is left). The groups are fixed:
+// a sync group of any model size, a sync group of a known size and an async
+// group, so valid headers (see the seed corpus) reach every handler.
+// Checked besides memory safety: every datagram is counted once, every reply
+// is a well-formed packet for a member of the group, and the async group's
+// joined count never exceeds its members.
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+
+#include "aggregator.hpp"
+
+namespace sw = gossip::sw;
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  sw::aggregator agg({sw::group_config::parse("id=1,mode=sync,members=3,chunk=4,slots=2"),
+                      sw::group_config::parse("id=2,mode=sync,members=2,chunk=8,slots=4,elements=20"),
+                      sw::group_config::parse("id=3,mode=async,members=3,chunk=4,elements=10")});
+  std::uint64_t datagrams = 0;
+  const auto* p = reinterpret_cast<const std::byte*>(data);
+  while (size >= 2) {
+    std::size_t len = static_cast<std::size_t>(data[0]) | static_cast<std::size_t>(data[1]) << 8;
+    p += 2, data += 2, size -= 2;
+    if (len > size) len = size;
+    agg.handle(std::span<const std::byte>(p, len), [&](std::uint16_t worker, std::span<const std::byte> reply) {
+      sw::packet_header h;
+      if (!sw::read_header(reply.data(), reply.size(), h)) std::abort();
+      const auto* g = agg.config(h.group);
+      if (!g || worker != h.worker || worker >= g->members || h.elements > g->chunk ||
+          reply.size() != sw::packet_bytes(h.elements) || h.magic != sw::packet_header::magic_value)
+        std::abort();
+      if (h.type != sw::packet_type::sync_result && h.type != sw::packet_type::async_reply) std::abort();
+    });
+    ++datagrams;
+    p += len, data += len, size -= len;
+  }
+  const auto& st = agg.stats();
+  if (st.accepted() + st.dropped() != datagrams) std::abort();
+  if (agg.async_joined(3) > 3) std::abort();
+  return 0;
+}

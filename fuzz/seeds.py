@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora under fuzz/corpus/ (run from anywhere; idempotent).
+
+Seeds are small valid inputs, so the fuzzers start from inputs that reach the
+handlers rather than the first length check. Regression inputs for fixed bugs
+live beside them under names starting with "crash-" and are not rewritten.
+"""
+import gzip
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def put(target, name, data):
+    d = os.path.join(HERE, "corpus", target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+# config: the shipped configs, one per component, and overrides after a NUL.
+for src in ("examples/01_fashion_mnist/fashion_mnist.toml", "bench/traffic/traffic.toml"):
+    put("config", os.path.basename(src), open(os.path.join(ROOT, src), "rb").read())
+put("config", "readme.toml", b"""[policy]
+name = "drift"
+threshold = 0.05
+max_interval = 100
+[topology]
+name = "exponential"
+[protocol]
+name = "push-sum"
+[transport]
+name = "loopback"
+bandwidth_gbps = 1.0
+latency_us = 50
+[engine]
+timeout_s = 60
+stats = "stats-{rank}.json"
+trace = "trace-{rank}.json"
+""")
+put("config", "edges.toml", b"""[policy]
+name = "periodic"
+every = 4
+[topology]
+name = "edges"
+edges = [[0, 1], [1, 2], [2, 0]]
+directed = true
+[protocol]
+name = "stale-copy"
+gamma = 0.5
+[engine]
+send_buffers = 4
+finish_rounds = 2
+wait_when_busy = true
+""")
+put("config", "switch.toml", b"""[policy]
+name = "drift-lr"
+[topology]
+name = "random"
+seed = 7
+[protocol]
+name = "switch-aggregate"
+mode = "auto"
+[train]
+epochs = 2
+lr = 0.05
+layers = [64, 32]
+""")
+put("config", "budget.toml", b"[policy]\nname = \"budget\"\n[engine]\ntrace_capacity = 1000\ntrace_skips_every = 10\n")
+put("config", "consensus.toml", b"[policy]\nname = \"consensus\"\nlr_exponent = 0.5\nbalance = 1.0\n[engine]\nmomentum = \"local\"\nmomentum_beta = 0.9\n")
+put("config", "adacomm.toml", b"[policy]\nname = \"adacomm\"\n[topology]\nname = \"complete\"\n")
+put("config", "history.toml", b"[policy]\nname = \"drift-history\"\n[topology]\nname = \"ring\"\n[protocol]\nname = \"pairwise\"\n")
+put("config", "overrides", b"[policy]\nname = \"never\"\n\0policy.name=periodic\npolicy.every=3\nengine.timeout_s=5\ntrain.epochs=2\ntopology.edges=[[0,1]]\n")
+
+# switch_aggregator: datagrams (16-bit length + bytes) for the three groups of
+# fuzz_switch_aggregator.cpp: 1 sync any size (3 members, chunk 4, 2 slots),
+# 2 sync 20 elements (2 members, chunk 8, 4 slots), 3 async 10 elements (3 members, chunk 4).
+MAGIC, VERSION = 0x31575347, 2
+SYNC, RESULT, DELTA, REPLY, LEAVE = 1, 2, 3, 4, 5
+
+
+def packet(type_, group, worker, slot, chunk, values, flags=0, sequence=0, session=0, elements=None):
+    n = len(values) if elements is None else elements
+    h = struct.pack("<IBBBBHHHHIIII", MAGIC, VERSION, type_, flags, 0, group, worker, slot, n, chunk, 0, sequence, session)
+    return h + struct.pack("<%df" % len(values), *values)
+
+
+def datagrams(*pkts):
+    return b"".join(struct.pack("<H", len(p)) + p for p in pkts)
+
+
+ones = [1.0] * 4
+put("switch_aggregator", "sync-allreduce", datagrams(*[packet(SYNC, 1, w, 0, 0, ones, session=10 + w) for w in range(3)]))
+put("switch_aggregator", "sync-shadow", datagrams(
+    *[packet(SYNC, 1, w, c % 2, c, ones, flags=(c // 2) & 1, session=5) for c in range(4) for w in range(3)]))
+put("switch_aggregator", "sync-sized", datagrams(
+    *[packet(SYNC, 2, w, c % 4, c, [2.0] * (8 if c < 2 else 4), session=1) for c in range(3) for w in range(2)]))
+put("switch_aggregator", "sync-retransmit", datagrams(
+    packet(SYNC, 1, 0, 1, 1, ones, session=3), packet(SYNC, 1, 0, 1, 1, ones, session=3),
+    packet(SYNC, 1, 1, 1, 1, ones, session=4), packet(SYNC, 1, 0, 1, 1, ones, session=9)))
+put("switch_aggregator", "async", datagrams(
+    *[packet(DELTA, 3, w, 0, c, [0.5] * (4 if c < 2 else 2), sequence=s, session=20 + w)
+      for s in (1, 2) for w in range(3) for c in range(3)],
+    packet(LEAVE, 3, 1, 0, 0, [], session=21), packet(DELTA, 3, 1, 0, 0, [1.0] * 4, sequence=1, session=99)))
+put("switch_aggregator", "malformed", datagrams(
+    b"GSW1", packet(SYNC, 9, 0, 0, 0, ones), packet(SYNC, 1, 7, 0, 0, ones), packet(SYNC, 1, 0, 1, 0, ones),
+    packet(DELTA, 3, 0, 0, 5, ones, sequence=1), packet(DELTA, 3, 0, 0, 0, ones, sequence=3),
+    packet(SYNC, 1, 0, 0, 0, ones)[:-2], packet(SYNC, 1, 0, 0, 0, ones) + b"xx", packet(RESULT, 1, 0, 0, 0, ones)))
+
+# switch_group: --group texts.
+for i, g in enumerate(["id=1,mode=sync,members=4,chunk=256,slots=128", "id=2,mode=async,members=4,elements=1000000",
+                       "mode=async,elements=5000,chunk=360,members=64,id=65535", "id=3", "members=0", "elements=4294967296"]):
+    put("switch_group", "group-%d" % i, g.encode())
+
+# ucx_header: 8 bytes of payload length, then a wire_header from rank 1 (source 0)
+# with the fuzzer's layout fingerprint.
+FP = 0x0123456789ABCDEF
+
+
+def wire(sender, payload, magic=0x31505347, version=1):
+    return struct.pack("<QIHHiIQdQQ", payload, magic, version, 0, sender, 0, 42, 0.5, payload, FP)
+
+
+put("ucx_header", "valid", wire(1, 4096))
+put("ucx_header", "small", wire(4, 16))
+put("ucx_header", "unknown-sender", wire(3, 16))
+put("ucx_header", "too-long", wire(2, 4100))
+
+# idx: a 16-bit length of the images file, the images file, the labels file.
+def idx_pair(n, rows, cols, gz=False):
+    images = struct.pack(">IIII", 0x803, n, rows, cols) + bytes((i * 37) % 256 for i in range(n * rows * cols))
+    labels = struct.pack(">II", 0x801, n) + bytes(i % 10 for i in range(n))
+    if gz:
+        images, labels = gzip.compress(images, mtime=0), gzip.compress(labels, mtime=0)
+    return struct.pack("<H", len(images)) + images + labels
+
+
+put("idx", "raw-3x4x5", idx_pair(3, 4, 5))
+put("idx", "gz-2x28x28", idx_pair(2, 28, 28, gz=True))
+put("idx", "empty", idx_pair(0, 1, 1))

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Crafted datagrams at a running gossip-switch-udp (plain sockets, 127.0.0.1).
+
+Every malformed or unwelcome packet (truncated, oversized, wrong magic,
+version, type, group, worker, element count, slot, chunk, mode, sequence,
+session, slot conflict) must be dropped and counted under its own reason, with
+the well-formed traffic around it still aggregated exactly: sync results are
+the exact sums, duplicates get the stored result again, async replies are the
+exact averages. The switch's --stats-json (written on SIGUSR1) must list
+exactly the expected drops.
+
+Usage: test_switch_udp_crafted.py PATH/TO/gossip-switch-udp
+"""
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+MAGIC, VERSION = 0x31575347, 2
+SYNC, RESULT, DELTA, REPLY, LEAVE = 1, 2, 3, 4, 5
+HDR = struct.Struct("<IBBBBHHHHIIII")
+
+
+def packet(type_, group, worker, values=(), slot=0, chunk=0, flags=0, sequence=0, session=0, elements=None,
+           magic=MAGIC, version=VERSION):
+    n = len(values) if elements is None else elements
+    return HDR.pack(magic, version, type_, flags, 0, group, worker, slot, n, chunk, 0, sequence, session) + \
+        struct.pack("<%df" % len(values), *values)
+
+
+def parse(data):
+    f = HDR.unpack_from(data)
+    n = f[8]
+    return {"type": f[2], "group": f[5], "worker": f[6], "chunk": f[9], "count": f[10], "session": f[12],
+            "values": list(struct.unpack_from("<%df" % n, data, HDR.size))}
+
+
+def free_port():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def main():
+    exe = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="gsw-crafted.")
+    stats = os.path.join(tmp, "stats.json")
+    port = free_port()
+    sw = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--stats-json", stats,
+                           "--group", "id=1,mode=sync,members=2,chunk=4,slots=2",
+                           "--group", "id=2,mode=async,members=2,chunk=4,elements=6"],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        line = sw.stderr.readline()
+        if "serving" not in line:
+            print("FAIL: gossip-switch-udp did not start: " + line)
+            return 1
+        addr = ("127.0.0.1", port)
+        w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+        for s in w:
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(5)
+        expected = {}
+
+        def drop(reason, data, sender=0):
+            w[sender].sendto(data, addr)
+            expected[reason] = expected.get(reason, 0) + 1
+
+        def reply(sender):
+            return parse(w[sender].recvfrom(4096)[0])
+
+        def quiet(sender):  # nothing more for this worker
+            w[sender].settimeout(0.3)
+            try:
+                w[sender].recvfrom(4096)
+                return False
+            except socket.timeout:
+                return True
+            finally:
+                w[sender].settimeout(5)
+
+        a = [0.5, 1.25, -2.0, 3.0]
+        b = [1.5, 0.25, 4.0, -1.0]
+        ab = [x + y for x, y in zip(a, b)]
+
+        # Sync all-reduce on chunk 0, malformed packets in between.
+        w[0].sendto(packet(SYNC, 1, 0, a, session=7), addr)
+        drop("too_short", b"GSW1\x02\x01")
+        drop("bad_magic", packet(SYNC, 1, 0, a, session=7, magic=0x31575348))
+        drop("bad_version", packet(SYNC, 1, 0, a, session=7, version=1))
+        drop("bad_type", packet(RESULT, 1, 0, a, session=7))
+        drop("unknown_group", packet(SYNC, 9, 0, a, session=7))
+        drop("bad_worker", packet(SYNC, 1, 2, a, session=7))
+        drop("bad_length", packet(SYNC, 1, 1, a, session=8)[:-4])  # truncated: header says 4 values, 3 follow
+        drop("bad_length", packet(SYNC, 1, 1, a, session=8) + b"\0\0\0\0")  # oversized by one value
+        drop("bad_length", packet(SYNC, 1, 1, a, session=8) + bytes(2000))  # larger than any packet
+        drop("bad_elements", packet(SYNC, 1, 1, a + [9.0], session=8))  # above the chunk size
+        drop("bad_elements", packet(SYNC, 1, 1, [], session=8))
+        drop("bad_slot", packet(SYNC, 1, 1, b, slot=1, chunk=0, session=8))  # slot != chunk % slots
+        drop("bad_slot", packet(SYNC, 1, 1, b, slot=3, chunk=3, session=8))  # slot out of range
+        drop("bad_slot", packet(SYNC, 1, 1, b, flags=2, session=8))
+        drop("wrong_mode", packet(DELTA, 1, 1, b, sequence=1, session=8))
+        w[1].sendto(packet(SYNC, 1, 1, b, session=8), addr)
+        r0, r1 = reply(0), reply(1)
+        check(r0["type"] == RESULT and r0["values"] == ab and r0["count"] == 2 and r0["session"] == 7,
+              "sync result to worker 0 is the exact sum, with its session")
+        check(r1["values"] == ab and r1["session"] == 8, "sync result to worker 1 is the exact sum, with its session")
+        w[0].sendto(packet(SYNC, 1, 0, a, session=7), addr)  # duplicate after completion: stored result again
+        check(reply(0)["values"] == ab and quiet(1), "a duplicate gets the stored result, to its sender only")
+
+        # Slot conflict: the shadow set of slot 0 now holds chunk 2 of worker 0; chunk 4 of worker 1 cannot use it.
+        w[0].sendto(packet(SYNC, 1, 0, a, chunk=2, slot=0, flags=1, sequence=1, session=7), addr)
+        drop("slot_conflict", packet(SYNC, 1, 1, b, chunk=4, slot=0, flags=1, sequence=1, session=8), sender=1)
+        w[1].sendto(packet(SYNC, 1, 1, b, chunk=2, slot=0, flags=1, sequence=1, session=8), addr)
+        check(reply(0)["values"] == ab and reply(1)["values"] == ab, "the slot's all-reduce completes exactly after the conflict")
+
+        # Async: 6 elements in chunks of 4 and 2.
+        d0 = [1.0, 2.0, 3.0, 4.0]
+        w[0].sendto(packet(DELTA, 2, 0, d0, sequence=1, session=100), addr)
+        r = reply(0)
+        check(r["type"] == REPLY and r["values"] == d0 and r["count"] == 1, "async reply after one member is its delta")
+        drop("bad_chunk", packet(DELTA, 2, 0, [1.0, 1.0], chunk=2, sequence=1, session=100))
+        drop("bad_elements", packet(DELTA, 2, 0, d0, chunk=1, sequence=1, session=100))  # chunk 1 holds 2 values
+        drop("bad_slot", packet(DELTA, 2, 0, d0, slot=1, sequence=2, session=100))
+        drop("sequence_gap", packet(DELTA, 2, 0, d0, sequence=0, session=100))
+        drop("sequence_gap", packet(DELTA, 2, 0, d0, sequence=3, session=100))
+        drop("stale_session", packet(DELTA, 2, 1, d0, sequence=2, session=200), sender=1)  # a new session must start at 1
+        drop("wrong_mode", packet(SYNC, 2, 0, d0, session=100))
+        w[0].sendto(packet(DELTA, 2, 0, d0, sequence=1, session=100), addr)  # duplicate: answered, not applied
+        check(reply(0)["values"] == d0, "an async duplicate is answered and not applied again")
+        d1 = [3.0, 0.0, -3.0, 2.0]
+        w[1].sendto(packet(DELTA, 2, 1, d1, sequence=1, session=200), addr)
+        avg = [(x + y) / 2 for x, y in zip(d0, d1)]
+        r = reply(1)
+        check(r["values"] == avg and r["count"] == 2, "async reply is the exact average of both members")
+        w[0].sendto(packet(LEAVE, 2, 0, session=100), addr)
+        r = reply(0)
+        check(r["type"] == REPLY and r["values"] == [] and r["count"] == 1, "a leave is answered with the members still joined")
+        drop("stale_session", packet(DELTA, 2, 0, d0, sequence=2, session=100))  # a late packet of the session that left
+        w[1].sendto(packet(DELTA, 2, 1, [0.0] * 4, sequence=2, session=200), addr)
+        r = reply(1)
+        check(r["values"] == d1 and r["count"] == 1, "after the leave S holds only the remaining member")
+
+        os.kill(sw.pid, signal.SIGUSR1)
+        deadline = time.time() + 10
+        while time.time() < deadline and not os.path.exists(stats):
+            time.sleep(0.05)
+        time.sleep(0.2)
+        s = json.load(open(stats))
+        got = {k: v for k, v in s["drops"].items() if v}
+        check(got == expected, "drops by reason: got %s, expected %s" % (sorted(got.items()), sorted(expected.items())))
+        check(s["accepted"] == 10, "accepted %d packets, expected 10" % s["accepted"])
+        check(s["deltas_applied"] == 3 and s["aggregations_completed"] == 2 and s["results_resent"] == 1,
+              "deltas_applied %d (3), aggregations_completed %d (2), results_resent %d (1)" %
+              (s["deltas_applied"], s["aggregations_completed"], s["results_resent"]))
+    finally:
+        sw.send_signal(signal.SIGTERM)
+        try:
+            sw.wait(10)
+        except subprocess.TimeoutExpired:
+            sw.kill()
+    print("PASS" if not failures else "FAILED: %d check(s)" % len(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
