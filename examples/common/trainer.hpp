@@ -369,10 +369,12 @@ class bootstrap_exchange final : public epoch_exchange {
     const std::vector<int>& dead = stats.dead_peers;
     if (rank != 0) {
       if (!publish(fmt::format("train/done/arrive/{}", rank), w, dead)) return;
-      // Bounded: rank 0 releases once every live rank has arrived.
+      // Bounded: rank 0 releases once every live rank has arrived, or after
+      // its own deadline for the missing ones; this wait outlasts that.
       try {
         m_boot->get("train/done/release",
-                    fmt::format("rank 0 (rendezvous {}) to release the end-of-training barrier; rank 0 may have died", m_boot->where()));
+                    fmt::format("rank 0 (rendezvous {}) to release the end-of-training barrier; rank 0 may have died", m_boot->where()),
+                    2 * m_boot->timeout() + std::chrono::duration<double>(5.0));
         m_boot->put(fmt::format("train/done/ack/{}", rank), {});
       } catch (const error& e) {
         fmt::print(stderr, "rank {}: leaving without rank 0's release: {}\n", rank, e.what());
