@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # bench/faults — the Fashion-MNIST example as UCX processes under gossip-run
 # --on-failure continue, with faults injected from outside:
-#   kill-1-of-4   kill -9 of rank 2 of 4 at 30 % of training
+#   kill-1-of-4   kill -9 of rank 2 of 4 at 30 % of training (the fault-free
+#                 run's training time, counted from rank 0's table header, plus
+#                 0.5 s for the UCX connect)
 #   kill-2-of-8   kill -9 of ranks 3 and 6 of 8 at 30 %
 #   sigstop-20s   SIGSTOP of rank 1 of 4 at 30 %, SIGCONT 20 s later
 #   loss-10pct    every rank in its own network namespace on a bridge, 10 % of
@@ -41,7 +43,16 @@ NS_PREFIX=gfault$$
 NS_MADE=()
 BG=()
 cleanup() {
-  for p in "${BG[@]}"; do kill -9 "$p" 2>/dev/null || true; done  # only what this script started, by PID
+  # Only what this script started, by PID: each `timeout` passes SIGTERM on to
+  # its gossip-run, which stops its ranks (SIGKILL after its grace period).
+  local p left
+  for p in "${BG[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 80); do
+    left=0
+    for p in "${BG[@]}"; do kill -0 "$p" 2>/dev/null && left=1; done
+    ((left)) || break
+    sleep 0.1
+  done
   for ns in "${NS_MADE[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
   ip link del "${NS_PREFIX}br" 2>/dev/null || true
   rm -rf "$TMP"
@@ -81,8 +92,9 @@ rank_pids() {
   local p r
   for p in $(pgrep -P "$gr"); do
     r=$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | sed -n 's/^GOSSIP_RANK=//p')
-    for want in "$@"; do [[ $r == "$want" ]] && echo "$p"; done
+    for want in "$@"; do if [[ $r == "$want" ]]; then echo "$p"; fi; done
   done
+  return 0
 }
 
 # run NAME WORLD FAULT AT_S [prefix command for each rank]
@@ -101,6 +113,9 @@ run_case() {
   BG+=("$tp")
   for _ in $(seq 1 100); do gr=$(pgrep -P "$tp" -x gossip-run || true); [[ -n $gr ]] && break; sleep 0.05; done
   if [[ $fault != none && -n $gr ]]; then
+    # Training starts when rank 0 prints the table header (data loaded); a
+    # rank killed before it has connected stops the start-up, not training.
+    for _ in $(seq 1 1200); do grep -q "epoch *loss" "$o.out" && break; sleep 0.05; done
     sleep "$at"
     local t0 victims
     case $fault in
@@ -119,7 +134,9 @@ run_case() {
       stop:*)
         local r=${fault#stop:}; local secs=${r#*:}; r=${r%%:*}
         local p; p=$(rank_pids "$gr" "$r")
-        kill -STOP "$p"; sleep "$secs"; kill -CONT "$p" ;;
+        if [[ -n $p ]]; then
+          kill -STOP "$p"; sleep "$secs"; kill -CONT "$p"
+        fi ;;
     esac
   fi
   local rc=0
@@ -160,7 +177,7 @@ NFT
 }
 loss_check() {  # a ping flood measures what is dropped (two directions: about 19 %)
   local got
-  got=$(ip netns exec "${NS_PREFIX}r0" ping -q -c 200 -i 0.005 -W 1 "$NET.2" 2>/dev/null | sed -n 's/.* \([0-9.]*\)% packet loss.*/\1/p')
+  got=$(ip netns exec "${NS_PREFIX}r0" ping -q -c 200 -i 0.01 -W 1 "$NET.2" 2>&1 | sed -n 's/.* \([0-9.]*\)% packet loss.*/\1/p')
   echo "${got:-?}"
 }
 
@@ -169,10 +186,9 @@ declare -A AT
 echo "  fault-free runs (4 and 8 ranks)..."
 run_case base4 4 none 0
 run_case base8 8 none 0
-read -r _ wall4 _ _ <"$TMP/base4.res"
-read -r _ wall8 _ _ <"$TMP/base8.res"
-AT[4]=$(awk -v w="$wall4" 'BEGIN{printf "%.1f", 0.3*w}')
-AT[8]=$(awk -v w="$wall8" 'BEGIN{printf "%.1f", 0.3*w}')
+train_s() { /usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["train_seconds"])' "$1" 2>/dev/null || echo 5; }
+AT[4]=$(awk -v w="$(train_s "$TMP/base4.json")" 'BEGIN{printf "%.1f", 0.3*w + 0.5}')
+AT[8]=$(awk -v w="$(train_s "$TMP/base8.json")" 'BEGIN{printf "%.1f", 0.3*w + 0.5}')
 echo "  kill -9 of rank 2 of 4 at ${AT[4]} s..."
 run_case kill-1-of-4 4 kill:2 "${AT[4]}"
 echo "  kill -9 of ranks 3 and 6 of 8 at ${AT[8]} s..."
