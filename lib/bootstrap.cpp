@@ -305,14 +305,25 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
     throw transport_error(
         fmt::format("bootstrap: rank {} cannot resolve the rendezvous address {} (GOSSIP_MASTER_ADDR): {}", m_rank, where(), err));
   std::string last = "no attempt";
+  // Rank 0 listens from its start until it exits: once it has answered, a
+  // refused connection means it has exited or died. A few retries cover a
+  // full backlog; then the wait ends at once instead of at the deadline.
+  const auto refused_since_limit = clock::now() + std::chrono::seconds(2);
+  const auto gone = [&] {
+    return fmt::format(
+        "bootstrap: rank {} cannot reach rank 0's rendezvous at {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT) any more: {}; rank 0 "
+        "answered before, so it has exited or died",
+        m_rank, where(), last);
+  };
   const auto describe = [&] {
     return fmt::format(
         "timed out after {:.1f} s waiting for rank 0's rendezvous at {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT), rank {} "
-        "connecting: {}; check that rank 0 is running and that the address and port are right",
+        "connecting: {}; check that rank 0 is running (it may have died) and that the address and port are right",
         m_timeout.count(), where(), m_rank, last);
   };
   for (unsigned attempt = 0;; ++attempt) {
     if (attempt > 0) {
+      if (m_contacted && last == std::strerror(ECONNREFUSED) && clock::now() >= refused_since_limit) throw transport_error(gone());
       if (clock::now() >= deadline) throw timeout_error(describe());
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));
     }
@@ -370,6 +381,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       if (recv_all(s.fd, out.data(), len, deadline) != io::ok)
         throw transport_error(fmt::format("bootstrap: rank {}: the reply from {} was cut short", m_rank, where()));
       found = head[4] == 'Y';
+      m_contacted = true;
       return out;
     }
   }

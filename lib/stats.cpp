@@ -65,7 +65,9 @@ std::string engine_stats::to_json(int indent) const {
                           {"bytes_received", p.bytes_received},
                           {"messages_received", p.messages_received},
                           {"dropped", p.dropped},
-                          {"dead", p.dead}});
+                          {"dead", p.dead},
+                          {"weight_sent", p.weight_sent},
+                          {"weight_unconfirmed", p.weight_unconfirmed}});
   j["tensors"] = nlohmann::json::array();
   for (const auto& t : tensors)
     j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
@@ -76,6 +78,15 @@ std::string engine_stats::to_json(int indent) const {
                              {"mean", consensus_steps ? consensus_sum / static_cast<double>(consensus_steps) : 0.0},
                              {"steps", consensus_steps}};
   j["sends_per_window"] = {{"window_steps", send_window_steps}, {"sends", sends_per_window}};
+  j["dead"] = nlohmann::json::array();
+  for (const auto& d : dead)
+    j["dead"].push_back({{"rank", d.rank},
+                         {"step", d.step},
+                         {"seconds", d.seconds},
+                         {"weight_refunded", d.weight_refunded},
+                         {"weight_unconfirmed", d.weight_unconfirmed},
+                         {"weight_estimate", d.weight_estimate}});
+  j["lost_weight"] = lost_weight;
   return j.dump(indent);
 }
 

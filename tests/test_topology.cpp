@@ -100,12 +100,26 @@ TEST_CASE("a dead peer is removed and the weights renormalised") {
     }
     CHECK(t.self_weight() == doctest::Approx(0.25));
   }
-  // A one-peer topology whose peer died falls back to the next live rank.
+  // A one-peer topology whose peer died falls back to the next live
+  // destination: a rank it is connected to (rank 0 of 8 sends to 1, 2 and 4).
   auto e = make("exponential", 0, 8);
   e.mark_dead(1);
   e.mark_dead(2);
-  CHECK(e.peers(0)[0].rank == 3);
+  CHECK(e.peers(0)[0].rank == 4);
   CHECK(e.peers(0)[0].weight == doctest::Approx(0.5));
+  for (std::uint64_t r = 0; r < 6; ++r) {
+    REQUIRE(e.peers(r).size() == 1);
+    CHECK(e.peers(r)[0].rank == 4);
+  }
+  // Rank 0 of 4 sends to 1 and 2 only; with 2 dead its stand-in is 1, never 3
+  // (a source of rank 0, which does not expect messages from it).
+  auto f = make("exponential", 0, 4);
+  f.mark_dead(2);
+  CHECK(f.peers(1)[0].rank == 1);
+  f.mark_dead(1);
+  CHECK(f.peers(0).empty());
+  CHECK(f.peers(1).empty());
+  CHECK(f.self_weight() == doctest::Approx(1.0));
   // Ring of 3 with one neighbour dead keeps the other.
   auto g = make("ring", 0, 3);
   g.mark_dead(1);

@@ -5,8 +5,13 @@
 // Each rank gets GOSSIP_RANK, GOSSIP_WORLD_SIZE, GOSSIP_MASTER_ADDR/PORT (a free
 // loopback port; rank 0 serves the rendezvous) and, with --config,
 // GOSSIP_CONFIG. Output lines are prefixed with the rank. SIGINT/SIGTERM are
-// forwarded. If a rank fails, the others get SIGTERM, then SIGKILL after the
-// grace period, and gossip-run exits non-zero naming the rank and its status.
+// forwarded. If a rank fails, by default (--on-failure abort) the others get
+// SIGTERM, then SIGKILL after the grace period, and gossip-run exits non-zero
+// naming the rank and its status. With --on-failure continue the others keep
+// running: a rank killed by a signal counts as dead, and gossip-run exits 0
+// when every other rank exits 0 (a rank that exits non-zero by itself is
+// still an error, and its status is gossip-run's). Either way the exit report
+// names every rank that did not finish, with its signal or exit status.
 // Under mpirun or srun, start the program directly: bootstrap reads their
 // variables instead.
 #include <arpa/inet.h>
@@ -17,6 +22,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -83,12 +89,17 @@ int main(int argc, char** argv) {
   std::string config, master_addr = "127.0.0.1";
   int master_port = 0;
   double grace = 5.0;
+  std::string on_failure = "abort";
   std::vector<std::string> command;
   app.add_option("-n,--ranks", n, "number of ranks to start")->required()->check(CLI::Range(1, 1024));
   app.add_option("--config", config, "config file, passed to every rank as GOSSIP_CONFIG")->check(CLI::ExistingFile);
   app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)");
   app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(CLI::Range(0, 65535));
   app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL");
+  app.add_option("--on-failure", on_failure,
+                 "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "
+                 "and name the dead ranks")
+      ->check(CLI::IsMember({"abort", "continue"}));
   app.add_option("command", command, "the program and its arguments (after --)")->required();
   app.allow_extras(false);
   CLI11_PARSE(app, argc, argv);
@@ -149,6 +160,7 @@ int main(int argc, char** argv) {
   }
 
   int failed_rank = -1, failed_status = 0, forwarded = 0;
+  const bool keep_going = on_failure == "continue";
   auto stop_at = std::chrono::steady_clock::time_point::max();
   auto stop_others = [&](int sig) {
     for (auto& k : kids)
@@ -202,7 +214,14 @@ int main(int argc, char** argv) {
           k.status = status;
           --running;
           const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-          if (!ok && failed_rank < 0 && !g_signal) {
+          if (!ok && keep_going && !g_signal) {
+            fmt::print(stderr, "gossip-run: rank {} (pid {}) ended with {}; the other ranks go on (--on-failure continue)\n", k.rank, pid,
+                       describe(status));
+            if (WIFEXITED(status) && failed_rank < 0) {  // an error, not a death
+              failed_rank = k.rank;
+              failed_status = status;
+            }
+          } else if (!ok && failed_rank < 0 && !g_signal) {
             failed_rank = k.rank;
             failed_status = status;
             fmt::print(stderr, "gossip-run: rank {} (pid {}) failed with {}; stopping the other ranks\n", k.rank, pid, describe(status));
@@ -221,6 +240,20 @@ int main(int argc, char** argv) {
     flush_lines(k.out_buf, k.rank, stdout, true);
     flush_lines(k.err_buf, k.rank, stderr, true);
   }
+  // The exit report: who finished, and who did not with how it ended.
+  std::string finished, lost;
+  std::size_t n_finished = 0;
+  for (const auto& k : kids) {
+    const bool ok = k.exited && WIFEXITED(k.status) && WEXITSTATUS(k.status) == 0;
+    if (ok && ++n_finished)
+      finished += fmt::format("{}{}", finished.empty() ? "" : ", ", k.rank);
+    else
+      lost += fmt::format("{}rank {} (pid {}, {})", lost.empty() ? "" : "; ", k.rank, k.pid, k.exited ? describe(k.status) : "still running");
+  }
+  if (!lost.empty())
+    fmt::print(stderr, "gossip-run: {} of {} ranks finished ({}); did not finish: {}\n", n_finished,
+               kids.size(), finished.empty() ? "none" : "ranks " + finished, lost);
+  if (keep_going && failed_rank < 0 && !g_signal) return finished.empty() ? 1 : 0;
   if (failed_rank >= 0) {
     fmt::print(stderr, "gossip-run: failed: rank {} ended with {}\n", failed_rank, describe(failed_status));
     return WIFEXITED(failed_status) ? WEXITSTATUS(failed_status) : 128 + WTERMSIG(failed_status);

@@ -74,6 +74,11 @@ int main(int argc, char** argv) {
                "{} of {} steps sent, {:.1f} s training\n",
                100 * report.accuracy, 100 * report.local_accuracy_mean, report.bytes_sent / 1e6, report.messages, report.sends,
                report.steps, report.train_seconds);
+    for (const auto& d : report.dead)
+      fmt::print("dead: rank {} (host {}), last model at epoch {}: {}\n", d.rank, d.host, d.last_epoch, d.reason);
+    if (!report.dead.empty())
+      fmt::print("{} of {} ranks finished; push-sum weight lost with the dead: {:.4f} of {} (survivors' own estimate {:.4f})\n",
+                 report.survivors, settings.workers, report.lost_weight, settings.workers, report.lost_weight_estimate);
     if (!json_path.empty()) {
       nlohmann::json j;
       j["accuracy"] = report.accuracy;
@@ -84,6 +89,14 @@ int main(int argc, char** argv) {
       j["steps"] = report.steps;
       j["train_seconds"] = report.train_seconds;
       if (!report.timeline.empty()) j["timeline"] = examples::to_json(report.timeline);
+      j["survivors"] = report.survivors;
+      j["lost_weight"] = report.lost_weight;
+      j["lost_weight_estimate"] = report.lost_weight_estimate;
+      j["dead_ranks"] = nlohmann::json::array();
+      for (const auto& d : report.dead)
+        j["dead_ranks"].push_back({{"rank", d.rank}, {"host", d.host}, {"last_epoch", d.last_epoch}, {"reason", d.reason}});
+      j["epochs"] = nlohmann::json::array();
+      for (const auto& e : report.epochs) j["epochs"].push_back({{"epoch", e.epoch}, {"accuracy", e.accuracy}, {"loss", e.train_loss}});
       j["ranks"] = nlohmann::json::array();
       for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
       std::ofstream(json_path) << j.dump(2) << '\n';

@@ -86,6 +86,7 @@ class bootstrap {
   std::uint16_t m_port = 0;
   std::chrono::duration<double> m_timeout{60.0};
   std::uint64_t m_generation = 0;
+  bool m_contacted = false;          // rank 0 has answered once: a refusal now means it is gone
   std::unique_ptr<server> m_server;  // rank 0 only
 };
 

@@ -147,6 +147,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   for (const auto& n : m_tensor_names) m_stats.tensors.push_back(tensor_stats{.name = n});
   m_stats.dead_peers.reserve(static_cast<std::size_t>(world));
   m_stats.sends_per_window.reserve(send_window_capacity);
+  m_stats.dead.reserve(static_cast<std::size_t>(world));
 
   transport_setup setup;
   setup.rank = rank;
@@ -167,15 +168,48 @@ inline engine::~engine() {
   if (m_transport) m_transport.leave();
 }
 
+// A peer the transport found dead leaves the topology (so peers() never
+// names it, and a round whose targets all died falls back to a live
+// destination) and the protocol. Push-sum mass: shares the transport failed
+// to deliver to it are taken back (exact: as if they had never been sent);
+// shares it received but may not have merged, and its own weight, are lost
+// and recorded as estimates. Survivors do not rescale their weights: z =
+// x/w is what the model holds and is unchanged by the loss; each survivor's
+// model stays a convex combination of models, and the network estimate
+// Σ w·z / Σ w over survivors stays an average. Rescaling w on each rank on its
+// own, at different times, would change the relative weights of the survivors
+// and bias that average. Allocation-free: the lists are reserved for world entries.
 inline void engine::handle_failures() {
   // m_received doubles as the scratch list of newly dead ranks.
   const std::size_t n = m_transport.dead_peers(m_received);
   for (std::size_t i = 0; i < n; ++i) {
     const int r = m_received[i].sender;
+    if (r < 0 || r >= m_world || !m_topology.alive(r)) continue;
     m_topology.mark_dead(r);
     m_protocol.forget(r);
-    if (const int k = m_peer_index[static_cast<std::size_t>(r)]; k >= 0) m_stats.peers[static_cast<std::size_t>(k)].dead = true;
-    m_stats.dead_peers.push_back(r);  // capacity reserved for world entries
+    if (m_received[i].departed) {  // it finished and left: nothing is lost, only undelivered shares come back
+      if (m_protocol.type() == protocol::kind::push_sum && m_received[i].weight > 0) m_protocol.refund(m_received[i].weight);
+      continue;
+    }
+    dead_peer d{.rank = r, .step = m_step, .seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - m_start).count()};
+    const double refund = m_received[i].weight;
+    if (m_protocol.type() == protocol::kind::push_sum && refund > 0 && std::isfinite(refund)) {
+      m_protocol.refund(refund);
+      d.weight_refunded = refund;
+    }
+    if (const int k = m_peer_index[static_cast<std::size_t>(r)]; k >= 0) {
+      auto& p = m_stats.peers[static_cast<std::size_t>(k)];
+      p.dead = true;
+      const bool sends_here = std::find(m_topology.sources().begin(), m_topology.sources().end(), r) != m_topology.sources().end();
+      const double delivered = std::max(0.0, p.weight_unconfirmed - d.weight_refunded);
+      // A peer that never sends here: only the last share can be assumed
+      // unmerged, unless that one failed (the failures are the latest sends).
+      d.weight_unconfirmed = sends_here ? delivered : std::min(delivered, std::max(0.0, p.last_weight_sent - d.weight_refunded));
+      d.weight_estimate = p.last_weight_received;
+    }
+    m_stats.lost_weight += d.weight_unconfirmed;
+    m_stats.dead_peers.push_back(r);
+    m_stats.dead.push_back(d);
   }
 }
 
@@ -302,6 +336,11 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
           ++sent_to;
           ps.bytes_sent += msg.size();
           ++ps.messages_sent;
+          if (m_protocol.type() == protocol::kind::push_sum) {
+            ps.weight_sent += h.weight;
+            ps.weight_unconfirmed += h.weight;
+            ps.last_weight_sent = h.weight;
+          }
         } else {
           m_protocol.refund(h.weight);  // the share never left: keep push-sum mass
           ++ps.dropped;
@@ -447,7 +486,9 @@ inline void engine::wait_for_buffer(int i) {
         poll();
         return false;
       },
-      m_settings.timeout, [&] { return fmt::format("rank {}'s send buffer {} to be released by the transport", m_rank, i); });
+      m_settings.timeout, [&] {
+        return fmt::format("rank {}'s send buffer {} to be released by the transport (waiting on {})", m_rank, i, m_transport.waiting_on());
+      });
 }
 
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
@@ -462,6 +503,10 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
       auto& p = m_stats.peers[static_cast<std::size_t>(k)];
       p.bytes_received += sizeof(wire_header) + m_received[i].elements * sizeof(float);
       ++p.messages_received;
+      if (m_protocol.type() == protocol::kind::push_sum) {
+        p.weight_unconfirmed = 0;  // it was alive after our earlier shares reached it
+        p.last_weight_received = m_received[i].weight;
+      }
     }
   }
   m_transport.release(t);
@@ -503,7 +548,10 @@ inline void engine::finish(int rounds) {
         poll();
         return false;
       },
-      m_settings.timeout, [&] { return fmt::format("rank {} to receive every message its peers sent before it leaves", m_rank); });
+      m_settings.timeout, [&] {
+        return fmt::format("rank {} to receive every message its peers sent before it leaves (waiting on {})", m_rank,
+                           m_transport.waiting_on());
+      });
   handle_failures();  // a peer found dead while draining is reported in the stats too
   m_finished = true;
   m_transport.leave();

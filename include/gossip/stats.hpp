@@ -16,6 +16,29 @@ struct peer_stats {
   int rank = -1;
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   bool dead = false;
+  // Push-sum mass (zero for other protocols).
+  double weight_sent = 0;          ///< shares posted to this peer
+  double weight_unconfirmed = 0;   ///< of which posted after the last message merged from it
+  double last_weight_sent = 0;     ///< share on the last message posted to it
+  double last_weight_received = 0; ///< share on the last message merged from it
+};
+
+/// A peer found dead, as this rank saw it (see engine::handle_failures).
+struct dead_peer {
+  int rank = -1;
+  std::uint64_t step = 0;       ///< this rank's step when the failure was reported
+  double seconds = 0;           ///< since the engine was built
+  /// Push-sum shares posted to it that the transport failed to deliver: taken
+  /// back by this rank, so not lost (exact).
+  double weight_refunded = 0;
+  /// Shares delivered to it that it may not have merged before it died: those
+  /// posted after the last message merged from it or, for a peer that never
+  /// sends here, the last one (an estimate). Lost with it.
+  double weight_unconfirmed = 0;
+  /// Its own weight, estimated from its last message here: with uniform
+  /// mixing weights a sender keeps exactly the share it ships to each target.
+  /// Lost with it; several survivors may estimate the same mass.
+  double weight_estimate = 0;
 };
 
 struct tensor_stats {
@@ -42,6 +65,12 @@ struct engine_stats {
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;
   std::vector<int> dead_peers;
+  std::vector<dead_peer> dead;    ///< the same peers, with what was lost with them
+  /// Push-sum mass this rank sent to peers that died and that is lost with
+  /// them: Σ over `dead` of weight_unconfirmed (an estimate). The exact loss of
+  /// a run is world − Σ survivors' weights once every survivor has drained
+  /// (examples/common/trainer.hpp reports it).
+  double lost_weight = 0;
 
   // Instruments: how sending is spread over training, and how far apart the models are.
   double lr_at_send_sum = 0;       ///< Σ learning rate reported at the steps that sent

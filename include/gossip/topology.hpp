@@ -189,6 +189,8 @@ class topology {
       throw config_error(fmt::format("topology '{}': rank {} is outside the world of {} ranks", m_name, rank, world));
     m_sources = m_self->sources();
     m_destinations = m_self->destinations();
+    std::sort(m_destinations.begin(), m_destinations.end());
+    m_destinations.erase(std::unique(m_destinations.begin(), m_destinations.end()), m_destinations.end());
     for (const auto* list : {&m_sources, &m_destinations})
       for (int s : *list)
         if (s < 0 || s >= world || s == rank)
@@ -198,17 +200,23 @@ class topology {
   topology& operator=(topology&&) noexcept = default;
 
   /// Live targets at `round` with their weights. Allocation-free. When every
-  /// target of the round is dead, the next live rank after the first target
-  /// (in rank order) takes its place so one-peer topologies keep mixing.
+  /// target of the round is dead, the next live rank among destinations()
+  /// after the first target (cyclically, in rank order) takes its place, so
+  /// one-peer topologies keep mixing. The stand-in is always a destination:
+  /// a rank the transport connected to and that expects messages from this
+  /// one. When every destination is dead the list is empty.
   std::span<const peer> peers(std::uint64_t round) noexcept {
     const std::size_t n = m_self->targets(round, m_raw);
     std::size_t live = 0;
     for (std::size_t i = 0; i < n; ++i)
       if (m_alive[static_cast<std::size_t>(m_raw[i])]) m_peers[live++].rank = m_raw[i];
-    if (live == 0 && n > 0) {
-      for (int k = 1; k < m_world; ++k) {
-        int cand = (m_raw[0] + k) % m_world;
-        if (cand != m_rank && m_alive[static_cast<std::size_t>(cand)]) {
+    if (live == 0 && n > 0 && !m_destinations.empty()) {
+      // m_destinations is sorted: start at the first one after m_raw[0].
+      const auto first = std::upper_bound(m_destinations.begin(), m_destinations.end(), m_raw[0]) - m_destinations.begin();
+      const std::size_t d = m_destinations.size();
+      for (std::size_t k = 0; k < d; ++k) {
+        const int cand = m_destinations[(static_cast<std::size_t>(first) + k) % d];
+        if (m_alive[static_cast<std::size_t>(cand)]) {
           m_peers[live++].rank = cand;
           break;
         }
@@ -227,6 +235,7 @@ class topology {
   /// Every rank this one may ever send to.
   const std::vector<int>& destinations() const noexcept { return m_destinations; }
 
+  /// Removes `r` from every later peers() answer (idempotent).
   void mark_dead(int r) noexcept {
     if (r >= 0 && r < m_world) m_alive[static_cast<std::size_t>(r)] = 0;
   }

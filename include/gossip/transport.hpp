@@ -48,13 +48,15 @@ struct wire_header {
 };
 static_assert(sizeof(wire_header) == 48);
 
-/// One received message: points into an engine-owned inbox slot.
+/// One received message: points into an engine-owned inbox slot. (Also the
+/// entry type of dead_peers(), which uses sender, weight and departed.)
 struct received {
   int sender = -1;
   std::uint64_t step = 0;
   double weight = 0;
   const float* data = nullptr;
   std::size_t elements = 0;
+  bool departed = false;  ///< dead_peers(): the rank left on purpose after its drain handshake; not a failure
 };
 
 /// Engine-owned receive buffers: `depth` slots per source rank.
@@ -137,7 +139,11 @@ concept transport = requires(T& t, const transport_setup& s, int peer, std::span
   { t.flush(d) };
   { t.leave() };
   { t.capabilities() } -> std::same_as<transport_capabilities>;
-  { t.dead_peers(out) };  // ranks detected dead since the last call (received::sender used)
+  // Ranks detected dead since the last call: received::sender is the rank,
+  // received::weight the protocol weight stamped on messages to it that were
+  // never delivered (the engine takes that share back), 0 when not known;
+  // received::departed when it said goodbye before going (not a failure).
+  { t.dead_peers(out) };
   { t.counters() } -> std::same_as<transport_counters>;
 };
 
@@ -164,6 +170,10 @@ class any_transport {
   /// Whether every message peers sent us has been consumed. Transports that
   /// deliver in lockstep (or have no such handshake) are always drained.
   bool drained() { return m_self->drained(); }
+  /// The peers this rank still waits for, each named by rank (and host where
+  /// the transport knows it), for timeout messages; "" when the transport
+  /// cannot say.
+  std::string waiting_on() const { return m_self->waiting_on(); }
 
  private:
   struct concept_t {
@@ -180,6 +190,7 @@ class any_transport {
     virtual std::size_t dead_peers(std::span<received>) = 0;
     virtual transport_counters counters() const = 0;
     virtual bool drained() = 0;
+    virtual std::string waiting_on() const = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -200,6 +211,12 @@ class any_transport {
         return m_t.drained();
       else
         return true;
+    }
+    std::string waiting_on() const override {
+      if constexpr (requires { m_t.waiting_on(); })
+        return m_t.waiting_on();
+      else
+        return {};
     }
     T m_t;
   };

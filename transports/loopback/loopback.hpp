@@ -216,7 +216,7 @@ class loopback_transport {
       if (m_reported[static_cast<std::size_t>(j)] || !peer(j).departed.load(std::memory_order_acquire)) continue;
       if (n == out.size()) break;
       m_reported[static_cast<std::size_t>(j)] = 1;
-      out[n++].sender = j;
+      out[n++] = received{.sender = j};  // weight 0: nothing to take back
     }
     return n;
   }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -24,6 +25,7 @@ namespace gossip {
 namespace {
 
 constexpr unsigned am_id = 0x47;                  // "G"
+constexpr unsigned bye_id = 0x48;                 // a rank leaving on purpose: header = its rank
 constexpr std::uint32_t blob_magic = 0x58435547;  // "GUCX"
 constexpr std::size_t max_buffers = 64;           // distinct send buffers tracked by busy()
 constexpr std::size_t queue_capacity = 1024;
@@ -77,9 +79,16 @@ struct peer_blob {
   std::vector<int> sources, targets;
   model_layout layout;
   std::vector<std::byte> address;
+  std::string host;
 };
 
-bootstrap::blob encode(const transport_setup& s, const void* address, std::size_t address_len) {
+std::string host_name() {
+  char h[256] = {};
+  if (::gethostname(h, sizeof h - 1) != 0 || !h[0]) return "?";
+  return h;
+}
+
+bootstrap::blob encode(const transport_setup& s, const void* address, std::size_t address_len, const std::string& host) {
   writer w;
   w.pod(blob_magic);
   w.pod<std::int32_t>(s.rank);
@@ -96,6 +105,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
     w.pod(static_cast<std::uint8_t>(e.dtype));
   }
   w.bytes(address, address_len);
+  w.bytes(host.data(), host.size());
   return std::move(w.b);
 }
 
@@ -126,6 +136,8 @@ std::optional<peer_blob> decode(const bootstrap::blob& b) {
     p.layout.push_back(std::move(e));
   }
   p.address = r.bytes();
+  const auto host = r.bytes();
+  p.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
   if (!r.ok) return std::nullopt;
   return p;
 }
@@ -160,10 +172,19 @@ struct ucx_transport::impl {
   struct peer_state {
     int rank = -1;
     bool target = false;
+    std::string name;       // "rank J (host H)", for messages; set by attach
     ucp_ep_h ep = nullptr;  // progress thread after attach
     std::atomic<bool> dead{false};
+    // It said goodbye (left after its drain handshake): its endpoint closing
+    // later is a departure, not a death, and is neither reported nor logged.
+    std::atomic<bool> departed{false};
+    std::atomic<int> why{UCS_OK};  // the error that marked it dead, when UCX gave one
     std::atomic<int> inflight{0};  // sends posted and not completed
+    // Protocol weight stamped on sends to it that failed (written by the
+    // progress thread before it decrements inflight; read once inflight is 0).
+    std::atomic<double> failed_weight{0};
     bool reported = false;         // engine thread
+    std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
     std::uint64_t posted = 0;      // engine thread: messages accepted by post()
     bool closing = false;          // progress thread
     std::array<send_ctx, max_buffers> ctx{};
@@ -206,6 +227,7 @@ struct ucx_transport::impl {
   std::shared_ptr<gossip::bootstrap> boot;
   ucx_options opt;
   transport_setup setup;
+  std::string self_name;  // "rank R (host H)"
   bool attached = false, left = false;
 
   ucp_context_h context = nullptr;
@@ -228,7 +250,8 @@ struct ucx_transport::impl {
   // unkeepable eager data). Written by the progress thread, read by drained().
   std::unique_ptr<std::atomic<std::uint64_t>[]> discarded;
   std::uint64_t generation = 0;
-  bool drain_published = false;
+  bool drain_published = false, rendezvous_gone = false;
+  bool finishing = false;  // engine::finish reached the drain handshake: leaving is a departure
 
   ~impl() { teardown_now(); }
 
@@ -291,6 +314,11 @@ struct ucx_transport::impl {
     hp.arg = this;
     if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
       throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+    hp.id = bye_id;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    hp.cb = &impl::on_bye;
+    if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+      throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
   }
 
   void attach(const transport_setup& s) {
@@ -337,7 +365,9 @@ struct ucx_transport::impl {
     std::size_t addr_len = 0;
     if (auto st = ucp_worker_get_address(worker, &addr, &addr_len); st != UCS_OK)
       throw transport_error(fmt::format("ucx (rank {}): cannot get the worker address: {}", s.rank, status_text(st)));
-    const auto blob = encode(s, addr, addr_len);
+    const std::string host = host_name();
+    self_name = fmt::format("rank {} (host {})", s.rank, host);
+    const auto blob = encode(s, addr, addr_len, host);
     ucp_worker_release_address(worker, addr);
 
     const std::uint64_t gen = boot->next_generation();
@@ -348,24 +378,27 @@ struct ucx_transport::impl {
                                fmt::format("rank {} to publish its UCX address (rank {} connecting)", j, s.rank), s.timeout);
       const auto pb = decode(b);
       if (!pb || pb->rank != j)
-        throw transport_error(fmt::format("ucx (rank {}): the rendezvous entry of rank {} is not a libgossip UCX address", s.rank, j));
+        throw transport_error(fmt::format("ucx (rank {}): the rendezvous entry of rank {} is not a libgossip UCX address; are all ranks "
+                                          "built from the same libgossip version?",
+                                          s.rank, j));
+      auto& p = *peers[static_cast<std::size_t>(j)];
+      p.name = fmt::format("rank {} (host {})", j, pb->host);
       if (pb->world != s.world)
         throw config_error(
-            fmt::format("ucx: rank {} was started in a world of {} ranks but rank {} in a world of {}", s.rank, s.world, j, pb->world));
+            fmt::format("ucx: {} was started in a world of {} ranks but {} in a world of {}", self_name, s.world, p.name, pb->world));
       check_layouts(s.layout, s.rank, pb->layout, j);
       if (pb->config_fp != s.config_fingerprint)
         throw config_error(
-            fmt::format("rank {} and rank {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
+            fmt::format("{} and {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
                         "give every rank the same config file",
-                        s.rank, j, s.config_fingerprint, pb->config_fp));
+                        self_name, p.name, s.config_fingerprint, pb->config_fp));
       if (contains(s.targets, j) && !contains(pb->sources, s.rank))
         throw config_error(
-            fmt::format("rank {} may send to rank {}, but rank {} does not expect messages from it; every rank must use the same topology",
-                        s.rank, j, j));
+            fmt::format("{} may send to {}, but rank {} does not expect messages from it; every rank must use the same topology",
+                        self_name, p.name, j));
       GOSSIP_ASSERT(pb->message_bytes == s.message_bytes, "ucx: ranks {} and {} have equal layouts but message sizes {} and {}", s.rank, j,
                     s.message_bytes, pb->message_bytes);
 
-      auto& p = *peers[static_cast<std::size_t>(j)];
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep.address = reinterpret_cast<const ucp_address_t*>(pb->address.data());
@@ -375,9 +408,9 @@ struct ucx_transport::impl {
       if (auto st = ucp_ep_create(worker, &ep, &p.ep); st != UCS_OK) {
         p.ep = nullptr;
         throw transport_error(
-            fmt::format("ucx (rank {}): cannot reach rank {}: {}; check that UCX_TLS / UCX_NET_DEVICES offer a transport "
+            fmt::format("ucx ({}): cannot reach {}: {}; check that UCX_TLS / UCX_NET_DEVICES offer a transport "
                         "both ranks share (with error handling: UCX_POSIX_ERROR_HANDLING=y for posix)",
-                        s.rank, j, status_text(st)));
+                        self_name, p.name, status_text(st)));
       }
     }
     thread = std::thread([this] { run(); });
@@ -451,6 +484,21 @@ struct ucx_transport::impl {
   // inside UCX). The engine keeps merging while it waits, so nothing a peer
   // sent before it left is stranded in a slot or a held rendezvous.
   bool drained() {
+    finishing = true;
+    if (rendezvous_gone) return true;
+    try {
+      return drained_through_rendezvous();
+    } catch (const error& e) {
+      // Rank 0 is gone: no peer can publish or read drain counts any more.
+      // Leave with what has been merged; messages still on their way are lost.
+      rendezvous_gone = true;
+      std::fprintf(stderr, "libgossip ucx (%s): leaving without the drain handshake, messages still in flight to this rank are lost: %s\n",
+                   self_name.c_str(), e.what());
+      return true;
+    }
+  }
+
+  bool drained_through_rendezvous() {
     if (!drain_published) {
       bootstrap::blob b(static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t));
       for (int j : neighbours)
@@ -469,7 +517,7 @@ struct ucx_transport::impl {
         const auto b = boot->try_get(fmt::format("gossip/ucx/{}/drain/{}", generation, src.rank));
         if (!b) return false;
         if (b->size() != static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t))
-          throw transport_error(fmt::format("ucx (rank {}): rank {}'s drain record has {} bytes, expected {}", setup.rank, src.rank, b->size(),
+          throw transport_error(fmt::format("ucx ({}): {}'s drain record has {} bytes, expected {}", self_name, p->name, b->size(),
                                             static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t)));
         std::memcpy(&src.expected, b->data() + static_cast<std::size_t>(setup.rank) * sizeof src.expected, sizeof src.expected);
       }
@@ -482,8 +530,27 @@ struct ucx_transport::impl {
     std::string who;
     for (int j : neighbours)
       if (const int k = peer(j)->inflight.load(); k > 0)
-        who += fmt::format("{}rank {} ({} send{})", who.empty() ? "" : ", ", j, k, k == 1 ? "" : "s");
+        who += fmt::format("{}{}: {} send{}", who.empty() ? "" : ", ", peer(j)->name, k, k == 1 ? "" : "s");
     return who.empty() ? "the progress thread to pick up queued sends" : who;
+  }
+
+  // What this rank still waits for, naming each peer and its host.
+  std::string waiting_on() const {
+    std::string who;
+    for (int j : neighbours)
+      if (const int k = peer(j)->inflight.load(); k > 0)
+        who += fmt::format("{}{}: {} send{} in flight", who.empty() ? "" : "; ", peer(j)->name, k, k == 1 ? "" : "s");
+    for (std::size_t i = 0; i < sources.size(); ++i) {
+      const auto& src = sources[i];
+      const peer_state* p = peer(src.rank);
+      if (!drain_published || (p && p->dead.load())) continue;
+      if (src.expected == ~0ull)
+        who += fmt::format("{}{}: has not said how many messages it sent (it has not reached finish(), or it hangs)",
+                           who.empty() ? "" : "; ", p->name);
+      else if (const auto got = src.consumed + discarded[i].load(); got < src.expected)
+        who += fmt::format("{}{}: {} of {} messages received", who.empty() ? "" : "; ", p->name, got, src.expected);
+    }
+    return who.empty() ? "no peer" : who;
   }
 
   void flush(std::chrono::duration<double> timeout) {
@@ -529,22 +596,31 @@ struct ucx_transport::impl {
     }
   }
 
+  // A dead peer is reported once its sends have all completed (UCX fails them
+  // when the endpoint closes), so that the weight of the ones that never
+  // arrived is known: received::weight carries it, for the engine to take
+  // back. After 2 s it is reported regardless, with what has failed so far.
   std::size_t dead_peers(std::span<received> out) {
     std::size_t n = 0;
+    const auto now = std::chrono::steady_clock::now();
     for (int j : neighbours) {
       auto& p = *peer(j);
       if (p.reported || !p.dead.load(std::memory_order_acquire)) continue;
+      if (p.dead_seen == std::chrono::steady_clock::time_point{}) p.dead_seen = now;
+      if (p.inflight.load(std::memory_order_acquire) > 0 && now - p.dead_seen < std::chrono::seconds(2)) continue;
       if (n == out.size()) break;
       p.reported = true;
-      out[n++].sender = j;
+      out[n++] = received{.sender = j, .weight = p.failed_weight.load(std::memory_order_relaxed), .departed = p.departed.load(std::memory_order_acquire)};
     }
     return n;
   }
 
   // ---- progress thread (and UCX callbacks, which run inside it) -----------
 
-  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t) {
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* p = static_cast<peer_state*>(arg);
+    int expected = UCS_OK;
+    p->why.compare_exchange_strong(expected, static_cast<int>(status), std::memory_order_relaxed);
     p->dead.store(true, std::memory_order_release);
   }
 
@@ -560,7 +636,18 @@ struct ucx_transport::impl {
       bytes_sent.fetch_add(length, std::memory_order_relaxed);
     } else {
       dropped.fetch_add(1, std::memory_order_relaxed);
-      if (peer_state* p = peer(to); p && status != UCS_ERR_CANCELED) p->dead.store(true, std::memory_order_release);
+      if (peer_state* p = peer(to)) {
+        // The buffer stays untouched until inflight drops below: its header
+        // says what share of push-sum mass never arrived.
+        wire_header h;
+        std::memcpy(&h, buffers[static_cast<std::size_t>(entry)].ptr, sizeof h);
+        p->failed_weight.store(p->failed_weight.load(std::memory_order_relaxed) + h.weight, std::memory_order_relaxed);
+        if (status != UCS_ERR_CANCELED) {
+          int expected = UCS_OK;
+          p->why.compare_exchange_strong(expected, static_cast<int>(status), std::memory_order_relaxed);
+          p->dead.store(true, std::memory_order_release);
+        }
+      }
     }
     buffers[static_cast<std::size_t>(entry)].inflight.fetch_sub(1, std::memory_order_acq_rel);
     if (peer_state* p = peer(to)) p->inflight.fetch_sub(1, std::memory_order_acq_rel);
@@ -594,6 +681,14 @@ struct ucx_transport::impl {
       else if (UCS_PTR_IS_ERR(r))
         send_done(op.peer, op.entry, UCS_PTR_STATUS(r), op.length);
     }
+  }
+
+  static ucs_status_t on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*) {
+    auto* self = static_cast<impl*>(arg);
+    std::int32_t from = -1;
+    if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+    if (peer_state* p = self->peer(from)) p->departed.store(true, std::memory_order_release);
+    return UCS_OK;
   }
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
@@ -706,6 +801,12 @@ struct ucx_transport::impl {
       auto& p = *peer(j);
       if (p.ep && !p.closing && p.dead.load(std::memory_order_acquire)) {
         p.closing = true;
+        // Once per peer, outside the step path: who failed, where, and what happens now.
+        if (!p.departed.load(std::memory_order_acquire))
+          std::fprintf(stderr,
+                     "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
+                     "without it\n",
+                     self_name.c_str(), p.name.c_str(), p.why.load(std::memory_order_relaxed) == UCS_OK ? "declared dead" : status_text(static_cast<ucs_status_t>(p.why.load(std::memory_order_relaxed))).c_str());
         ucp_request_param_t rp{};
         rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
         rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -784,6 +885,20 @@ struct ucx_transport::impl {
         if (rc.request) ucp_request_cancel(worker, rc.request);
     }
     std::vector<void*> closing;
+    // Goodbye first, on the same endpoints: the graceful close below flushes
+    // it, and the peers then know this rank left rather than died. Only after
+    // the drain handshake (engine::finish): a rank torn down by an error is
+    // seen as failed.
+    const std::int32_t me = setup.rank;
+    for (int j : neighbours) {
+      auto& p = *peer(j);
+      if (!finishing || !p.ep || p.dead.load()) continue;
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, bye_id, &me, sizeof me, nullptr, 0, &rp);
+      if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+    }
     for (int j : neighbours) {
       auto& p = *peer(j);
       if (!p.ep) continue;
@@ -844,6 +959,7 @@ transport_capabilities ucx_transport::capabilities() const noexcept {
   return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .name = "ucx"};
 }
 bool ucx_transport::drained() { return m->drained(); }
+std::string ucx_transport::waiting_on() const { return m->attached ? m->waiting_on() : std::string("no peer (not attached)"); }
 std::size_t ucx_transport::dead_peers(std::span<received> out) { return m->dead_peers(out); }
 transport_counters ucx_transport::counters() const noexcept {
   return {m->bytes_sent.load(), m->messages_sent.load(), m->bytes_received.load(), m->messages_received.load(), m->dropped.load()};

@@ -39,7 +39,8 @@
 /// `backlog` messages per source; when that overflows too, the oldest is
 /// dropped and counted in counters().dropped.
 ///
-/// Peer failure. tcp sees a killed peer as a reset connection; shared memory
+/// Peer failure. A failed peer is reported once by dead_peers() and logged
+/// once on stderr as "rank J (host H)" with UCX's reason. tcp sees a killed peer as a reset connection; shared memory
 /// only through UCX keepalive, whose interval this transport sets to
 /// `keepalive_s` unless UCX_KEEPALIVE_INTERVAL is set. Error handling on the
 /// posix/sysv transports is off by default in UCX 1.13
@@ -87,6 +88,9 @@ class ucx_transport {
   std::size_t dead_peers(std::span<received> out);
   /// True once every live source's messages have been consumed (see engine::finish).
   bool drained();
+  /// The peers this rank still waits for (sends in flight, drain counts), each
+  /// as "rank J (host H)", for timeout messages.
+  std::string waiting_on() const;
   transport_counters counters() const noexcept;
 
   /// The UCX transports the worker selected, e.g. for a log line ("" before attach).
