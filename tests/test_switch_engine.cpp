@@ -235,4 +235,5 @@ TEST_CASE("switch transport refuses a config that does not pair with it") {
   CHECK(gossip::switch_mode("auto", "periodic") == "sync");
   CHECK(gossip::switch_mode("auto", "drift-lr") == "async");
   CHECK(gossip::switch_mode("sync", "drift") == "sync");
+  CHECK(gossip::switch_mode("auto", "periodic", /*staggered=*/true) == "async");
 }

@@ -609,11 +609,14 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
     if (last) mine.stats_json = st.to_json(-1);
     mine.dead = st.dead_peers;
     mine.lost_weight = st.lost_weight;
-    const auto all = exchange.gather(r, epoch, std::move(mine), [&] {
+    auto all = exchange.gather(r, epoch, std::move(mine), [&] {
       eng.poll();
       return eng.stats().dead_peers;
     });
     if (r != 0) continue;
+    // A worker thread that failed left its slot empty (its error is rethrown after the join).
+    std::erase_if(all, [&](const rank_epoch& e) { return e.params.size() != net.params().size(); });
+    if (all.empty()) continue;
     const double live = static_cast<double>(all.size());
     // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
     std::vector<float> avg(all[0].params.size(), 0.0f);

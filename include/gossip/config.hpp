@@ -35,6 +35,11 @@ struct component_config {
   options opts;
 };
 
+/// True for policy `periodic` with stagger = true: ranks send at different steps.
+inline bool staggered_policy(const component_config& policy) {
+  return policy.name == "periodic" && policy.opts.has("stagger") && policy.opts.boolean("stagger");
+}
+
 struct config {
   std::string source = "<code>";
   component_config policy{"consensus", options("<code> [policy]")};

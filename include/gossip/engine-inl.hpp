@@ -50,7 +50,11 @@ inline engine_spec engine_spec::from(const config& cfg) {
   // The switch protocol's mode follows the policy unless the config names one.
   if (s.protocol.name == "switch-aggregate") {
     const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
-    s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name));
+    const bool staggered = staggered_policy(cfg.policy);
+    if (staggered && requested == "sync")
+      throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "
+                                     "use mode = \"async\" or \"auto\", or stagger = false", s.protocol.opts.where()));
+    s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name, staggered));
   }
   s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
   s.config_fingerprint = cfg.fingerprint();

@@ -199,9 +199,11 @@ class protocol {
 /// sends at the same steps, so an all-reduce fits) and async for any other.
 ///
 ///     switch_mode("auto", "drift") == "async"
-inline std::string switch_mode(std::string_view requested, std::string_view policy) {
+/// A periodic policy with stagger = true sends at different steps on different
+/// members, which no all-reduce round fits: async.
+inline std::string switch_mode(std::string_view requested, std::string_view policy, bool staggered = false) {
   if (requested == "sync" || requested == "async") return std::string(requested);
-  return policy == "periodic" ? "sync" : "async";
+  return policy == "periodic" && !staggered ? "sync" : "async";
 }
 
 using protocol_registry_t = registry<protocol>;

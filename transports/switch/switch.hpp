@@ -322,8 +322,9 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   if (world < 2 || world > 64) throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {}", cfg.source, world));
   const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
   const std::string proto_mode = cfg.protocol.opts.has("mode") ? cfg.protocol.opts.string("mode") : "auto";
-  const std::string mode = switch_mode(o.string("mode"), cfg.policy.name);
-  if (switch_mode(proto_mode, cfg.policy.name) != mode)
+  const bool staggered = staggered_policy(cfg.policy);
+  const std::string mode = switch_mode(o.string("mode"), cfg.policy.name, staggered);
+  if (switch_mode(proto_mode, cfg.policy.name, staggered) != mode)
     throw config_error(fmt::format("{}: [transport] mode '{}' and [protocol] mode '{}' disagree; set one of them, or both to the same",
                                    cfg.source, o.string("mode"), proto_mode));
   auto in_range = [&](const char* key, std::int64_t lo, std::int64_t hi) {
