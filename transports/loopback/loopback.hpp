@@ -216,7 +216,9 @@ class loopback_transport {
       if (m_reported[static_cast<std::size_t>(j)] || !peer(j).departed.load(std::memory_order_acquire)) continue;
       if (n == out.size()) break;
       m_reported[static_cast<std::size_t>(j)] = 1;
-      out[n++] = received{.sender = j};  // weight 0: nothing to take back
+      // weight 0: nothing to take back. A rank that left on its own (not
+      // killed) finished normally: departed, not a failure.
+      out[n++] = received{.sender = j, .departed = !peer(j).killed.load(std::memory_order_acquire)};
     }
     return n;
   }

@@ -111,7 +111,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
 
 std::vector<int> ints(const std::vector<std::byte>& v) {
   std::vector<int> out(v.size() / sizeof(int));
-  std::memcpy(out.data(), v.data(), out.size() * sizeof(int));
+  if (!out.empty()) std::memcpy(out.data(), v.data(), out.size() * sizeof(int));  // an empty list has no data()
   return out;
 }
 
