@@ -1,4 +1,4 @@
-// The IDX reader (lib/fashion_mnist.cpp, gossip::data::read_idx) on a pair of
+// The IDX reader (examples/common/data.cpp, gossip::data::read_idx) on a pair of
 // files, gzipped or not. Every rejection must be a gossip::data_error; an
 // accepted dataset must be consistent (sizes, labels < 10, pixels in [0, 1]).
 //
@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "gossip/data.hpp"
+#include "common/data.hpp"
 #include "gossip/error.hpp"
 
 namespace {

@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "../examples/common/batch_stream.hpp"
+#include "../examples/common/data.hpp"
 #include "../examples/common/local_sgd.hpp"
 #include "../examples/common/mlp.hpp"
-#include "gossip/data.hpp"
 #include "gossip/error.hpp"
 
 namespace fs = std::filesystem;

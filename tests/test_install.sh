@@ -85,6 +85,13 @@ export PKG_CONFIG_PATH=$tmp/pkgconfig
 libdir=$(pkg-config --variable=libdir gossip)
 export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
+# The library holds only what a user links: the examples' dataset reader
+# (gossip::data, examples/common) is neither in it nor among its headers.
+if nm -D --defined-only "$libdir/libgossip.so" | grep -q '_ZN6gossip4data'; then
+  fail "the installed libgossip.so defines gossip::data symbols; the dataset reader belongs to examples/common"
+fi
+[[ ! -e $(pkg-config --variable=includedir gossip)/gossip/data.hpp ]] || fail "gossip/data.hpp was installed; it belongs to examples/common"
+
 # Users' Cflags hold include paths, libgossip's own macros and what the public
 # requirements (fmt, Eigen) ask for; nothing of a private one (toml++'s -DTOML_*).
 for pc in "$tmp"/pkgconfig/*.pc; do

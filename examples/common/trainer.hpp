@@ -28,7 +28,7 @@
 #include "common/batch_stream.hpp"
 #include "common/local_sgd.hpp"
 #include "common/mlp.hpp"
-#include "gossip/data.hpp"
+#include "common/data.hpp"
 #include "gossip/bootstrap.hpp"
 #include "gossip/gossip.hpp"
 #if defined(GOSSIP_HAVE_UCX)

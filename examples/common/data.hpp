@@ -9,6 +9,10 @@
 ///
 /// Every failure to read a file throws gossip::data_error naming the path and
 /// the problem; a missing Fashion-MNIST says which Debian package provides it.
+///
+/// Not part of libgossip: a program that links the library into its own loop
+/// brings its own data. The examples, benches, tests and fuzz targets link
+/// this reader from examples/common (example_data_dep in its meson.build).
 #include <cstddef>
 #include <cstdint>
 #include <span>

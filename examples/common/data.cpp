@@ -1,4 +1,4 @@
-#include "gossip/data.hpp"
+#include "common/data.hpp"
 
 #include <zlib.h>
 
