@@ -1,6 +1,6 @@
 // Multi-process tests of the UCX transport and the bootstrap rendezvous.
-// Every rank is a fork()ed process on 127.0.0.1; every child runs under
-// alarm() and the parent kills (by PID) what outlives its deadline.
+// Every rank is a fork()ed process on 127.0.0.1 (tests/harness.hpp): every
+// child runs under alarm() and the parent kills (by PID) what outlives its deadline.
 #include <arpa/inet.h>
 #include <doctest/doctest.h>
 #include <fmt/ranges.h>
@@ -8,7 +8,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,6 +23,7 @@
 #include "gossip/bootstrap.hpp"
 #include "gossip/gossip.hpp"
 #include "gossip/transports/ucx/ucx.hpp"
+#include "harness.hpp"
 #include "test_support.hpp"
 
 using namespace gossip;
@@ -32,96 +32,30 @@ using clock_type = std::chrono::steady_clock;
 
 namespace {
 
-std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using harness::free_port;
 
-// Exit with 77 (meson: skipped) when UCX cannot make a context here. The probe
-// runs in a child so that the parent never holds UCX state across fork().
+// Exit with 77 (meson: skipped) when UCX cannot make a context here.
 void require_ucx() {
   static bool checked = false;
   if (checked) return;
-  int fds[2];
-  REQUIRE(::pipe(fds) == 0);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::close(fds[0]);
+  const std::string why = harness::probe_in_child([] {
     ::setenv("UCX_NET_DEVICES", "lo", 0);
-    const std::string why = ucx_transport::probe();
-    [[maybe_unused]] auto n = ::write(fds[1], why.data(), why.size());
-    ::_exit(why.empty() ? 0 : 77);
-  }
-  ::close(fds[1]);
-  char buf[512] = {};
-  [[maybe_unused]] auto n = ::read(fds[0], buf, sizeof buf - 1);
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    std::fprintf(stderr, "SKIP: UCX cannot create a context and worker here: %s\n", buf);
+    return ucx_transport::probe();
+  });
+  if (!why.empty()) {
+    std::fprintf(stderr, "SKIP: UCX cannot create a context and worker here: %s\n", why.c_str());
     std::exit(77);
   }
   checked = true;
 }
 
-struct outcome_of {
-  bool exited = false;
-  int code = -1;   // exit code when exited
-  int signal = 0;  // terminating signal otherwise
-};
-
 // Runs fn(rank) in `world` forked processes with the given UCX_TLS; returns how each ended.
-std::vector<outcome_of> run_procs(int world, const char* tls, int timeout_s, const std::function<int(int)>& fn) {
-  std::fflush(nullptr);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < world; ++r) {
-    const pid_t pid = ::fork();
-    if (pid == 0) {
-      ::alarm(static_cast<unsigned>(timeout_s));
-      ::setenv("UCX_TLS", tls, 1);
-      ::setenv("UCX_NET_DEVICES", "lo", 1);
-      int rc = 1;
-      try {
-        rc = fn(r);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d (UCX_TLS=%s): %s\n", r, tls, e.what());
-        rc = 100;
-      }
-      std::fflush(nullptr);
-      ::_exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  std::vector<outcome_of> out(static_cast<std::size_t>(world));
-  std::vector<bool> done(static_cast<std::size_t>(world), false);
-  const auto deadline = clock_type::now() + std::chrono::seconds(timeout_s + 5);
-  for (std::size_t left = pids.size(); left > 0;) {
-    for (std::size_t i = 0; i < pids.size(); ++i) {
-      if (done[i]) continue;
-      int status = 0;
-      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        done[i] = true;
-        --left;
-        out[i].exited = WIFEXITED(status);
-        out[i].code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        out[i].signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-      }
-    }
-    if (left > 0 && clock_type::now() > deadline) {
-      for (std::size_t i = 0; i < pids.size(); ++i)
-        if (!done[i]) ::kill(pids[i], SIGKILL);  // only our own children, by PID
-    }
-    if (left > 0) std::this_thread::sleep_for(5ms);
-  }
-  return out;
+std::vector<harness::child_end> run_procs(int world, const char* tls, int timeout_s, const std::function<int(int)>& fn) {
+  harness::child_options o;
+  o.env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}};
+  o.alarm_s = static_cast<unsigned>(timeout_s);
+  o.label = fmt::format("UCX_TLS={}", tls);
+  return harness::run_ranks(world, o, fn);
 }
 
 // A deterministic payload: raw 32-bit patterns (NaNs and denormals included),
@@ -270,7 +204,7 @@ int exchange(int rank, int world, std::uint16_t port, std::size_t elements, int 
   return 0;
 }
 
-void check_all_ok(const std::vector<outcome_of>& out) {
+void check_all_ok(const std::vector<harness::child_end>& out) {
   for (std::size_t r = 0; r < out.size(); ++r) {
     INFO("rank " << r << " exited=" << out[r].exited << " code=" << out[r].code << " signal=" << out[r].signal);
     CHECK((out[r].exited && out[r].code == 0));

@@ -31,6 +31,7 @@
 #include <random>
 
 #include "client.hpp"
+#include "tests/harness.hpp"
 
 namespace {
 
@@ -49,23 +50,11 @@ struct run_options {
   double timeout = 60, rto_ms = 5;
 };
 
-std::size_t parse_size(const std::string& s) {
-  std::size_t mult = 1;
-  std::string num = s;
-  if (!s.empty() && (s.back() == 'K' || s.back() == 'M' || s.back() == 'G')) {
-    mult = s.back() == 'K' ? 1024 : s.back() == 'M' ? 1024 * 1024 : std::size_t{1} << 30;
-    num.pop_back();
-  }
-  const auto v = std::stoull(num) * mult;
-  if (v < 4 || v % 4 != 0) throw std::invalid_argument("size '" + s + "' must be a positive multiple of 4 bytes");
-  return v;
-}
-
 void enter(const run_options& o, int w);
 
 int run(const run_options& o) {
   std::vector<std::size_t> sizes;
-  for (const auto& s : o.sizes) sizes.push_back(parse_size(s));
+  for (const auto& s : o.sizes) sizes.push_back(gossip::harness::parse_size(s, 4));
   const int n = o.workers;
   // times[size][rep][worker]
   std::vector<std::vector<std::vector<double>>> times(sizes.size(), std::vector<std::vector<double>>(static_cast<std::size_t>(o.reps),
@@ -148,12 +137,7 @@ int run(const run_options& o) {
 }
 
 void enter(const run_options& o, int w) {
-  if (!o.cpus.empty()) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(o.cpus[static_cast<std::size_t>(w) % o.cpus.size()], &set);
-    sched_setaffinity(0, sizeof set, &set);
-  }
+  if (!o.cpus.empty()) gossip::harness::pin_to_cpu(o.cpus[static_cast<std::size_t>(w) % o.cpus.size()]);  // best effort
   if (o.netns_prefix.empty()) return;
   const auto path = fmt::format("/var/run/netns/{}{}", o.netns_prefix, w);
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
