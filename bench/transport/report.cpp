@@ -1,0 +1,140 @@
+// bench/transport, the report: the step-cost table, the summary and
+// transport.json, and the check of a transport.json that --smoke and --check run.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include "transport_bench.hpp"
+
+namespace transport_bench {
+
+using gossip::error;
+
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double l = -1;
+  in >> l;
+  return l;
+}
+
+std::string write_report(const settings& s, const results& r) {
+  fmt::print("\nstep cost: engine.step() with policy `never` over ucx_transport (2 ranks stepping together) against\n"
+             "  gossip::drift_pass over the same model and x-hat alone, timed alternately in one loop; medians of {} steps.\n\n",
+             s.steps);
+  fmt::print("{:<11} {:>5} {:>10} {:>8} {:>10} {:>10} {:>7}\n", "UCX_TLS", "rank", "elements", "MiB", "step us", "drift us", "ratio");
+  for (const auto& c : r.step_cost)
+    fmt::print("{:<11} {:>5} {:>10} {:>8.1f} {:>10.1f} {:>10.1f} {:>7.3f}\n", c["tls"].get<std::string>(), c["rank"].get<int>(),
+               c["elements"].get<std::size_t>(), static_cast<double>(c["elements"].get<std::size_t>() * sizeof(float)) / mib,
+               c["step_us"].get<double>(), c["drift_us"].get<double>(), c["ratio"].get<double>());
+
+  // The summary: the weakest ratio at 1 MiB and above, per UCX_TLS.
+  json summary = json::object();
+  if (!r.perftest_exe.empty()) {
+    fmt::print("\n");
+    for (const auto& tls : s.tls) {
+      double worst = 1e300;
+      std::size_t at = 0;
+      for (const auto& run : r.runs)
+        if (run["tls"] == tls && run["bytes"].get<std::size_t>() >= (1u << 20) && run["ratio"].get<double>() < worst) {
+          worst = run["ratio"].get<double>();
+          at = run["bytes"].get<std::size_t>();
+        }
+      if (at == 0) continue;
+      summary[tls] = {{"min_ratio_ge_1mib", worst}, {"at_bytes", at}};
+      fmt::print("UCX_TLS={}: lowest gossip/perftest ratio at >= 1 MiB: {:.3f} ({}){}\n", tls, worst, size_name(at),
+                 worst < 0.9 ? "  < 0.9" : "");
+    }
+  }
+  double worst_step = 0;
+  for (const auto& c : r.step_cost) worst_step = std::max(worst_step, c["ratio"].get<double>());
+  summary["max_step_ratio"] = worst_step;
+  fmt::print("highest step / drift ratio: {:.3f}\n", worst_step);
+
+  const double elapsed = std::chrono::duration<double>(clock_type::now() - r.started).count();
+  json report{{"bench", "transport"},
+              {"perftest", r.perftest_exe.empty() ? "unavailable" : "ucx_perftest -t " + s.perftest_test},
+              {"definition",
+               {{"gossip_gbps", "payload bytes N*S / seconds at the receiver, from consuming the last warm-up message to consuming "
+                                "the last timed one; 1 GB = 1e9 bytes; best of reps"},
+                {"perftest_gbps", "ucx_perftest (see perftest) final 'average' bandwidth (MB/s, MB = 2^20 bytes) * 2^20 / 1e9; best of reps"},
+                {"ratio", "gossip_gbps / perftest_gbps (best / best); median_ratio: median / median"},
+                {"perftest_eh_gbps", "the same with ucx_perftest -e (endpoints with peer error handling, as ucx_transport creates them; "
+                                     "UCX_POSIX_ERROR_HANDLING=y as it sets); ratio_eh = gossip_gbps / perftest_eh_gbps"},
+                {"step_cost", "medians over steps of engine.step() (policy never) and of drift_pass over the same model, alternated"}}},
+              {"settings",
+               {{"tls", s.tls},
+                {"reps", s.reps},
+                {"bytes_per_run", s.bytes_per_run},
+                {"warmup", s.warmup},
+                {"send_buffers", s.send_buffers},
+                {"inbox_depth", s.depth},
+                {"backlog", s.backlog},
+                {"wait", s.wait},
+                {"cpus", s.cpus},
+                {"steps", s.steps}}},
+              {"runs", r.runs},
+              {"step_cost", r.step_cost},
+              {"summary", summary},
+              {"load_average", {{"before", r.load_before}, {"after", load_average()}, {"cpus", r.cpus}}},
+              {"seconds", elapsed}};
+  std::filesystem::create_directories(s.out);
+  const std::string path = (std::filesystem::path(s.out) / "transport.json").string();
+  {
+    std::ofstream f(path);
+    f << report.dump(2) << "\n";
+    if (!f) throw error(fmt::format("bench/transport: cannot write {}", path));
+  }
+  fmt::print("wrote {} ({:.0f} s)\n", path, elapsed);
+  return path;
+}
+
+std::vector<std::string> check_report(const json& j) {
+  std::vector<std::string> bad;
+  const auto positive = [](const json& v) { return v.is_number() && v.get<double>() > 0 && std::isfinite(v.get<double>()); };
+  if (!j.contains("runs") || !j["runs"].is_array() || j["runs"].empty()) bad.push_back("'runs' is missing or empty");
+  const bool have_perftest = j.value("perftest", std::string()) != "unavailable";
+  for (const auto& r : j.value("runs", json::array())) {
+    const std::string id = fmt::format("run {}/{}", r.value("tls", std::string("?")), r.value("bytes", 0ull));
+    for (const char* k : {"tls", "bytes", "gossip_gbps", "perftest_gbps", "ratio"})
+      if (!r.contains(k)) bad.push_back(fmt::format("{}: no '{}'", id, k));
+    if (!r.contains("gossip_gbps") || !positive(r["gossip_gbps"])) bad.push_back(id + ": gossip_gbps is not a positive number");
+    if (have_perftest) {
+      if (!r.contains("perftest_gbps") || !positive(r["perftest_gbps"])) bad.push_back(id + ": perftest_gbps is not a positive number");
+      if (!r.contains("ratio") || !positive(r["ratio"]))
+        bad.push_back(id + ": ratio is not a positive number");
+      else if (std::abs(r["ratio"].get<double>() - r["gossip_gbps"].get<double>() / r["perftest_gbps"].get<double>()) > 1e-6 * r["ratio"].get<double>())
+        bad.push_back(id + ": ratio != gossip_gbps / perftest_gbps");
+    }
+    if (!r.value("verified", false)) bad.push_back(id + ": payloads not verified");
+  }
+  if (!j.contains("step_cost") || !j["step_cost"].is_array() || j["step_cost"].empty()) bad.push_back("'step_cost' is missing or empty");
+  for (const auto& c : j.value("step_cost", json::array())) {
+    const std::string id = fmt::format("step_cost {}", c.value("elements", 0ull));
+    for (const char* k : {"elements", "step_us", "drift_us", "ratio"})
+      if (!c.contains(k) || !positive(c[k])) bad.push_back(fmt::format("{}: '{}' is not a positive number", id, k));
+    if (bad.empty() && std::abs(c["ratio"].get<double>() - c["step_us"].get<double>() / c["drift_us"].get<double>()) > 1e-6 * c["ratio"].get<double>())
+      bad.push_back(id + ": ratio != step_us / drift_us");
+  }
+  return bad;
+}
+
+int check_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    fmt::print(stderr, "bench/transport: cannot read {}\n", path);
+    return 1;
+  }
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "bench/transport: {} is not JSON: {}\n", path, e.what());
+    return 1;
+  }
+  const auto bad = check_report(j);
+  for (const auto& b : bad) fmt::print(stderr, "bench/transport: {}: {}\n", path, b);
+  if (bad.empty()) fmt::print("{}: {} runs and {} step-cost entries, all well formed\n", path, j["runs"].size(), j["step_cost"].size());
+  return bad.empty() ? 0 : 1;
+}
+
+}  // namespace transport_bench
