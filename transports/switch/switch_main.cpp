@@ -21,7 +21,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <thread>
 
@@ -29,15 +28,11 @@
 #include <fmt/format.h>
 
 #include "dpdk_switch.hpp"
+#include "signals.hpp"
 
 namespace {
 
-std::atomic<bool> g_stop{false};
-std::atomic<bool> g_dump{false};
-void on_signal(int sig) {
-  if (sig == SIGUSR1) g_dump = true;
-  else g_stop = true;
-}
+namespace signals = gossip::sw::signals;
 
 struct loop_args {
   gossip::sw::dpdk_switch* sw;
@@ -49,12 +44,12 @@ struct loop_args {
 int poll_loop(void* arg) {
   auto& a = *static_cast<loop_args*>(arg);
   std::uint64_t iterations = 0;
-  while (!g_stop.load(std::memory_order_relaxed)) {
+  while (!signals::stop.load(std::memory_order_relaxed)) {
     a.sw->poll();
     if ((++iterations & 0xffff) == 0) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a.start).count();
-      if (g_dump.exchange(false)) a.sw->report(s).write_json(a.stats_path);
-      if (a.duration > 0 && s > a.duration) g_stop = true;
+      if (signals::dump.exchange(false)) a.sw->report(s).write_json(a.stats_path);
+      if (a.duration > 0 && s > a.duration) signals::stop = true;
     }
   }
   return 0;
@@ -112,11 +107,7 @@ int main(int argc, char** argv) {
     if (const auto down = sw.wait_link_up(link_wait); !down.empty())
       fmt::print(stderr, "gossip-switch: {} port(s) still down after {:.0f} s (first: {}); serving anyway\n", down.size(), link_wait, down[0]);
 
-    struct sigaction sa{};
-    sa.sa_handler = on_signal;
-    sigaction(SIGINT, &sa, nullptr);
-    sigaction(SIGTERM, &sa, nullptr);
-    sigaction(SIGUSR1, &sa, nullptr);
+    signals::install();
 
     loop_args args{&sw, stats_path, duration, std::chrono::steady_clock::now()};
     const unsigned worker = rte_get_next_lcore(rte_lcore_id(), 1, 0);
@@ -125,11 +116,11 @@ int main(int argc, char** argv) {
                cfg.drop > 0 ? fmt::format(", dropping {:.1f} % of packets", 100 * cfg.drop) : "");
     if (worker < RTE_MAX_LCORE) {
       rte_eal_remote_launch(poll_loop, &args, worker);
-      while (!g_stop) {
+      while (!signals::stop) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (g_dump.exchange(false))
+        if (signals::dump.exchange(false))
           sw.report(std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count()).write_json(stats_path);
-        if (duration > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count() > duration) g_stop = true;
+        if (duration > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count() > duration) signals::stop = true;
       }
       rte_eal_wait_lcore(worker);
     } else {

@@ -16,7 +16,6 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -26,17 +25,9 @@
 
 #include "aggregator.hpp"
 #include "report.hpp"
+#include "signals.hpp"
 
-namespace {
-
-std::atomic<bool> g_stop{false};
-std::atomic<bool> g_dump{false};
-void on_signal(int sig) {
-  if (sig == SIGUSR1) g_dump = true;
-  else g_stop = true;
-}
-
-}  // namespace
+namespace signals = gossip::sw::signals;
 
 int main(int argc, char** argv) {
   using namespace gossip::sw;
@@ -92,11 +83,7 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  struct sigaction sa{};
-  sa.sa_handler = on_signal;
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGUSR1, &sa, nullptr);
+  signals::install();
 
   // Member addresses, learned from their packets: [group index][worker].
   std::vector<std::vector<sockaddr_in>> members(groups.size());
@@ -150,8 +137,8 @@ int main(int argc, char** argv) {
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return r;
   };
-  while (!g_stop) {
-    if (g_dump.exchange(false)) report().write_json(stats_path);
+  while (!signals::stop) {
+    if (signals::dump.exchange(false)) report().write_json(stats_path);
     if (duration > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > duration) break;
     pollfd pfd{fd, POLLIN, 0};
     if (::poll(&pfd, 1, 100) <= 0) continue;
