@@ -19,6 +19,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <ranges>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -161,14 +162,7 @@ class gpu_mlp {
   std::vector<std::unique_ptr<device_array<float>>> m_act, m_delta;
 };
 
-struct gpu_report {
-  std::vector<epoch_record> epochs;
-  std::vector<engine_stats> ranks;
-  std::uint64_t bytes_sent = 0, messages = 0, sends = 0, steps = 0;
-  double accuracy = 0, local_accuracy_mean = 0, train_seconds = 0, wall_seconds = 0;
-};
-
-gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets& data,
+run_report train_gpu(const config& cfg, const train_settings& s, const datasets& data,
                      const std::function<void(const epoch_record&)>& on_epoch) {
   const int world = s.workers;
   if (cfg.transport.name != "loopback")
@@ -187,9 +181,9 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
   const mlp_config arch{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch};
   const std::size_t features = data.train.features();
 
-  gpu_report report;
+  run_report report;
   report.epochs.resize(static_cast<std::size_t>(s.epochs));
-  report.ranks.resize(static_cast<std::size_t>(world));
+  std::vector<engine_stats> final_stats(static_cast<std::size_t>(world));
   std::vector<std::vector<float>> params(static_cast<std::size_t>(world));
   std::vector<double> weights(static_cast<std::size_t>(world)), local_acc(static_cast<std::size_t>(world)),
       epoch_loss(static_cast<std::size_t>(world));
@@ -263,14 +257,9 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
         local_acc[ri] = host.accuracy_of(params[ri], data.test.images.data(), data.test.labels.data(), data.test.size());
         sync.arrive_and_wait();
         if (r == 0) {
-          // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
-          std::vector<float> avg(params[0].size(), 0.0f);
-          double wsum = 0;
-          for (int j = 0; j < world; ++j) wsum += weights[static_cast<std::size_t>(j)];
-          for (int j = 0; j < world; ++j) {
-            const auto a = static_cast<float>(weights[static_cast<std::size_t>(j)] / wsum);
-            for (std::size_t k = 0; k < avg.size(); ++k) avg[k] += a * params[static_cast<std::size_t>(j)][k];
-          }
+          const auto avg = push_sum_average(
+              std::views::iota(0, world), [&](int j) -> const std::vector<float>& { return params[static_cast<std::size_t>(j)]; },
+              [&](int j) { return weights[static_cast<std::size_t>(j)]; });
           epoch_record rec;
           rec.epoch = epoch + 1;
           rec.accuracy = host.accuracy_of(avg, data.test.images.data(), data.test.labels.data(), data.test.size());
@@ -290,7 +279,7 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
         sync.arrive_and_wait();
       }
       eng.finish(0);
-      report.ranks[ri] = eng.stats();
+      final_stats[ri] = eng.stats();
       cudaEventDestroy(loss_ready);
     } catch (...) {
       errors[ri] = std::current_exception();
@@ -304,11 +293,13 @@ gpu_report train_gpu(const config& cfg, const train_settings& s, const datasets&
     if (e) std::rethrow_exception(e);
 
   const auto& last = report.epochs.back();
+  report.complete = true;
   report.accuracy = last.accuracy;
   report.local_accuracy_mean = last.local_accuracy_mean;
   report.train_seconds = train_seconds;
   report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-  for (const auto& st : report.ranks) {
+  for (const auto& st : final_stats) {
+    report.rank_stats.push_back(st.to_json(-1));
     report.bytes_sent += st.bytes_sent;
     report.messages += st.messages_sent;
     report.sends += st.sends;
@@ -362,16 +353,9 @@ int main(int argc, char** argv) {
     fmt::print("libgossip {} — Fashion-MNIST on {} (GPU {}), {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION,
                prop.name, dev, settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
     const auto data = datasets::load(settings);
-    fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
-    const auto report = train_gpu(cfg, settings, data, [](const epoch_record& e) {
-      fmt::print("{:>5} {:>10.4f} {:>11.2f}% {:>11.2f}% {:>14} {:>10} {:>9.1f}\n", e.epoch, e.train_loss, 100 * e.accuracy,
-                 100 * e.local_accuracy_mean, e.bytes_sent, e.sends, e.train_seconds);
-      std::fflush(stdout);
-    });
-    fmt::print("done: accuracy {:.2f}% (average model), {:.2f}% (mean of local models), {:.1f} MB sent in {} messages, "
-               "{} of {} steps sent, {:.1f} s training\n",
-               100 * report.accuracy, 100 * report.local_accuracy_mean, report.bytes_sent / 1e6, report.messages, report.sends,
-               report.steps, report.train_seconds);
+    print_epoch_header();
+    const auto report = train_gpu(cfg, settings, data, print_epoch);
+    print_done(report);
     if (!json_path.empty()) {
       nlohmann::json j;
       j["device"] = prop.name;
@@ -381,7 +365,7 @@ int main(int argc, char** argv) {
       j["messages"] = report.messages;
       j["train_seconds"] = report.train_seconds;
       j["ranks"] = nlohmann::json::array();
-      for (const auto& r : report.ranks) j["ranks"].push_back(nlohmann::json::parse(r.to_json()));
+      for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
       std::ofstream(json_path) << j.dump(2) << '\n';
     }
   } catch (const gossip::error& e) {

@@ -26,9 +26,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/batch_stream.hpp"
+#include "common/data.hpp"
 #include "common/local_sgd.hpp"
 #include "common/mlp.hpp"
-#include "common/data.hpp"
 #include "gossip/bootstrap.hpp"
 #include "gossip/gossip.hpp"
 #if defined(GOSSIP_HAVE_UCX)
@@ -541,6 +541,38 @@ class bootstrap_exchange final : public epoch_exchange {
   bool m_rank0_gone = false;              // other ranks: stop using the rendezvous
 };
 
+/// The push-sum estimate of the global average, Σ w_i z_i / Σ w_i, over
+/// `workers`: params(w) gives a worker's parameters z_i, weight(w) its push-sum
+/// weight w_i. The CPU and the GPU example evaluate this model at each epoch.
+template <class Workers, class Params, class Weight>
+std::vector<float> push_sum_average(const Workers& workers, Params params, Weight weight) {
+  std::vector<float> avg(params(*std::begin(workers)).size(), 0.0f);
+  double wsum = 0;
+  for (const auto& w : workers) wsum += weight(w);
+  for (const auto& w : workers) {
+    const auto a = static_cast<float>(weight(w) / wsum);
+    const auto& z = params(w);
+    for (std::size_t k = 0; k < avg.size(); ++k) avg[k] += a * z[k];
+  }
+  return avg;
+}
+
+/// The example programs' report on stdout: a header, a line per epoch as it
+/// completes, and a closing line.
+inline void print_epoch_header() {
+  fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
+}
+inline void print_epoch(const epoch_record& e) {
+  fmt::print("{:>5} {:>10.4f} {:>11.2f}% {:>11.2f}% {:>14} {:>10} {:>9.1f}\n", e.epoch, e.train_loss, 100 * e.accuracy,
+             100 * e.local_accuracy_mean, e.bytes_sent, e.sends, e.train_seconds);
+  std::fflush(stdout);
+}
+inline void print_done(const run_report& r) {
+  fmt::print("done: accuracy {:.2f}% (average model), {:.2f}% (mean of local models), {:.1f} MB sent in {} messages, "
+             "{} of {} steps sent, {:.1f} s training\n",
+             100 * r.accuracy, 100 * r.local_accuracy_mean, r.bytes_sent / 1e6, r.messages, r.sends, r.steps, r.train_seconds);
+}
+
 inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
   nlohmann::json j = nlohmann::json::array();
   for (const auto& p : timeline)
@@ -618,14 +650,8 @@ inline void train_rank(int r, int world, const engine_spec& base, any_transport 
     std::erase_if(all, [&](const rank_epoch& e) { return e.params.size() != net.params().size(); });
     if (all.empty()) continue;
     const double live = static_cast<double>(all.size());
-    // The push-sum estimate of the global average: Σ w_i z_i / Σ w_i.
-    std::vector<float> avg(all[0].params.size(), 0.0f);
-    double wsum = 0;
-    for (const auto& e : all) wsum += e.weight;
-    for (const auto& e : all) {
-      const auto a = static_cast<float>(e.weight / wsum);
-      for (std::size_t k = 0; k < avg.size(); ++k) avg[k] += a * e.params[k];
-    }
+    const auto avg = push_sum_average(all, [](const rank_epoch& e) -> const std::vector<float>& { return e.params; },
+                                      [](const rank_epoch& e) { return e.weight; });
     epoch_record rec;
     rec.epoch = epoch + 1;
     rec.accuracy = net.accuracy_of(avg, data.test.images.data(), data.test.labels.data(), data.test.size());
