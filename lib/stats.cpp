@@ -28,36 +28,35 @@ void write_text(const std::string& path, const std::string& text, const char* wh
 }  // namespace
 
 std::string engine_stats::to_json(int indent) const {
-  // The plain counters in one table, each under its own name; the lists and
-  // the derived values follow.
-  nlohmann::json j = {{"rank", rank},
-                      {"world", world},
-                      {"policy", policy},
-                      {"topology", topology},
-                      {"protocol", protocol},
-                      {"transport", transport},
-                      {"momentum", momentum},
-                      {"steps", steps},
-                      {"sends", sends},
-                      {"skips", skips},
-                      {"send_busy", send_busy},
-                      {"no_live_peer", no_live_peer},
-                      {"bytes_sent", bytes_sent},
-                      {"messages_sent", messages_sent},
-                      {"bytes_received", bytes_received},
-                      {"messages_received", messages_received},
-                      {"dropped", dropped},
-                      {"weight", weight},
-                      {"step_seconds", step_seconds},
-                      {"wait_seconds", wait_seconds},
-                      {"busy_wait_seconds", busy_wait_seconds}};
+  nlohmann::json j;
+  j["rank"] = rank;
+  j["world"] = world;
+  j["policy"] = policy;
+  j["topology"] = topology;
+  j["protocol"] = protocol;
+  j["transport"] = transport;
+  j["momentum"] = momentum;
+  j["steps"] = steps;
+  j["sends"] = sends;
+  j["skips"] = skips;
   nlohmann::json reasons = nlohmann::json::object();
   for (std::size_t i = 0; i < by_reason.size(); ++i)
     if (by_reason[i]) reasons[to_string(static_cast<reason>(i))] = by_reason[i];
   j["decisions"] = reasons;
+  j["send_busy"] = send_busy;
+  j["no_live_peer"] = no_live_peer;
+  j["bytes_sent"] = bytes_sent;
+  j["messages_sent"] = messages_sent;
+  j["bytes_received"] = bytes_received;
+  j["messages_received"] = messages_received;
+  j["dropped"] = dropped;
   j["relative_drift"] = {{"last", relative_drift_last},
                          {"max", relative_drift_max},
                          {"mean_at_send", sends ? relative_drift_at_send_sum / static_cast<double>(sends) : 0.0}};
+  j["weight"] = weight;
+  j["step_seconds"] = step_seconds;
+  j["wait_seconds"] = wait_seconds;
+  j["busy_wait_seconds"] = busy_wait_seconds;
   j["peers"] = nlohmann::json::array();
   for (const auto& p : peers)
     j["peers"].push_back({{"rank", p.rank},
