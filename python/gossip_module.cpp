@@ -248,7 +248,7 @@ class py_engine {
   }
 
   step_result step(double lr, double loss) {
-    engine& e = live("step");
+    engine& e = running("step");
     if (m_has_momentum && !(lr > 0))
       throw py::value_error(fmt::format("gossip.Engine.step: lr={} but the engine keeps quasi-global momentum, which needs the step's "
                                         "learning rate (> 0): pass lr=",
@@ -260,7 +260,7 @@ class py_engine {
   }
 
   std::size_t poll() {
-    engine& e = live("poll");
+    engine& e = running("poll");
     check_storage();
     busy_guard guard(m_busy, "poll");
     py::gil_scoped_release unlocked;
@@ -308,6 +308,11 @@ class py_engine {
   engine& live(const char* what) {
     if (!m_engine) throw error(fmt::format("gossip.Engine.{}: the engine was not constructed", what));
     return *m_engine;
+  }
+  // step() and poll() after finish(): the engine has left its peers.
+  engine& running(const char* what) {
+    if (m_finished) throw error(fmt::format("gossip.Engine.{}: finish() was called; this rank has left its peers (build a new Engine)", what));
+    return live(what);
   }
 
   // A parameter whose storage moved (p.data = …, resize_, a reloaded state
