@@ -59,7 +59,8 @@ if [[ $part == subproject ]]; then
 project('consumer', 'cpp', default_options: ['cpp_std=c++20', 'buildtype=release'])
 # Only the library: the optional parts, examples, benches and tests of libgossip stay out.
 gossip_dep = dependency('gossip', fallback: ['gossip', 'gossip_dep'],
-  default_options: ['ucx=disabled', 'dpdk=disabled', 'cuda=disabled', 'examples=disabled', 'bench=disabled', 'tests=disabled'])
+  default_options: ['ucx=disabled', 'dpdk=disabled', 'cuda=disabled', 'python=disabled', 'torch=disabled', 'examples=disabled', 'bench=disabled',
+                   'tests=disabled'])
 executable('loopback', 'loopback.cpp', dependencies: gossip_dep)
 EOF
   meson setup --force-fallback-for=gossip "$tmp/consumer/build" "$tmp/consumer" > "$tmp/setup.log" 2>&1 || { cat "$tmp/setup.log"; fail "meson setup of the consumer project"; }

@@ -9,6 +9,7 @@ packages=(
   libeigen3-dev libfmt-dev doctest-dev libtomlplusplus-dev nlohmann-json3-dev libcli11-dev zlib1g-dev
   libucx-dev ucx-utils dpdk dpdk-dev libdpdk-dev iproute2 ethtool
   dataset-fashion-mnist python3-matplotlib
+  python3-dev pybind11-dev python3-torch libtorch-dev python3-pytest
 )
 # `setup.sh fuzz`: also clang and its runtimes (libFuzzer, sanitizers) for
 # tools/fuzz.sh; the default build does not need them.

@@ -200,15 +200,28 @@ inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
   return j;
 }
 
+/// Makes each worker's model: the MLP of [train] hidden. Another model (e.g.
+/// examples/03_libtorch_cnn) comes with a factory of its own whose product has
+/// the MLP's training interface: params() (one contiguous span), tensors(),
+/// register_tensors(view), train_batch(x, y, batch, sgd_momentum&),
+/// accuracy(x, y, n) and accuracy_of(params, x, y, n).
+struct mlp_factory {
+  mlp operator()(const train_settings& s, const datasets& data) const {
+    mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
+    net.init(s.seed);  // a common initial model on every worker
+    return net;
+  }
+};
+
 /// One rank's training loop. Rank 0 evaluates the average model at each
 /// epoch boundary and fills the report.
-inline void train_rank(int r, int world, const engine_spec& base, any_transport transport, const train_settings& s, const datasets& data,
-                       const std::vector<std::vector<std::uint32_t>>& shards, int steps_per_epoch, epoch_exchange& exchange,
-                       run_report& report, const std::function<void(const epoch_record&)>& on_epoch) {
+template <class MakeNet = mlp_factory>
+void train_rank(int r, int world, const engine_spec& base, any_transport transport, const train_settings& s, const datasets& data,
+                const std::vector<std::vector<std::uint32_t>>& shards, int steps_per_epoch, epoch_exchange& exchange,
+                run_report& report, const std::function<void(const epoch_record&)>& on_epoch, const MakeNet& make_net = {}) {
   const auto ri = static_cast<std::size_t>(r);
   const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
-  mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
-  net.init(s.seed);  // a common initial model on every worker
+  auto net = make_net(s, data);
   sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum), .weight_decay = static_cast<float>(s.weight_decay)};
   opt.velocity.assign(net.params().size(), 0.0f);
   model_view view;
@@ -347,8 +360,9 @@ inline bool runs_as_processes(const config& cfg) { return cfg.transport.name == 
 /// Over 'ucx' this process is one rank: rank and world come from the
 /// environment (gossip-run, mpirun, srun), s.workers must equal the world, and
 /// only rank 0's report is complete.
-inline run_report train(const config& cfg, const train_settings& s, const datasets& data,
-                        const std::function<void(const epoch_record&)>& on_epoch = {}) {
+template <class MakeNet = mlp_factory>
+run_report train(const config& cfg, const train_settings& s, const datasets& data,
+                 const std::function<void(const epoch_record&)>& on_epoch = {}, const MakeNet& make_net = {}) {
   const engine_spec base = detail::engine_spec_for(cfg, s);
   run_report report;
   const auto wall_start = std::chrono::steady_clock::now();
@@ -363,7 +377,7 @@ inline run_report train(const config& cfg, const train_settings& s, const datase
     const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.partition_opts());
     bootstrap_exchange exchange(boot);
     train_rank(boot->rank(), boot->world(), base, ucx_transport(boot), s, data, shards, detail::steps_per_epoch(cfg, s, shards), exchange, report,
-               on_epoch);
+               on_epoch, make_net);
     return report;  // exchange.done() kept rank 0 serving the rendezvous until every survivor was through
 #else
     throw config_error(fmt::format("{} [transport]: 'ucx' was not built into this program (configure with UCX found: apt-get install libucx-dev)",
@@ -401,7 +415,7 @@ inline run_report train(const config& cfg, const train_settings& s, const datase
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
       try {
-        train_rank(r, world, base, endpoint(r), s, data, shards, steps, exchange, report, on_epoch);
+        train_rank(r, world, base, endpoint(r), s, data, shards, steps, exchange, report, on_epoch, make_net);
       } catch (...) {
         errors[static_cast<std::size_t>(r)] = std::current_exception();
         exchange.drop();

@@ -1,0 +1,113 @@
+#pragma once
+// The command line and the report of the Fashion-MNIST examples: options,
+// config, per-epoch table, final line and --json. examples/01_fashion_mnist
+// (MLP) and examples/03_libtorch_cnn (libtorch CNN) differ only in the model.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "common/trainer.hpp"
+#include "gossip_build_config.hpp"
+
+namespace gossip::examples {
+
+/// main() of a Fashion-MNIST example training the models `make_net` makes
+/// (see mlp_factory); `title` names the run in its first line.
+template <class MakeNet = mlp_factory>
+int fashion_mnist_main(int argc, char** argv, const std::string& description, const std::string& title, const MakeNet& make_net = {}) {
+  CLI::App app{description};
+  std::string config_path, policy, topology, protocol, partition, json_path;
+  int workers = 0, epochs = 0;
+  std::int64_t seed = -1;
+  double bandwidth = -1;
+  app.add_option("-c,--config", config_path, "TOML file with [policy], [topology], [protocol], [transport], [engine], [train]")->check(CLI::ExistingFile);
+  app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")");
+  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")");
+  app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")");
+  app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
+  app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
+  app.add_option("--seed", seed, "override [train] seed");
+  app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)");
+  app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)");
+  app.add_option("--json", json_path, "write the run report as JSON here");
+  std::vector<std::string> overrides;
+  app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");
+  std::string help_settings;
+  for (const auto& s : train_option_specs()) help_settings += fmt::format("  {:<20} {:<10} {}\n", s.key, to_string(s.default_value), s.help);
+  app.footer("[train] settings (key, default, meaning):\n" + help_settings);
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    // gossip-run --config passes the file as GOSSIP_CONFIG.
+    if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) config_path = env;
+    // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
+    const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
+    config cfg = config_path.empty() ? config(own_sections) : config::load(config_path, own_sections);
+    if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
+    if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
+    if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);
+    if (bandwidth >= 0) cfg.apply_override(fmt::format("transport.bandwidth_gbps={}", bandwidth));
+    if (workers) cfg.apply_override(fmt::format("train.workers={}", workers));
+    if (epochs) cfg.apply_override(fmt::format("train.epochs={}", epochs));
+    if (seed >= 0) cfg.apply_override(fmt::format("train.seed={}", seed));
+    if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
+    for (const auto& o : overrides) cfg.apply_override(o);
+    const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
+
+    const bool quiet = runs_as_processes(cfg) && bootstrap::identity_from_env().rank != 0;
+    if (!quiet)
+      fmt::print("libgossip {} — {}, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title,
+               settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
+    const auto data = datasets::load(settings);
+    if (!quiet)
+      fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
+    const auto report = train(cfg, settings, data, [](const epoch_record& e) {
+      fmt::print("{:>5} {:>10.4f} {:>11.2f}% {:>11.2f}% {:>14} {:>10} {:>9.1f}\n", e.epoch, e.train_loss, 100 * e.accuracy,
+                 100 * e.local_accuracy_mean, e.bytes_sent, e.sends, e.train_seconds);
+      std::fflush(stdout);
+    }, make_net);
+    if (!report.complete) return 0;  // another rank (process mode) reports
+    fmt::print("done: accuracy {:.2f}% (average model), {:.2f}% (mean of local models), {:.1f} MB sent in {} messages, "
+               "{} of {} steps sent, {:.1f} s training\n",
+               100 * report.accuracy, 100 * report.local_accuracy_mean, report.bytes_sent / 1e6, report.messages, report.sends,
+               report.steps, report.train_seconds);
+    for (const auto& d : report.dead)
+      fmt::print("dead: rank {} (host {}), last model at epoch {}: {}\n", d.rank, d.host, d.last_epoch, d.reason);
+    if (!report.dead.empty())
+      fmt::print("{} of {} ranks finished; push-sum weight lost with the dead: {:.4f} of {} (survivors' own estimate {:.4f})\n",
+                 report.survivors, settings.workers, report.lost_weight, settings.workers, report.lost_weight_estimate);
+    if (!json_path.empty()) {
+      nlohmann::json j;
+      j["accuracy"] = report.accuracy;
+      j["local_accuracy_mean"] = report.local_accuracy_mean;
+      j["bytes_sent"] = report.bytes_sent;
+      j["messages"] = report.messages;
+      j["sends"] = report.sends;
+      j["steps"] = report.steps;
+      j["train_seconds"] = report.train_seconds;
+      if (!report.timeline.empty()) j["timeline"] = to_json(report.timeline);
+      j["survivors"] = report.survivors;
+      j["lost_weight"] = report.lost_weight;
+      j["lost_weight_estimate"] = report.lost_weight_estimate;
+      j["dead_ranks"] = nlohmann::json::array();
+      for (const auto& d : report.dead)
+        j["dead_ranks"].push_back({{"rank", d.rank}, {"host", d.host}, {"last_epoch", d.last_epoch}, {"reason", d.reason}});
+      j["epochs"] = nlohmann::json::array();
+      for (const auto& e : report.epochs) j["epochs"].push_back({{"epoch", e.epoch}, {"accuracy", e.accuracy}, {"loss", e.train_loss}});
+      j["ranks"] = nlohmann::json::array();
+      for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
+      std::ofstream(json_path) << j.dump(2) << '\n';
+    }
+  } catch (const gossip::error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace gossip::examples

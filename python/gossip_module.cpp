@@ -1,0 +1,551 @@
+// The Python module `gossip`: an engine over a PyTorch model's parameters.
+//
+//     eng = gossip.Engine(model.named_parameters(), config="run.toml", optimizer=opt)
+//     for x, y in batches:
+//         ...; opt.step()
+//         eng.step(lr=lr, loss=loss.item())
+//     eng.finish()
+//
+// The module does not link libtorch: it reads a tensor's address, size, dtype,
+// device and layout through the tensor's Python methods, so one build serves
+// any torch. The model view points at the tensors' storage (no copy); step()
+// checks that every tensor still has the storage it was registered with.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gossip/gossip.hpp"
+#include "gossip_build_config.hpp"
+#if defined(GOSSIP_HAVE_UCX)
+#include "gossip/transports/ucx/ucx.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace gossip::python {
+
+namespace {
+
+std::string py_str(const py::handle& h) { return py::str(h).cast<std::string>(); }
+
+std::optional<long long> env_int(const char* name) {
+  const char* s = std::getenv(name);
+  if (!s || !*s) return std::nullopt;
+  long long v = 0;
+  const char* end = s + std::strlen(s);
+  auto [p, ec] = std::from_chars(s, end, v);
+  if (ec != std::errc{} || p != end) throw config_error(fmt::format("gossip: {}='{}' is not an integer", name, s));
+  return v;
+}
+
+const char* env_or(const char* name, const char* fallback) {
+  const char* s = std::getenv(name);
+  return s && *s ? s : fallback;
+}
+
+// Rank and world: torchrun's RANK/WORLD_SIZE win over a scheduler's variables
+// (torchrun started under srun still sees SLURM_PROCID), GOSSIP_* over both.
+rank_identity identity() {
+  if (!std::getenv("GOSSIP_RANK") && std::getenv("RANK") && std::getenv("WORLD_SIZE")) {
+    const auto rank = env_int("RANK"), world = env_int("WORLD_SIZE");
+    if (!world || *world < 1 || *world > 1 << 20)
+      throw config_error(fmt::format("gossip: WORLD_SIZE='{}' is not a valid world size (an integer >= 1)", std::getenv("WORLD_SIZE")));
+    if (!rank || *rank < 0 || *rank >= *world)
+      throw config_error(fmt::format("gossip: RANK='{}' is not a valid rank for WORLD_SIZE={} (an integer in 0..{})", std::getenv("RANK"),
+                                     *world, *world - 1));
+    return {static_cast<int>(*rank), static_cast<int>(*world), "RANK/WORLD_SIZE"};
+  }
+  return bootstrap::identity_from_env();
+}
+
+// The rendezvous: GOSSIP_MASTER_ADDR/PORT, else torchrun's MASTER_ADDR and
+// MASTER_PORT + 1 (torchrun's own store, or torch.distributed's, may hold MASTER_PORT).
+std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::duration<double> timeout) {
+  std::string addr = env_or("GOSSIP_MASTER_ADDR", env_or("MASTER_ADDR", "127.0.0.1"));
+  long long port = 0;
+  if (const auto p = env_int("GOSSIP_MASTER_PORT")) {
+    port = *p;
+    if (port < 1 || port > 65535) throw config_error(fmt::format("gossip: GOSSIP_MASTER_PORT={} is not a TCP port (1..65535)", port));
+  } else if (const auto m = env_int("MASTER_PORT")) {
+    port = *m + 1;
+    if (*m < 1 || port > 65535)
+      throw config_error(fmt::format("gossip: MASTER_PORT={} leaves no port above it for the gossip rendezvous (MASTER_PORT + 1); "
+                                     "set GOSSIP_MASTER_PORT",
+                                     *m));
+  } else if (id.world > 1) {
+    throw config_error(fmt::format("gossip: rank {} of {} ({}) has no rendezvous port: launch with torchrun (MASTER_ADDR/MASTER_PORT), "
+                                   "or set GOSSIP_MASTER_PORT (and GOSSIP_MASTER_ADDR, default 127.0.0.1)",
+                                   id.rank, id.world, id.source));
+  }
+  return std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout);
+}
+
+// A Python value as TOML (for a config given as a dict).
+std::string toml_value(const py::handle& v, const std::string& where) {
+  if (py::isinstance<py::bool_>(v)) return v.cast<bool>() ? "true" : "false";
+  if (py::isinstance<py::int_>(v)) return std::to_string(v.cast<long long>());
+  if (py::isinstance<py::float_>(v)) {
+    const double d = v.cast<double>();
+    if (!std::isfinite(d)) return std::isnan(d) ? "nan" : (d > 0 ? "inf" : "-inf");
+    std::string s = fmt::format("{}", d);
+    if (s.find_first_of(".e") == std::string::npos) s += ".0";
+    return s;
+  }
+  if (py::isinstance<py::str>(v)) {
+    std::string out = "\"";
+    for (char c : v.cast<std::string>()) {
+      if (c == '"' || c == '\\')
+        out += '\\', out += c;
+      else if (static_cast<unsigned char>(c) < 0x20)
+        out += fmt::format("\\u{:04x}", static_cast<int>(c));
+      else
+        out += c;
+    }
+    return out + "\"";
+  }
+  if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
+    std::string out = "[";
+    for (const auto& x : v) out += (out.size() > 1 ? ", " : "") + toml_value(x, where);
+    return out + "]";
+  }
+  throw config_error(fmt::format("config dict: {} is a {}; values are bool, int, float, str or a list of them", where,
+                                 py_str(v.get_type().attr("__name__"))));
+}
+
+config config_from(const py::handle& cfg, const std::vector<std::string>& app_sections) {
+  if (cfg.is_none()) return config(app_sections);
+  if (py::isinstance<py::dict>(cfg)) {
+    std::string text;
+    for (const auto& [section, body] : cfg.cast<py::dict>()) {
+      const std::string name = py_str(section);
+      if (!py::isinstance<py::dict>(body))
+        throw config_error(fmt::format("config dict: ['{}'] must be a dict of settings (a section), got a {}", name,
+                                       py_str(body.get_type().attr("__name__"))));
+      text += fmt::format("[{}]\n", name);
+      for (const auto& [key, value] : body.cast<py::dict>())
+        text += fmt::format("{} = {}\n", py_str(key), toml_value(value, fmt::format("['{}']['{}']", name, py_str(key))));
+    }
+    return config::parse(text, "config dict", app_sections);
+  }
+  // A path: str or os.PathLike.
+  const auto os = py::module_::import("os");
+  return config::load(py_str(os.attr("fspath")(cfg)), app_sections);
+}
+
+struct registered_tensor {
+  std::string name;
+  py::object tensor;     // kept alive: the engine points at its storage
+  py::object data_ptr;   // its bound data_ptr method (a reassigned .data shows up here)
+  std::uintptr_t address = 0;
+  py::object momentum;   // the optimizer's momentum buffer, or None
+  py::object state;      // optimizer.state[param], where momentum_buffer is looked up again at each step
+  std::uintptr_t momentum_address = 0;
+};
+
+std::uintptr_t address_of(const py::handle& data_ptr) { return data_ptr().cast<std::uintptr_t>(); }
+
+// Checks that `t` is a contiguous float32 CPU tensor and returns its element count.
+std::size_t check_tensor(const std::string& what, const py::handle& t) {
+  for (const char* attr : {"data_ptr", "is_contiguous", "dtype", "device", "numel"})
+    if (!py::hasattr(t, attr))
+      throw py::type_error(fmt::format("gossip.Engine: {} is a {}, not a torch tensor (no .{})", what,
+                                       py_str(t.get_type().attr("__name__")), attr));
+  const std::string dtype = py_str(t.attr("dtype"));
+  if (dtype != "torch.float32")
+    throw py::type_error(fmt::format("gossip.Engine: {} is {}; the engine exchanges torch.float32 tensors (convert the model with "
+                                     "model.float())",
+                                     what, dtype));
+  const std::string device = py_str(t.attr("device").attr("type"));
+  if (device != "cpu")
+    throw py::value_error(fmt::format("gossip.Engine: {} is on device '{}'; this module takes CPU tensors (move the model with "
+                                      "model.cpu())",
+                                      what, py_str(t.attr("device"))));
+  if (!t.attr("is_contiguous")().cast<bool>())
+    throw py::value_error(fmt::format("gossip.Engine: {} is not contiguous; the engine reads a tensor's storage as one block (make it "
+                                      "contiguous before registering, e.g. p.data = p.data.contiguous())",
+                                      what));
+  return t.attr("numel")().cast<std::size_t>();
+}
+
+// The heavy-ball settings of an SGD optimizer's group, or an error naming it.
+double group_momentum(const py::handle& optimizer, const py::handle& group, std::size_t index) {
+  const auto type = py_str(optimizer.get_type().attr("__name__"));
+  if (!group.contains("momentum"))
+    throw py::value_error(fmt::format("gossip.Engine: optimizer= takes torch.optim.SGD (heavy-ball momentum buffers); a {} has none. "
+                                      "Leave optimizer= out: its state stays local",
+                                      type));
+  const double m = group["momentum"].cast<double>();
+  if (m > 0 && group.contains("nesterov") && group["nesterov"].cast<bool>())
+    throw py::value_error(fmt::format("gossip.Engine: optimizer param_groups[{}] uses nesterov=True; quasi-global momentum is heavy-ball "
+                                      "(v = m*v + g; p -= lr*v): use nesterov=False, or leave optimizer= out",
+                                      index));
+  if (m > 0 && group.contains("dampening") && group["dampening"].cast<double>() != 0)
+    throw py::value_error(fmt::format("gossip.Engine: optimizer param_groups[{}] has dampening={}; quasi-global momentum needs "
+                                      "dampening=0, or leave optimizer= out",
+                                      index, group["dampening"].cast<double>()));
+  return m;
+}
+
+}  // namespace
+
+class py_engine {
+ public:
+  py_engine(const py::iterable& named_parameters, const py::object& cfg_arg, const py::object& optimizer,
+            const std::vector<std::string>& app_sections) {
+    config cfg = config_from(cfg_arg, app_sections);
+    model_view view;
+    py::iterable items = named_parameters;
+    if (py::isinstance<py::dict>(named_parameters) || py::hasattr(named_parameters, "items"))
+      items = named_parameters.attr("items")();
+    for (const auto& item : items) {
+      if (!py::isinstance<py::tuple>(item) || py::len(item) != 2)
+        throw py::type_error("gossip.Engine: expected (name, tensor) pairs, as model.named_parameters() yields");
+      const auto pair = item.cast<py::tuple>();
+      registered_tensor r;
+      r.name = py_str(pair[0]);
+      r.tensor = pair[1];
+      const std::size_t n = check_tensor(fmt::format("parameter '{}'", r.name), r.tensor);
+      r.data_ptr = r.tensor.attr("data_ptr");
+      r.address = address_of(r.data_ptr);
+      view.add(r.name, {reinterpret_cast<float*>(r.address), n});
+      m_tensors.push_back(std::move(r));
+    }
+    if (m_tensors.empty()) throw py::value_error("gossip.Engine: no parameters were given (model.named_parameters() was empty or consumed)");
+
+    if (!optimizer.is_none()) register_momentum(optimizer, cfg, view);
+
+    const rank_identity id = identity();
+    m_rank = id.rank;
+    m_world = id.world;
+    check_world(cfg, id);
+    engine_spec spec = engine_spec::from(cfg);
+    any_transport transport = make_transport(cfg, id, spec.settings.timeout);
+    py::gil_scoped_release unlocked;  // connecting waits for peers
+    m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
+  }
+
+  py_engine(const py_engine&) = delete;
+  py_engine& operator=(const py_engine&) = delete;
+
+  ~py_engine() {
+    py::gil_scoped_release unlocked;  // leaving the fabric may wait (bounded) on peers
+    m_engine.reset();
+    m_boot.reset();
+  }
+
+  step_result step(double lr, double loss) {
+    engine& e = running("step");
+    if (m_has_momentum && !(lr > 0))
+      throw py::value_error(fmt::format("gossip.Engine.step: lr={} but the engine keeps quasi-global momentum, which needs the step's "
+                                        "learning rate (> 0): pass lr=",
+                                        lr));
+    check_storage();
+    busy_guard guard(m_busy, "step");
+    py::gil_scoped_release unlocked;
+    return e.step({.lr = lr, .loss = loss});
+  }
+
+  std::size_t poll() {
+    engine& e = running("poll");
+    check_storage();
+    busy_guard guard(m_busy, "poll");
+    py::gil_scoped_release unlocked;
+    return e.poll();
+  }
+
+  void finish(int rounds) {
+    if (!m_engine) return;
+    check_storage();
+    busy_guard guard(m_busy, "finish");
+    py::gil_scoped_release unlocked;
+    m_engine->finish(rounds);
+    // Rank 0 serves the rendezvous: it stays until every rank is through.
+    if (m_boot && !m_finished) m_boot->barrier("gossip/python/finish");
+    m_finished = true;
+  }
+
+  py::object stats() {
+    engine& e = live("stats");
+    const std::string json = e.stats().to_json(-1);
+    return py::module_::import("json").attr("loads")(json);
+  }
+
+  double weight() { return live("weight").weight(); }
+  std::uint64_t steps() { return live("steps").steps(); }
+  double consensus() { return live("consensus").consensus(); }
+  int rank() const noexcept { return m_rank; }
+  int world() const noexcept { return m_world; }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& t : m_tensors) out.push_back(t.name);
+    return out;
+  }
+
+ private:
+  struct busy_guard {
+    std::atomic<bool>& flag;
+    busy_guard(std::atomic<bool>& f, const char* what) : flag(f) {
+      if (flag.exchange(true))
+        throw error(fmt::format("gossip.Engine.{}: the engine is in use by another thread; call it from one thread", what));
+    }
+    ~busy_guard() { flag = false; }
+  };
+
+  engine& live(const char* what) {
+    if (!m_engine) throw error(fmt::format("gossip.Engine.{}: the engine was not constructed", what));
+    return *m_engine;
+  }
+  // step() and poll() after finish(): the engine has left its peers.
+  engine& running(const char* what) {
+    if (m_finished) throw error(fmt::format("gossip.Engine.{}: finish() was called; this rank has left its peers (build a new Engine)", what));
+    return live(what);
+  }
+
+  // A parameter whose storage moved (p.data = …, resize_, a reloaded state
+  // dict) would leave the engine writing freed memory: refuse, naming it.
+  void check_storage() {
+    for (const auto& t : m_tensors) {
+      const auto now = address_of(t.data_ptr);
+      if (now != t.address)
+        throw error(fmt::format("gossip.Engine: the storage of parameter '{}' was reallocated after registration (data_ptr "
+                                             "{:#x}, registered {:#x}); update parameters in place (optimizer.step(), p.data.copy_(…)) "
+                                             "or build a new Engine",
+                                             t.name, now, t.address));
+      if (t.momentum_address) {
+        const py::object buf = t.state.attr("get")("momentum_buffer");
+        const std::uintptr_t m = buf.is_none() ? 0 : address_of(buf.attr("data_ptr"));
+        if (m != t.momentum_address)
+          throw error(fmt::format("gossip.Engine: the optimizer's momentum buffer of parameter '{}' was replaced after "
+                                               "registration (optimizer.load_state_dict or a new optimizer?); build a new Engine "
+                                               "with optimizer= after that",
+                                               t.name));
+      }
+    }
+  }
+
+  // torch.optim.SGD creates momentum_buffer at its first step; creating it
+  // now as zeros gives the same first step (m·0 + g) and a stable address.
+  void register_momentum(const py::object& optimizer, config& cfg, model_view& view) {
+    if (!py::hasattr(optimizer, "param_groups") || !py::hasattr(optimizer, "state"))
+      throw py::type_error(fmt::format("gossip.Engine: optimizer= must be a torch.optim optimizer (param_groups, state), got a {}",
+                                       py_str(optimizer.get_type().attr("__name__"))));
+    const auto engine_opts = cfg.engine.resolved(engine_option_specs(), "[engine]");
+    if (engine_opts.string("momentum") == "local") return;
+    py::dict group_of;  // param → its group's momentum
+    std::optional<double> beta;
+    std::size_t gi = 0;
+    for (const auto& group : optimizer.attr("param_groups")) {
+      const double m = group_momentum(optimizer, group, gi);
+      if (m > 0) {
+        if (beta && *beta != m)
+          throw py::value_error(fmt::format("gossip.Engine: optimizer param groups use momentum {} and {}; quasi-global momentum takes one "
+                                            "β for all: use one momentum, or set [engine] momentum = \"local\"",
+                                            *beta, m));
+        beta = m;
+      }
+      for (const auto& p : group["params"]) group_of[p] = m;
+      ++gi;
+    }
+    if (!beta) return;  // plain SGD: no buffers
+    if (cfg.engine.has("momentum_beta")) {
+      if (std::abs(engine_opts.real("momentum_beta") - *beta) > 1e-12)
+        throw py::value_error(fmt::format("gossip.Engine: {}: momentum_beta = {} but the optimizer's momentum is {}; make them equal or "
+                                          "leave momentum_beta out (it then follows the optimizer)",
+                                          cfg.engine.where("momentum_beta"), engine_opts.real("momentum_beta"), *beta));
+    } else {
+      cfg.engine.set("momentum_beta", *beta, "the optimizer's momentum");
+    }
+    const py::object state = optimizer.attr("state");
+    for (auto& t : m_tensors) {
+      if (!group_of.contains(t.tensor) || group_of[t.tensor].cast<double>() <= 0) continue;
+      py::object s = state.attr("__getitem__")(t.tensor);  // state is a defaultdict(dict)
+      py::object buf = s.attr("get")("momentum_buffer");
+      if (buf.is_none()) {
+        buf = t.tensor.attr("detach")().attr("new_zeros")(t.tensor.attr("shape"));
+        s["momentum_buffer"] = buf;
+      }
+      const std::size_t n = check_tensor(fmt::format("the momentum buffer of parameter '{}'", t.name), buf);
+      t.momentum = buf;
+      t.state = s;
+      t.momentum_address = address_of(buf.attr("data_ptr"));
+      view.momentum(t.name, {reinterpret_cast<float*>(t.momentum_address), n});
+      m_has_momentum = true;
+    }
+  }
+
+  // A config written for N workers ([train] workers) must run on N ranks.
+  static void check_world(const config& cfg, const rank_identity& id) {
+    const auto it = cfg.sections.find("train");
+    if (it == cfg.sections.end() || !it->second.has("workers")) return;
+    const auto& v = it->second.values().at("workers");
+    if (!std::holds_alternative<std::int64_t>(v))
+      throw config_error(fmt::format("{}: key 'workers' must be an integer", it->second.where("workers")));
+    const auto workers = std::get<std::int64_t>(v);
+    if (workers != id.world)
+      throw config_error(fmt::format("{}: workers = {} but the world has {} ranks ({}, this is rank {}); start as many processes as "
+                                     "workers (torchrun --nproc_per_node {}) or change workers",
+                                     it->second.where("workers"), workers, id.world, id.source, id.rank, workers));
+  }
+
+  any_transport make_transport(const config& cfg, const rank_identity& id, std::chrono::duration<double> timeout) {
+    const auto& t = cfg.transport;
+    // [transport] left at its default (loopback, no settings) means UCX here: ranks are processes.
+    const bool default_transport = t.name == "loopback" && t.opts.values().empty();
+    if (t.name == "loopback" && !default_transport && id.world > 1)
+      throw config_error(fmt::format("{}: transport 'loopback' connects threads of one process, but this is rank {} of {} processes; "
+                                     "use name = \"ucx\" or leave [transport] out",
+                                     t.opts.where(), id.rank, id.world));
+    if (t.name == "loopback" && id.world == 1) {
+      m_fabric.emplace(1);
+      return m_fabric->endpoint(0);
+    }
+    if (t.name != "ucx" && !default_transport)
+      throw config_error(fmt::format("{}: transport '{}' is not available from Python; use \"ucx\" (the default here)", t.opts.where(), t.name));
+#if defined(GOSSIP_HAVE_UCX)
+    if (!t.opts.values().empty() && t.name == "ucx")
+      throw config_error(fmt::format("{}: transport 'ucx' takes no settings here (key '{}'); UCX reads UCX_* environment variables",
+                                     t.opts.where(), t.opts.values().begin()->first));
+    m_boot = make_bootstrap(id, timeout);
+    return ucx_transport(m_boot);
+#else
+    (void)timeout;
+    throw config_error(fmt::format("gossip: rank {} of {} needs the UCX transport, which this build of the module lacks (rebuild with "
+                                   "libucx-dev installed)",
+                                   id.rank, id.world));
+#endif
+  }
+
+  std::vector<registered_tensor> m_tensors;
+  std::optional<loopback_fabric> m_fabric;
+  std::shared_ptr<bootstrap> m_boot;
+  std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
+  std::atomic<bool> m_busy{false};
+  bool m_has_momentum = false, m_finished = false;
+  int m_rank = 0, m_world = 1;
+};
+
+template <class Registry>
+py::list describe(const Registry& r) {
+  py::list out;
+  for (const auto& e : r.entries()) {
+    py::list opts;
+    for (const auto& s : e.specs) {
+      py::dict o;
+      o["key"] = s.key;
+      o["default"] = to_string(s.default_value);
+      o["help"] = s.help;
+      if (!s.env.empty()) o["env"] = s.env;
+      opts.append(o);
+    }
+    py::dict d;
+    d["name"] = e.name;
+    d["help"] = e.help;
+    d["options"] = opts;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace gossip::python
+
+PYBIND11_MODULE(gossip, m) {
+  using gossip::python::py_engine;
+  namespace gp = gossip::python;
+  m.doc() = "libgossip: drift-triggered gossip between training processes (one Engine per rank)";
+
+  static py::exception<gossip::error> error(m, "Error", PyExc_RuntimeError);
+  static py::exception<gossip::config_error> config_error(m, "ConfigError", error.ptr());
+  static py::exception<gossip::timeout_error> timeout_error(m, "TimeoutError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const gossip::config_error& e) {
+      config_error(e.what());
+    } catch (const gossip::timeout_error& e) {
+      timeout_error(e.what());
+    } catch (const gossip::error& e) {
+      error(e.what());
+    }
+  });
+
+  py::class_<gossip::step_result>(m, "StepResult", "What one Engine.step did")
+      .def_readonly("sent", &gossip::step_result::sent, "the policy fired and the model was posted to peers")
+      .def_property_readonly("reason", [](const gossip::step_result& r) { return std::string(gossip::to_string(r.why)); })
+      .def_readonly("relative_drift", &gossip::step_result::relative_drift)
+      .def_readonly("merged", &gossip::step_result::merged, "messages from peers merged at this step")
+      .def("__repr__", [](const gossip::step_result& r) {
+        return fmt::format("StepResult(sent={}, reason='{}', relative_drift={:.4g}, merged={})", r.sent ? "True" : "False",
+                           gossip::to_string(r.why), r.relative_drift, r.merged);
+      });
+
+  py::class_<py_engine>(m, "Engine", R"(One rank's gossip engine over a model's parameters.
+
+    eng = gossip.Engine(model.named_parameters(), config="run.toml", optimizer=opt)
+
+named_parameters: (name, tensor) pairs or a dict; contiguous float32 CPU tensors,
+  used in place (no copy): update them in place (optimizer.step()).
+config: a TOML file path, a dict {section: {key: value}} in the same format, or None.
+optimizer: a torch.optim.SGD with momentum whose buffers become quasi-global
+  ([engine] momentum); leave it out to keep the optimizer's state local.
+app_sections: sections of the program's own that the config file may hold; a
+  [train] workers key must equal the world size.
+Rank and world come from torchrun (RANK, WORLD_SIZE) or GOSSIP_RANK/GOSSIP_WORLD_SIZE;
+the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER_PORT).)")
+      .def(py::init<const py::iterable&, const py::object&, const py::object&, const std::vector<std::string>&>(), py::arg("named_parameters"),
+           py::kw_only(), py::arg("config") = py::none(), py::arg("optimizer") = py::none(),
+           py::arg("app_sections") = std::vector<std::string>{"train"})
+      .def("step", &py_engine::step, py::kw_only(), py::arg("lr") = 0.0, py::arg("loss") = std::numeric_limits<double>::quiet_NaN(),
+           "After optimizer.step(): merge what peers sent, measure drift, let the policy decide, send. Releases the GIL.")
+      .def("poll", &py_engine::poll, "Merge what peers sent without deciding or sending; returns the count merged.")
+      .def("finish", &py_engine::finish, py::arg("rounds") = -2,
+           "Final averaging rounds (default: [engine] finish_rounds), then leave the fabric. Idempotent.")
+      .def("stats", &py_engine::stats, "The engine's counters as a dict (the JSON report).")
+      .def_property_readonly("rank", &py_engine::rank)
+      .def_property_readonly("world", &py_engine::world)
+      .def_property_readonly("weight", &py_engine::weight, "push-sum weight: the average model is sum(w_i x_i) / sum(w_i)")
+      .def_property_readonly("steps", &py_engine::steps)
+      .def_property_readonly("consensus", &py_engine::consensus, "the consensus-distance estimate policies see (NaN until a model arrived)")
+      .def_property_readonly("names", &py_engine::names, "registered parameter names, in order")
+      .def("__enter__", [](py_engine& e) -> py_engine& { return e; }, py::return_value_policy::reference)
+      .def("__exit__", [](py_engine& e, const py::object& type, const py::object&, const py::object&) {
+        if (type.is_none()) e.finish(-2);
+      });
+
+  m.def("policies", [] { return gp::describe(gossip::policy_registry()); }, "Policies a config's [policy] name may choose, with their settings.");
+  m.def("components", [] {
+    py::dict d;
+    d["policy"] = gp::describe(gossip::policy_registry());
+    d["topology"] = gp::describe(gossip::topology_registry());
+    d["protocol"] = gp::describe(gossip::protocol_registry());
+    py::list engine;
+    for (const auto& s : gossip::engine_option_specs()) {
+      py::dict o;
+      o["key"] = s.key;
+      o["default"] = gossip::to_string(s.default_value);
+      o["help"] = s.help;
+      engine.append(o);
+    }
+    d["engine"] = engine;
+    return d;
+  }, "Every component a config may name ([policy], [topology], [protocol]) and the [engine] settings.");
+#if defined(GOSSIP_HAVE_UCX)
+  m.attr("has_ucx") = true;
+#else
+  m.attr("has_ucx") = false;
+#endif
+  m.attr("__version__") = GOSSIP_VERSION;
+}

@@ -1,0 +1,252 @@
+"""The Python module with PyTorch: torchrun runs of 2 and 4 processes over UCX
+on this machine, checked against plain torch; errors; stats; README's script.
+
+Run by tests/test_python.sh (meson test python), which skips when torch or the
+module is absent. Every run is bounded: torchrun by a subprocess timeout, each
+network wait by the engine's timeout (GOSSIP_TIMEOUT_S).
+"""
+import os
+import pathlib
+import re
+import signal
+import socket
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import gossip
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCE_ROOT = HERE.parent.parent
+WORKER = HERE / "torch_worker.py"
+RUN_TIMEOUT_S = 150
+
+
+def free_port_pair():
+    """A port P with P + 1 also free: torchrun's store takes P, the gossip rendezvous P + 1."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free TCP ports on 127.0.0.1")
+
+
+# torch 1.13 under Python 3.11 cannot parse the default --redirects/--tee of 0
+# (enum.Flag no longer iterates over its zero member): redirect stderr (2) to
+# files and tee it back, which leaves stdout as it is.
+TORCHRUN_STD = ["--redirects", "2", "--tee", "2"]
+
+
+def torchrun(nproc, *args):
+    """Runs `args` under torchrun with `nproc` local ranks; returns (exit status, output)."""
+    log_dir = tempfile.mkdtemp(prefix="gossip-torchrun-")
+    try:
+        return torchrun_logging_to(log_dir, nproc, *args)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def torchrun_logging_to(log_dir, nproc, *args):
+    env = dict(os.environ)
+    env.update(UCX_NET_DEVICES="lo", OMP_NUM_THREADS="1", GOSSIP_TIMEOUT_S=env.get("GOSSIP_TIMEOUT_S", "30"))
+    # Unbuffered, print() writes a line and its newline separately, and ranks' lines interleave.
+    for var in ("GOSSIP_RANK", "GOSSIP_WORLD_SIZE", "GOSSIP_MASTER_ADDR", "GOSSIP_MASTER_PORT", "PYTHONUNBUFFERED"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port_pair()), "--max_restarts", "0",
+           "--monitor_interval", "0.2", *TORCHRUN_STD, "--log_dir", log_dir, *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {RUN_TIMEOUT_S} s: {' '.join(cmd)}\n{out}")
+    return proc.returncode, out
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as rank 0 of 1 (no peers: the loopback transport)."""
+    for var in ("GOSSIP_RANK", "GOSSIP_WORLD_SIZE", "GOSSIP_MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+
+def initial_tensors(world):
+    """Every rank's initial tensors, as torch_worker.py makes them."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from torch_worker import initial_tensors as of_rank
+    finally:
+        sys.path.pop(0)
+    return [of_rank(r) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_average_matches_plain_torch(world, tmp_path):
+    steps = 30
+    status, out = torchrun(world, WORKER, "average", tmp_path, steps)
+    assert status == 0, out
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    initial = initial_tensors(world)
+    expected = {k: torch.stack([t[k] for t in initial]).mean(0) for k in initial[0]}  # the plain average
+    total = sum(r["weight"] for r in ranks)
+    assert total == pytest.approx(world, abs=1e-6), "push-sum mass is conserved once every rank has drained"
+    for name, mean in expected.items():
+        # Push-sum's estimate of the average, sum(w_i x_i) / sum(w_i): exact once drained.
+        estimate = sum(r["weight"] * r["tensors"][name] for r in ranks) / total
+        torch.testing.assert_close(estimate, mean, atol=1e-5, rtol=1e-5)
+        spread = max((t[name] - mean).abs().max().item() for t in initial)
+        for r in ranks:
+            # Every rank ends near the average: gossip rounds shrink the initial spread by orders of magnitude.
+            assert (r["tensors"][name] - mean).abs().max().item() < 0.05 * spread, f"rank {r['stats']['rank']} tensor {name}"
+
+    for rank, r in enumerate(ranks):
+        s = r["stats"]
+        assert (s["rank"], s["world"]) == (rank, world)
+        assert (s["policy"], s["topology"], s["protocol"], s["transport"], s["momentum"]) == ("periodic", "exponential", "push-sum", "ucx", "local")
+        assert s["steps"] >= steps
+        # Every step fires; a firing whose send buffers are all still on the wire is counted as busy.
+        assert s["sends"] + s["send_busy"] >= steps and s["sends"] >= steps // 2
+        assert s["decisions"]["period"] >= steps
+        assert s["bytes_sent"] > 0 and s["messages_sent"] >= s["sends"]
+        assert s["messages_received"] > 0 and s["dead_peers"] == []
+        assert [t["name"] for t in s["tensors"]] == ["w", "b"]
+        assert all(t["bytes_sent"] > 0 for t in s["tensors"])
+        assert s["peers"] and all(0 <= p["rank"] < world and p["rank"] != rank for p in s["peers"])
+        assert s["weight"] == pytest.approx(r["weight"])
+
+
+def test_training_with_quasi_global_momentum(tmp_path):
+    status, out = torchrun(2, WORKER, "train", tmp_path, 200)
+    assert status == 0, out
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["stats"]["momentum"] == "quasi-global"
+        assert r["same_buffers"], "the optimizer kept the momentum buffers the engine was given"
+    # Rank r's data alone: bias r; all data: the mean, 0.5.
+    bias = sum(r["weight"] * r["bias"] for r in ranks) / sum(r["weight"] for r in ranks)
+    assert bias.item() == pytest.approx(0.5, abs=0.15)
+
+
+def readme_snippet(path):
+    readme = (SOURCE_ROOT / "README.md").read_text()
+    m = re.search(r"<!-- snippet: " + re.escape(path) + r" -->\n```python\n(.*?)```\n", readme, re.S)
+    assert m, f"README.md has no `<!-- snippet: {path} -->` followed by a ```python block"
+    return m.group(1)
+
+
+def test_readme_script_runs_as_written(tmp_path):
+    path = "examples/00_training_loop/pytorch.py"
+    text = readme_snippet(path)
+    assert text == (SOURCE_ROOT / path).read_text(), f"README.md's snippet differs from {path}; copy the file into README"
+    script = tmp_path / "pytorch.py"
+    script.write_text(text)
+    status, out = torchrun(4, script)
+    assert status == 0, out
+    lines = re.findall(r"rank (\d): b = (-?[0-9.]+) \(its data alone: \d, all data: 1.5\), w = ([0-9.]+), (\d+) sends of (\d+) steps, "
+                       r"(\d+) bytes sent", out)
+    assert sorted(int(l[0]) for l in lines) == [0, 1, 2, 3], out
+    for rank, b, w, sends, steps, sent in lines:
+        assert 0 < int(sends) <= int(steps) and int(sent) > 0, out
+    # Push-sum conserves mass: the weights sum to the world size once every rank has drained.
+    assert sum(float(w) for _, _, w, *_ in lines) == pytest.approx(4, abs=0.01), out
+    # The average model's intercept lies between the ranks' own (0 and 3); how close
+    # it comes to 1.5 depends on the timing of the sends.
+    average = sum(float(w) * float(b) for _, b, w, *_ in lines) / 4
+    assert 0 < average < 3, out
+
+
+def test_world_size_disagreeing_with_config(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[policy]\nname = "periodic"\n\n[train]\nworkers = 4\n')
+    status, out = torchrun(2, WORKER, "config", cfg)
+    assert status != 0
+    assert f"{cfg} [train]: workers = 4 but the world has 2 ranks" in out, out
+
+
+def test_errors_name_the_parameter(one_rank):
+    with pytest.raises(ValueError, match=r"parameter 'fc\.weight' is not contiguous"):
+        gossip.Engine([("fc.weight", torch.zeros(4, 3).t())])
+    with pytest.raises(TypeError, match=r"parameter 'fc\.bias' is torch\.float64; the engine exchanges torch\.float32"):
+        gossip.Engine([("fc.weight", torch.zeros(4)), ("fc.bias", torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(TypeError, match=r"parameter 'x' is a list, not a torch tensor"):
+        gossip.Engine([("x", [1.0, 2.0])])
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"optimizer= takes torch\.optim\.SGD"):
+        gossip.Engine(model.named_parameters(), optimizer=torch.optim.Adam(model.parameters()))
+    with pytest.raises(ValueError, match=r"nesterov=True"):
+        gossip.Engine(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True))
+
+
+def test_storage_reallocated_after_registration(one_rank):
+    model = torch.nn.Linear(3, 2)
+    eng = gossip.Engine(model.named_parameters())
+    eng.step(lr=0.1)
+    with torch.no_grad():
+        model.weight.add_(1.0)  # in place: fine
+    eng.step(lr=0.1)
+    model.weight.data = torch.zeros(2, 3)  # new storage
+    with pytest.raises(gossip.Error, match=r"storage of parameter 'weight' was reallocated after registration"):
+        eng.step(lr=0.1)
+
+
+def test_momentum_buffer_replaced(one_rank):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eng = gossip.Engine(model.named_parameters(), optimizer=opt)
+    assert eng.stats()["momentum"] == "quasi-global"
+    opt.state[model.bias]["momentum_buffer"] = torch.zeros(2)
+    with pytest.raises(gossip.Error, match=r"momentum buffer of parameter 'bias' was replaced"):
+        eng.step(lr=0.1)
+    with pytest.raises(ValueError, match=r"needs the step's learning rate"):
+        gossip.Engine(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)).step()
+
+
+def test_config_errors_name_the_source(one_rank, tmp_path):
+    with pytest.raises(gossip.ConfigError, match=r"config dict \[policy\]: unknown key 'evry' for policy 'periodic' \(did you mean 'every'\?\)"):
+        gossip.Engine({"w": torch.zeros(2)}, config={"policy": {"name": "periodic", "evry": 2}})
+    with pytest.raises(gossip.ConfigError, match=r"cannot open the config file"):
+        gossip.Engine({"w": torch.zeros(2)}, config=tmp_path / "missing.toml")
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[policy]\nname = \"periodic\"\nevery = 3\n[engine]\nmomentum_beta = 0.5\n")
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match=r"momentum_beta = 0.5 but the optimizer's momentum is 0.9"):
+        gossip.Engine(model.named_parameters(), config=cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def test_one_rank_step_and_stats(one_rank):
+    model = torch.nn.Linear(3, 2)
+    with gossip.Engine(model.named_parameters(), config={"policy": {"name": "periodic", "every": 2}}) as eng:
+        results = [eng.step(lr=0.1, loss=1.0) for _ in range(4)]
+    assert results[0].reason == "not_due" and results[1].reason == "period"
+    s = eng.stats()
+    assert (s["rank"], s["world"], s["steps"], s["policy"]) == (0, 1, 4, "periodic")
+    assert [t["name"] for t in s["tensors"]] == ["weight", "bias"] == eng.names
+    with pytest.raises(gossip.Error, match=r"finish\(\) was called"):
+        eng.step(lr=0.1)
+
+
+def test_policies_lists_components():
+    names = [p["name"] for p in gossip.policies()]
+    assert {"consensus", "periodic", "drift", "never"} <= set(names)
+    periodic = next(p for p in gossip.policies() if p["name"] == "periodic")
+    assert "every" in [o["key"] for o in periodic["options"]]
+    c = gossip.components()
+    assert {"exponential", "ring"} <= {t["name"] for t in c["topology"]}
+    assert "push-sum" in {p["name"] for p in c["protocol"]}
+    assert "timeout_s" in {o["key"] for o in c["engine"]}

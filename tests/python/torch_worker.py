@@ -1,0 +1,61 @@
+# One rank of a test run under torchrun (tests/python/test_torch.py starts it).
+#
+#   torch_worker.py average OUT_DIR STEPS   rank-seeded tensors, periodic gossip, no local updates;
+#                                           saves the final tensors, weight and stats to OUT_DIR/rank<R>.pt
+#   torch_worker.py train OUT_DIR STEPS     SGD with momentum on rank-shifted data (quasi-global momentum)
+#   torch_worker.py config PATH             builds an Engine from the config file PATH and exits
+import os
+import sys
+import time
+
+import torch
+
+import gossip
+
+
+def initial_tensors(rank):
+    """Each rank's starting values; the test recomputes them to form the plain average."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return {"w": torch.randn(3, 5, generator=g), "b": torch.randn(7, generator=g) + rank}
+
+
+def main():
+    mode = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    if mode == "config":
+        gossip.Engine({"w": torch.zeros(4)}, config=sys.argv[2]).finish()
+        return
+    out_dir, steps = sys.argv[2], int(sys.argv[3])
+    if mode == "average":
+        params = {k: torch.nn.Parameter(v) for k, v in initial_tensors(rank).items()}
+        eng = gossip.Engine(params.items(), config={"policy": {"name": "periodic", "every": 1}})
+        for _ in range(steps):
+            eng.step(lr=0.1)
+            time.sleep(0.01)  # the ranks' steps overlap in time, as training steps would
+        eng.finish()
+        torch.save({"tensors": {k: v.detach().clone() for k, v in params.items()}, "weight": eng.weight, "stats": eng.stats()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "train":
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.8)
+        eng = gossip.Engine(model.named_parameters(), optimizer=opt, config={"policy": {"name": "periodic", "every": 2}})
+        buffers = [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(16, 8, generator=data)
+            loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True) + rank)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            eng.step(lr=0.05, loss=loss.item())
+        eng.finish()
+        same = buffers == [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
+        torch.save({"bias": model.bias.detach().clone(), "weight": eng.weight, "stats": eng.stats(), "same_buffers": same},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    else:
+        sys.exit(f"torch_worker.py: unknown mode '{mode}'")
+
+
+if __name__ == "__main__":
+    main()
