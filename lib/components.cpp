@@ -96,6 +96,11 @@ const std::vector<option_spec>& engine_option_specs() {
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included) or local (left alone)",
        "GOSSIP_MOMENTUM"},
       {"momentum_beta", 0.9, "β of quasi-global momentum, in [0, 1): use the optimizer's momentum factor", ""},
+      {"momentum_merge", std::string("auto"),
+       "how much of a merge quasi-global momentum carries on: full (Lin et al.), spread (a merge after tau steps counts "
+       "min(1, 1/((1-beta)*tau)) of it; stable for any fixed period), or auto (full for a policy that fires on drift, such as "
+       "consensus; spread for a fixed schedule)",
+       ""},
   };
   return specs;
 }

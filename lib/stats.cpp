@@ -36,6 +36,7 @@ std::string engine_stats::to_json(int indent) const {
   j["protocol"] = protocol;
   j["transport"] = transport;
   j["momentum"] = momentum;
+  if (!momentum_merge.empty()) j["momentum_merge"] = momentum_merge;
   j["steps"] = steps;
   j["sends"] = sends;
   j["skips"] = skips;

@@ -45,6 +45,11 @@ class consensus {
   static constexpr std::string_view help =
       "send when ‖x − x̂‖/‖x̂‖·w^balance > threshold·(lr/lr_max)^lr_exponent: consensus control with push-sum weights kept in balance";
 
+  /// It fires on ‖x − x̂‖: whatever keeps moving the model after a merge
+  /// (quasi-global momentum carrying the merge on) soon makes it send, and the
+  /// peers' reply corrects any overshoot. A fixed schedule has no such loop.
+  static constexpr bool closed_loop = true;
+
   double threshold = 0.1;
   double lr_exponent = 0.5;
   double balance = 2.0;

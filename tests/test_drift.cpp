@@ -86,3 +86,32 @@ TEST_CASE("drift_pass with quasi-global momentum: m̂ ← β·m̂ + (1 − β)·
     }
   }
 }
+
+TEST_CASE("quasi-global momentum counts a merge after tau steps as min(1, 1/((1-beta)*tau)) of it") {
+  // x = x_{t-1} - lr*v + delta: the optimizer's step with velocity v (left in
+  // its buffer) plus what merges moved. d = (x_{t-1} - x)/lr = v - share*delta/lr.
+  std::mt19937 g(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (std::size_t n : {5ul, 4097ul}) {
+    for (float share : {1.0f, 0.25f, 0.0f}) {
+      CAPTURE(n);
+      CAPTURE(share);
+      const float lr = 0.05f, beta = 0.9f;
+      std::vector<float> x(n), r(n), p(n), mhat(n), buf(n), delta(n), want(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        p[i] = u(g);
+        r[i] = p[i];
+        buf[i] = u(g);
+        delta[i] = 0.01f * u(g);
+        mhat[i] = u(g);
+        x[i] = p[i] - lr * buf[i] + delta[i];
+        want[i] = beta * mhat[i] + (1 - beta) * (buf[i] - share * delta[i] / lr);
+      }
+      drift_pass(x.data(), r.data(), p.data(), n, qgm_args{mhat.data(), buf.data(), 1 / lr, beta, share});
+      for (std::size_t i = 0; i < n; ++i) {
+        CHECK(mhat[i] == doctest::Approx(want[i]).epsilon(1e-4));
+        CHECK(buf[i] == mhat[i]);
+      }
+    }
+  }
+}

@@ -248,6 +248,35 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
   }
 }
 
+TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-loop policy, spread for a fixed schedule") {
+  static_assert(policy_closed_loop<policies::consensus>() && !policy_closed_loop<policies::periodic>());
+  struct want_t {
+    const char* setting;
+    bool consensus;
+    const char* reported;
+  };
+  for (const auto& w : {want_t{"auto", true, "full"}, want_t{"auto", false, "spread"}, want_t{"full", false, "full"},
+                        want_t{"spread", true, "spread"}}) {
+    INFO(w.setting, w.consensus ? " consensus" : " periodic");
+    loopback_fabric fabric(1);
+    toy_model m({8}, 3);
+    std::vector<float> v(8, 0.0f);
+    m.view.momentum("t0", v);
+    auto p = w.consensus ? any_policy(policies::consensus{}, "consensus") : any_policy(policies::periodic{.every = 20}, "periodic");
+    auto spec = spec_of(std::move(p), "ring", "push-sum");
+    options o("test [engine]");
+    o.set("momentum_merge", std::string(w.setting));
+    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
+    CHECK(e.stats().momentum_merge == w.reported);
+    e.finish(0);
+  }
+  options bad("test [engine]");
+  bad.set("momentum_merge", std::string("half"));
+  CHECK_THROWS_WITH_AS(engine_settings::from(bad.resolved(engine_option_specs(), "test [engine]")),
+                       "test [engine]: key 'momentum_merge' must be \"auto\", \"full\" or \"spread\", got \"half\"", config_error);
+}
+
 TEST_CASE("model_view::momentum names the tensor it cannot match") {
   std::vector<float> w(4), v(3);
   model_view m;

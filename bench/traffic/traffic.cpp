@@ -59,7 +59,7 @@ const std::vector<option_spec>& bench_specs() {
 // [baseline]: the equal-bytes controls.
 const std::vector<option_spec>& baseline_specs() {
   static const std::vector<option_spec> specs = {
-      {"roles", std::string("equal-traffic,local-sgd,diloco,staggered-qgm"), "equal-bytes baselines to run, comma-separated"},
+      {"roles", std::string("equal-traffic,periodic-qgm,local-sgd,diloco,staggered-qgm"), "equal-bytes baselines to run, comma-separated"},
       {"rounds", std::int64_t{-1}, "gossip rounds at each local-sgd/diloco averaging point (-1: ceil(log2 workers))"},
       {"outer_lr", 0.7, "diloco: outer learning rate"},
       {"outer_momentum", 0.9, "diloco: outer Nesterov momentum"},
@@ -164,9 +164,9 @@ int main(int argc, char** argv) {
       }
     }
     for (const auto& r : roles)
-      if (r != "equal-traffic" && r != "local-sgd" && r != "diloco" && r != "staggered-qgm")
+      if (r != "equal-traffic" && r != "periodic-qgm" && r != "local-sgd" && r != "diloco" && r != "staggered-qgm")
         throw config_error(
-            fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, local-sgd, diloco, staggered-qgm", bl.where(), r));
+            fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, periodic-qgm, local-sgd, diloco, staggered-qgm", bl.where(), r));
     examples::train_settings rounds_probe = settings;
     rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
     if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
@@ -286,7 +286,7 @@ int main(int argc, char** argv) {
     };
     std::vector<baseline_result> baselines;
     for (const auto& role : roles) {
-      const bool gossip = role == "equal-traffic" || role == "staggered-qgm";
+      const bool gossip = role == "equal-traffic" || role == "periodic-qgm" || role == "staggered-qgm";
       const std::int64_t per_point = gossip ? 1 : avg_rounds;
       baseline_result b{role, shortest_period(per_point), gossip ? 0 : avg_rounds};
       for (b.attempts = 1;; ++b.attempts, ++b.every) {
@@ -294,7 +294,9 @@ int main(int argc, char** argv) {
         for (int i = 0; i < n_seeds; ++i) {
           if (role == "equal-traffic")
             idx.push_back(run(role, periodic(b.every), seed_of(i), variant{.probe = i == 0}));
-          else if (role == "staggered-qgm") {  // the fair control for quasi-global momentum: ranks take turns
+          else if (role == "periodic-qgm")  // the fixed period with the adaptive run's quasi-global momentum
+            idx.push_back(run(role, periodic(b.every), seed_of(i), variant{.momentum = "quasi-global"}));
+          else if (role == "staggered-qgm") {  // the same, ranks taking turns
             auto p = periodic(b.every);
             p.opts.set("stagger", true);
             idx.push_back(run(role, p, seed_of(i), variant{.momentum = "quasi-global"}));

@@ -34,6 +34,15 @@ inline engine_settings engine_settings::from(const options& o) {
   if (!(beta >= 0 && beta < 1))
     throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));
   s.momentum_beta = static_cast<float>(beta);
+  const std::string merge = o.string("momentum_merge");
+  if (merge == "auto")
+    s.momentum_merge = engine_settings::merge_momentum::automatic;
+  else if (merge == "full")
+    s.momentum_merge = engine_settings::merge_momentum::full;
+  else if (merge == "spread")
+    s.momentum_merge = engine_settings::merge_momentum::spread;
+  else
+    throw config_error(fmt::format("{}: key 'momentum_merge' must be \"auto\", \"full\" or \"spread\", got \"{}\"", o.where(), merge));
   if (!(s.timeout.count() > 0))
     throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
   if (!(s.timeout.count() <= max_timeout_s))
@@ -118,6 +127,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
     }
     if (qgm) {  // m̂ starts as the optimizer's momentum (normally zero)
+      using mm = engine_settings::merge_momentum;
+      m_merge_full = m_settings.momentum_merge == mm::full || (m_settings.momentum_merge == mm::automatic && m_policy.closed_loop());
       m_mhat.assign(m_elements, 0.0f);
       for (std::size_t i = 0; i < m_slots.size(); ++i)
         if (m_momentum[i]) std::memcpy(m_mhat.data() + m_slots[i].offset, m_momentum[i], m_slots[i].count * sizeof(float));
@@ -139,6 +150,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_stats.protocol = m_protocol.name();
   m_stats.transport = caps.name;
   m_stats.momentum = !m_mhat.empty() ? "quasi-global" : "local";
+  m_stats.momentum_merge = m_mhat.empty() ? "" : m_merge_full ? "full" : "spread";
   m_peer_index.assign(static_cast<std::size_t>(world), -1);
   std::vector<int> neighbours = m_topology.sources();
   neighbours.insert(neighbours.end(), targets.begin(), targets.end());
@@ -246,12 +258,18 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   } else {
     // Quasi-global momentum needs the step's learning rate: d = (x_{t−1} − x_t)/lr.
     const bool qgm = !m_mhat.empty() && std::isfinite(info.lr) && info.lr > 0;
+    // A merge since the last pass corrects the separation of the τ steps
+    // since the merge before it (qgm_args::merge_share).
+    const float merge_share = m_merge_steps > 0 && !m_merge_full
+                                  ? std::min(1.0f, 1.0f / ((1.0f - m_settings.momentum_beta) * static_cast<float>(m_merge_steps)))
+                                  : 1.0f;
+    m_merge_steps = 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
       const drift_sums d = qgm && m_momentum[i]
                                ? drift_pass(s.data, m_snapshot + s.offset, prev + s.offset, s.count,
                                             qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr),
-                                                     m_settings.momentum_beta})
+                                                     m_settings.momentum_beta, merge_share})
                                : drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
       m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
       diff += d.diff_sq;
@@ -499,6 +517,10 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
     merge_received(n);
+    if (m_merge_steps == 0) {  // the first merge since the last drift pass
+      m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);
+      m_last_merge_step = t;
+    }
     for (std::size_t i = 0; i < n; ++i) {
       // An aggregator's reply has no member rank as its sender.
       const int sender = m_received[i].sender;

@@ -53,6 +53,10 @@ struct engine_settings {
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
   bool quasi_global_momentum = true;    ///< registered momentum buffers become quasi-global (model_view::momentum)
   float momentum_beta = 0.9f;
+  /// How much of a merge quasi-global momentum carries on (qgm_args::merge_share):
+  /// auto: full for a closed-loop policy (any_policy::closed_loop), else spread.
+  enum class merge_momentum { automatic, full, spread };
+  merge_momentum momentum_merge = merge_momentum::automatic;
 
   /// From resolved [engine] options (see engine_option_specs()).
   static engine_settings from(const options& o);
@@ -149,6 +153,9 @@ class engine {
   float* m_snapshot = nullptr;                  // x̂ = payload of buffer m_current
   std::vector<float> m_prev;                    // x_{t−1}, for policies that ask and for quasi-global momentum
   std::vector<float> m_mhat;                    // quasi-global momentum m̂ (only when buffers were registered)
+  std::uint64_t m_last_merge_step = 0;          // step of the latest merge
+  std::uint64_t m_merge_steps = 0;              // τ of a merge since the last drift pass (0: none)
+  bool m_merge_full = true;                     // quasi-global momentum carries merges on in full
   std::vector<float*> m_momentum;               // per tensor: the optimizer's momentum buffer, or null
   std::vector<tensor_drift> m_tensor_drift;
   std::vector<received> m_received;

@@ -17,6 +17,11 @@
 /// A policy that needs ‖x_t − x_{t−1}‖² in signal::step_sq declares
 /// `static constexpr bool wants_step_change = true;` and the engine then keeps
 /// the previous model and measures it inside the same fused drift pass.
+///
+/// A policy that fires on the model's own movement since its last send, so
+/// that any lasting displacement soon makes it send, declares
+/// `static constexpr bool closed_loop = true;`. Quasi-global momentum then
+/// carries merges on in full ([engine] momentum_merge = "auto").
 #include <concepts>
 #include <memory>
 #include <string>
@@ -36,6 +41,14 @@ template <class P>
 concept observing_policy = policy<P> && requires(P& p, const outcome& o) {
   { p.observe(o) } noexcept;
 };
+
+template <class P>
+constexpr bool policy_closed_loop() noexcept {
+  if constexpr (requires { P::closed_loop; })
+    return P::closed_loop;
+  else
+    return false;
+}
 
 template <class P>
 constexpr bool policy_wants_step_change() noexcept {
@@ -66,6 +79,7 @@ class any_policy {
   decision decide(const signal& s) noexcept { return m_self->decide(s); }
   void observe(const outcome& o) noexcept { m_self->observe(o); }
   bool wants_step_change() const noexcept { return m_self && m_self->wants_step_change(); }
+  bool closed_loop() const noexcept { return m_self && m_self->closed_loop(); }
   const std::string& name() const noexcept { return m_name; }
 
  private:
@@ -74,6 +88,7 @@ class any_policy {
     virtual decision decide(const signal&) noexcept = 0;
     virtual void observe(const outcome&) noexcept = 0;
     virtual bool wants_step_change() const noexcept = 0;
+    virtual bool closed_loop() const noexcept = 0;
     virtual std::unique_ptr<concept_t> clone() const = 0;
   };
   template <class P>
@@ -84,6 +99,7 @@ class any_policy {
       if constexpr (observing_policy<P>) m_p.observe(o);
     }
     bool wants_step_change() const noexcept override { return policy_wants_step_change<P>(); }
+    bool closed_loop() const noexcept override { return policy_closed_loop<P>(); }
     std::unique_ptr<concept_t> clone() const override { return std::make_unique<model>(*this); }
     P m_p;
   };
