@@ -77,7 +77,7 @@ __attribute__((target("avx2,f16c"))) void fp16_decode_f16c(const std::uint16_t* 
   }
   fp16_decode_scalar(in + i, hat + i, n - i);
 }
-const bool have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+const bool have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");  // gates the AVX2 kernels too
 #endif
 
 void fp16_encode(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
@@ -96,27 +96,114 @@ void fp16_decode(const std::uint16_t* in, float* hat, std::size_t n) noexcept {
 // int8: per block, scale = max|x − x̂| / 127 and q = round(d / scale); both
 // sides then add q·scale. The maximum is taken on the bit patterns of |d|
 // (ordered like the values for non-negative floats), which vectorizes.
-void int8_encode(const float* x, float* hat, std::size_t n, std::size_t block, float* scales, std::int8_t* q) noexcept {
+struct int8_block {
+  float scale, inv;
+};
+int8_block int8_scale(std::uint32_t top) noexcept {
+  float amax = std::bit_cast<float>(top);
+  if (!std::isfinite(amax)) amax = 0;  // a non-finite change is not sent; it stays in the residual
+  return {amax / 127.0f, amax > 0 ? 127.0f / amax : 0.0f};
+}
+void int8_quantize_scalar(const float* xb, float* hb, std::size_t m, int8_block s, std::int8_t* qb) noexcept {
+  for (std::size_t i = 0; i < m; ++i) {
+    const float v = (xb[i] - hb[i]) * s.inv;
+    const float r = std::clamp(v + (v >= 0 ? 0.5f : -0.5f), -127.0f, 127.0f);
+    const auto c = static_cast<std::int8_t>(static_cast<int>(r));
+    qb[i] = c;
+    hb[i] += static_cast<float>(c) * s.scale;
+  }
+}
+std::uint32_t int8_top_scalar(const float* xb, const float* hb, std::size_t m) noexcept {
+  std::uint32_t top = 0;
+  for (std::size_t i = 0; i < m; ++i) top = std::max(top, std::bit_cast<std::uint32_t>(xb[i] - hb[i]) & 0x7fffffffu);
+  return top;
+}
+void int8_encode_scalar(const float* x, float* hat, std::size_t n, std::size_t block, float* scales, std::int8_t* q) noexcept {
+  for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
+    const std::size_t m = std::min(block, n - b0);
+    const int8_block s = int8_scale(int8_top_scalar(x + b0, hat + b0, m));
+    scales[k] = s.scale;
+    int8_quantize_scalar(x + b0, hat + b0, m, s, q + b0);
+  }
+}
+
+#ifdef GOSSIP_CODEC_F16C
+// The same arithmetic as the scalar code, eight values at a time (no FMA:
+// x̂ must come out as the receiver's q·scale + x̂, bit for bit).
+__attribute__((target("avx2"))) void int8_encode_avx2(const float* x, float* hat, std::size_t n, std::size_t block, float* scales,
+                                                      std::int8_t* q) noexcept {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
   for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
     const std::size_t m = std::min(block, n - b0);
     const float* xb = x + b0;
     float* hb = hat + b0;
-    std::uint32_t top = 0;
-    for (std::size_t i = 0; i < m; ++i) top = std::max(top, std::bit_cast<std::uint32_t>(xb[i] - hb[i]) & 0x7fffffffu);
-    float amax = std::bit_cast<float>(top);
-    if (!std::isfinite(amax)) amax = 0;  // a non-finite change is not sent; it stays in the residual
-    const float scale = amax / 127.0f;
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-    scales[k] = scale;
-    std::int8_t* qb = q + b0;
-    for (std::size_t i = 0; i < m; ++i) {
-      const float v = (xb[i] - hb[i]) * inv;
-      const float r = std::clamp(v + (v >= 0 ? 0.5f : -0.5f), -127.0f, 127.0f);
-      const auto c = static_cast<std::int8_t>(static_cast<int>(r));
-      qb[i] = c;
-      hb[i] += static_cast<float>(c) * scale;
+    __m256i vtop = _mm256_setzero_si256();
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(hb + i));
+      vtop = _mm256_max_epu32(vtop, _mm256_and_si256(_mm256_castps_si256(d), abs_mask));
     }
+    alignas(32) std::uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vtop);
+    std::uint32_t top = int8_top_scalar(xb + i, hb + i, m - i);
+    for (const auto l : lanes) top = std::max(top, l);
+    const int8_block s = int8_scale(top);
+    scales[k] = s.scale;
+    const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
+    std::int8_t* qb = q + b0;
+    i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m256 h = _mm256_loadu_ps(hb + i);
+      const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xb + i), h), inv);
+      const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, _mm256_or_ps(half, _mm256_and_ps(v, sign))), lo), hi);
+      const __m256i c = _mm256_cvttps_epi32(r);
+      const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + i), _mm_packs_epi16(p16, p16));
+      _mm256_storeu_ps(hb + i, _mm256_add_ps(h, _mm256_mul_ps(_mm256_cvtepi32_ps(c), scale)));
+    }
+    int8_quantize_scalar(xb + i, hb + i, m - i, s, qb + i);
   }
+}
+
+// topk: positions whose |x − x̂| reaches the threshold, eight compared at a time.
+__attribute__((target("avx2"))) std::size_t select_avx2(const float* x, const float* hat, std::size_t n, float threshold, bool strict,
+                                                        std::uint32_t* out) noexcept {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
+  std::size_t c = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(hat + i)), abs_mask);
+    auto mask = static_cast<unsigned>(_mm256_movemask_ps(strict ? _mm256_cmp_ps(a, t, _CMP_GT_OQ) : _mm256_cmp_ps(a, t, _CMP_GE_OQ)));
+    for (; mask; mask &= mask - 1) out[c++] = static_cast<std::uint32_t>(i + static_cast<std::size_t>(std::countr_zero(mask)));
+  }
+  for (; i < n; ++i) {
+    out[c] = static_cast<std::uint32_t>(i);
+    const float a = std::fabs(x[i] - hat[i]);
+    c += (strict ? a > threshold : a >= threshold) ? 1 : 0;
+  }
+  return c;
+}
+#endif
+
+void int8_encode(const float* x, float* hat, std::size_t n, std::size_t block, float* scales, std::int8_t* q) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return int8_encode_avx2(x, hat, n, block, scales, q);
+#endif
+  int8_encode_scalar(x, hat, n, block, scales, q);
+}
+
+// Positions with |x − x̂| ≥ threshold (> when strict), in increasing order; `out` has room for n + 1.
+std::size_t select(const float* x, const float* hat, std::size_t n, float threshold, bool strict, std::uint32_t* out) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return select_avx2(x, hat, n, threshold, strict, out);
+#endif
+  std::size_t c = 0;
+  for (std::size_t i = 0; i < n; ++i) {  // branch-free compaction
+    out[c] = static_cast<std::uint32_t>(i);
+    const float a = std::fabs(x[i] - hat[i]);
+    c += (strict ? a > threshold : a >= threshold) ? 1 : 0;
+  }
+  return c;
 }
 void int8_decode(const float* scales, const std::int8_t* q, float* hat, std::size_t n, std::size_t block) noexcept {
   for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
@@ -278,18 +365,8 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       std::nth_element(mag, mag + nth, mag + samples);
       threshold = mag[nth];
       std::uint32_t* cand = m_indices.data();
-      std::size_t c = 0;
-      if (threshold > 0) {
-        for (std::size_t i = 0; i < n; ++i) {  // branch-free compaction
-          cand[c] = static_cast<std::uint32_t>(i);
-          c += std::fabs(x[i] - hat[i]) >= threshold ? 1 : 0;
-        }
-      } else {
-        for (std::size_t i = 0; i < n; ++i) {
-          cand[c] = static_cast<std::uint32_t>(i);
-          c += std::fabs(x[i] - hat[i]) > 0 ? 1 : 0;
-        }
-      }
+      // A zero threshold keeps only non-zero changes.
+      std::size_t c = select(x, hat, n, threshold, !(threshold > 0), cand);
       if (c > k) {
         // The k-th largest magnitude among the candidates, then a stable
         // filter that keeps index order: larger ones, and ties up to k.
