@@ -77,7 +77,13 @@ __attribute__((target("avx2,f16c"))) void fp16_decode_f16c(const std::uint16_t* 
   }
   fp16_decode_scalar(in + i, hat + i, n - i);
 }
-const bool have_f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");  // gates the AVX2 kernels too
+// Also gates the AVX2 kernels below. cpu_init first: this runs as a static
+// initializer, possibly before libgcc's own.
+bool detect_f16c() noexcept {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+const bool have_f16c = detect_f16c();
 #endif
 
 void fp16_encode(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
