@@ -318,7 +318,13 @@ void codec::prepare(std::size_t max_count) {
 
 std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed) noexcept {
   codec_segment sg;
-  const codec_kind kind = absolute || n == 0 ? codec_kind::none : kind_for(n);
+  codec_kind kind = n == 0 ? codec_kind::none : kind_for(n);
+  if (absolute && (kind == codec_kind::fp16 || kind == codec_kind::int8)) {
+    std::fill(hat, hat + n, 0.0f);  // both sides start this stream's x̂ from zero
+    sg.flags = codec_segment::reset;
+  } else if (absolute) {
+    kind = codec_kind::none;
+  }
   sg.kind = static_cast<std::uint8_t>(kind);
   std::byte* body = out + sizeof sg;
   std::size_t used = sizeof sg;
@@ -405,7 +411,10 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
   const std::byte* body = seg.data() + sizeof sg;
   const std::size_t room = sg.bytes - sizeof sg;
   const auto kind = static_cast<codec_kind>(sg.kind);
-  if (kind != codec_kind::none && !primed) return fail("a compressed change arrived before the stream's first full message");
+  const bool reset = (sg.flags & codec_segment::reset) != 0;
+  if (sg.flags & ~codec_segment::reset) return fail("a segment has unknown flags");
+  if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
+  if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
   switch (kind) {
     case codec_kind::none:
       if (sg.bytes != pad8(sizeof sg + n * sizeof(float))) return fail("an fp32 segment's size does not match the tensor");
@@ -413,6 +422,7 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
       return {};
     case codec_kind::fp16:
       if (sg.bytes != pad8(sizeof sg + n * 2)) return fail("an fp16 segment's size does not match the tensor");
+      if (reset) std::fill(hat, hat + n, 0.0f);
       fp16_decode(reinterpret_cast<const std::uint16_t*>(body), hat, n);
       return {};
     case codec_kind::int8: {
@@ -423,6 +433,7 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
       const auto* scales = reinterpret_cast<const float*>(body);
       for (std::size_t k = 0; k < blocks; ++k)
         if (!(scales[k] >= 0 && std::isfinite(scales[k]))) return fail("an int8 segment has a negative or non-finite scale");
+      if (reset) std::fill(hat, hat + n, 0.0f);
       int8_decode(scales, reinterpret_cast<const std::int8_t*>(body + blocks * 4), hat, n, block);
       return {};
     }

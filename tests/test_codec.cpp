@@ -145,14 +145,19 @@ TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within 
     auto hat = hat0, recv = hat0;
     round_trip(c, x, hat, recv);
     CHECK(hat == x);
-    auto d = make("int8");
-    d.prepare(n);
-    buffer out(d.segment_capacity(n));
-    std::vector<float> h(n, 0.0f), r(n, 5.0f);
-    const auto bytes = d.encode(x.data(), h.data(), n, out.data(), true, 1);
-    REQUIRE(decode_segment({out.data(), bytes}, r.data(), n, false).ok());  // a full segment needs no earlier message
-    CHECK(h == x);
-    CHECK(r == x);
+    // A stream's first message needs no earlier one: fp32 for a sparse codec,
+    // for a dense one the codec applied to x − 0 (x̂ reset on both sides).
+    for (const char* name : {"topk", "int8"}) {
+      auto d = make(name);
+      d.prepare(n);
+      buffer out(d.segment_capacity(n));
+      std::vector<float> h(n, 3.0f), r(n, 5.0f);
+      const auto bytes = d.encode(x.data(), h.data(), n, out.data(), true, 1);
+      REQUIRE(decode_segment({out.data(), bytes}, r.data(), n, false).ok());
+      CHECK(r == h);
+      if (std::string(name) == "topk") CHECK(h == x);
+      if (std::string(name) == "int8") CHECK(bytes < n * 2);
+    }
   }
 }
 
@@ -234,6 +239,7 @@ TEST_CASE("decode_payload refuses malformed or inconsistent payloads without rea
     CHECK_FALSE(corrupt(4, std::uint32_t{3}).ok());                       // tensor count
     CHECK_FALSE(corrupt(8, std::uint64_t{1038}).ok());                    // elements
     CHECK_FALSE(corrupt(16, std::uint8_t{9}).ok());                       // unknown codec kind
+    CHECK_FALSE(corrupt(16 + 2, std::uint16_t{4}).ok());                  // unknown flags
     CHECK_FALSE(corrupt(16 + 8, std::uint64_t{1} << 40).ok());            // segment size
     CHECK_FALSE(corrupt(16 + 8, std::uint64_t{24}).ok());                 // segment size too small for its contents
     std::vector<std::byte> trailing = good;

@@ -15,8 +15,9 @@
 /// stay bit-identical (CHOCO, Koloskova et al. 2019). What C dropped stays in
 /// x − x̂ and goes out with a later message: the error-feedback residual of
 /// EF21 (Richtárik et al. 2021), one per stream. A stream's first message
-/// carries every tensor in fp32, so x̂ starts equal to x without assuming that
-/// ranks share an initial model. The receiver merges its x̂ of the sender in
+/// starts x̂ from nothing, so ranks need not share an initial model: a dense
+/// codec (fp16, int8) encodes x − 0, a sparse one (topk, randomk) sends the
+/// tensor in fp32 (a fraction of it would leave x̂ mostly zero). The receiver merges its x̂ of the sender in
 /// place of the sender's model; the push-sum weight travels uncompressed in
 /// the wire header.
 ///
@@ -51,13 +52,16 @@ struct codec_payload {
 static_assert(sizeof(codec_payload) == 16);
 
 /// One tensor's segment header. `kind` none: `count` values in fp32, which
-/// replace x̂ (a stream's first message, or a tensor below min_elements).
-/// Any other kind: a change added to x̂. `param`: int8 block size, or the
-/// number of values a sparse segment keeps. `bytes`: the whole segment.
+/// replace x̂ (a sparse codec's first message on a stream, or a tensor below
+/// min_elements). Any other kind: a change added to x̂, after setting x̂ to
+/// zero when `flags` has `reset` (a dense codec's first message). `param`:
+/// int8 block size, or the number of values a sparse segment keeps. `bytes`:
+/// the whole segment.
 struct codec_segment {
+  static constexpr std::uint16_t reset = 1;
   std::uint8_t kind = 0;
   std::uint8_t index_mode = 0;  ///< sparse: 0 bitmap, 1 gaps as LEB128 varints
-  std::uint16_t reserved = 0;
+  std::uint16_t flags = 0;
   std::uint32_t param = 0;
   std::uint64_t bytes = 0;
 };
@@ -97,8 +101,9 @@ class codec {
   void prepare(std::size_t max_count);
 
   /// Encodes one tensor as a segment at `out` (8-byte aligned, segment_capacity
-  /// bytes free). `absolute` or a tensor below min_elements: x in fp32, and
-  /// x̂ ← x. Otherwise C(x − x̂), and x̂ += exactly what a receiver decodes.
+  /// bytes free): C(x − x̂), and x̂ += exactly what a receiver decodes. A tensor
+  /// below min_elements: x in fp32, and x̂ ← x. `absolute` (a stream's first
+  /// message): x̂ starts from zero for a dense codec, x in fp32 for the others.
   /// `seed` varies per stream and send (randomk positions, topk sampling).
   /// Returns the segment's bytes.
   std::size_t encode(const float* x, float* hat, std::size_t count, std::byte* out, bool absolute, std::uint64_t seed) noexcept;
