@@ -4,8 +4,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <new>
 #include <random>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include "gossip/codec.hpp"
 #include "test_support.hpp"
@@ -425,4 +431,55 @@ TEST_CASE("the switch-aggregate protocol refuses a codec when the engine is buil
   auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "switch-aggregate");
   spec.codec.name = "fp16";
   CHECK_THROWS_AS(engine(m.view, 0, 1, std::move(spec), fabric.endpoint(0)), config_error);
+}
+
+TEST_CASE("stats count bytes before and after the codec per rank, peer and tensor; the trace names the codec and its ratio") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / fmt::format("gossip-codec-{}", ::getpid());
+  fs::create_directories(dir);
+  auto cfg = config::parse(fmt::format("[policy]\nname = \"periodic\"\nevery = 2\n[codec]\nname = \"topk\"\nratio = 0.05\nmin_elements = 100\n"
+                                       "[engine]\ntimeout_s = 20\ntrace = \"{}\"\nstats = \"{}\"\n",
+                                       (dir / "trace-{rank}.json").string(), (dir / "stats-{rank}.json").string()),
+                           "run.toml");
+  const int world = 4;
+  loopback_fabric fabric(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({4000, 20}, static_cast<std::uint64_t>(r + 1));
+    engine e(m.view, r, world, cfg, fabric.endpoint(r));
+    for (int s = 0; s < 40; ++s) {
+      m.tensors[0][static_cast<std::size_t>(s * 13 + r) % 4000] += 0.5f;
+      e.step({.lr = 0.1});
+    }
+    e.finish();
+  });
+  for (int r = 0; r < world; ++r) {
+    std::ifstream sf(dir / fmt::format("stats-{}.json", r));
+    REQUIRE(sf.good());
+    const auto j = nlohmann::json::parse(sf);
+    CHECK(j["codec"] == "topk");
+    const auto sent = j["bytes_sent"].get<std::uint64_t>(), raw = j["bytes_raw"].get<std::uint64_t>();
+    CHECK(raw == j["messages_sent"].get<std::uint64_t>() * (sizeof(wire_header) + 4020 * sizeof(float)));
+    CHECK(sent < raw / 4);
+    std::uint64_t peers_sent = 0, peers_raw = 0;
+    for (const auto& p : j["peers"]) peers_sent += p["bytes_sent"].get<std::uint64_t>(), peers_raw += p["bytes_raw"].get<std::uint64_t>();
+    CHECK(peers_sent == sent);
+    CHECK(peers_raw == raw);
+    // The small tensor (below min_elements) goes in fp32: its bytes exceed its raw bytes by the segment header only.
+    const auto& small = j["tensors"][1];
+    CHECK(small["bytes_sent"].get<std::uint64_t>() == small["bytes_raw"].get<std::uint64_t>() / 80 * (16 + 80));
+    CHECK(j["tensors"][0]["bytes_sent"].get<std::uint64_t>() < j["tensors"][0]["bytes_raw"].get<std::uint64_t>() / 4);
+    std::ifstream tf(dir / fmt::format("trace-{}.json", r));
+    REQUIRE(tf.good());
+    const auto t = nlohmann::json::parse(tf);
+    std::size_t sends = 0;
+    for (const auto& ev : t["traceEvents"]) {
+      if (ev["name"] != "send") continue;
+      ++sends;
+      CHECK(ev["args"]["codec"] == "topk");
+      CHECK(ev["args"]["ratio"].get<double>() > 0);
+      CHECK(ev["args"]["ratio"].get<double>() <= 1.1);
+    }
+    CHECK(sends == j["sends"].get<std::size_t>());
+  }
+  fs::remove_all(dir);
 }
