@@ -54,8 +54,8 @@ struct tensor_stats {
 struct engine_stats {
   int rank = 0, world = 1;
   std::string policy, topology, protocol, transport;
-  std::string momentum = "local";
-  std::string codec = "none";      ///< [codec] name  ///< what the engine does with registered momentum buffers
+  std::string momentum = "local";  ///< what the engine does with registered momentum buffers
+  std::string codec = "none";      ///< [codec] name
   std::uint64_t steps = 0, sends = 0, skips = 0;
   std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire
