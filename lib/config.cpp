@@ -67,7 +67,7 @@ component_config to_component(const toml::table& t, const std::string& where, co
 }  // namespace
 
 std::vector<std::string> config::known_sections() const {
-  std::vector<std::string> known = {"policy", "topology", "protocol", "transport", "engine"};
+  std::vector<std::string> known = {"policy", "topology", "protocol", "transport", "codec", "engine"};
   known.insert(known.end(), app_sections.begin(), app_sections.end());
   return known;
 }
@@ -106,6 +106,8 @@ config config::parse(std::string_view text, const std::string& source, std::vect
       c.protocol = to_component(*t, where(section), c.protocol.name);
     else if (section == "transport")
       c.transport = to_component(*t, where(section), c.transport.name);
+    else if (section == "codec")
+      c.codec = to_component(*t, where(section), c.codec.name);
     else if (section == "engine")
       c.engine = to_options(*t, where(section), false);
     else if (std::find(c.app_sections.begin(), c.app_sections.end(), section) != c.app_sections.end())
@@ -146,7 +148,7 @@ void config::apply_override(std::string_view assignment) {
     }
   }
   component_config* comp = section == "policy" ? &policy : section == "topology" ? &topology : section == "protocol" ? &protocol
-                         : section == "transport" ? &transport : nullptr;
+                         : section == "transport" ? &transport : section == "codec" ? &codec : nullptr;
   const toml::node& v = *parsed.get("v");
   if (comp && key == "name") {
     auto str = v.as_string();
@@ -174,6 +176,12 @@ std::uint64_t config::fingerprint() const {
   for (const auto* c : {&topology, &protocol, &transport}) {
     s += c->name + "{";
     for (const auto& [k, v] : c->opts.values()) s += k + "=" + to_string(v) + ";";
+    s += "}";
+  }
+  // The codec joins the fingerprint only when set, so configs without one keep theirs.
+  if (codec.name != "none" || !codec.opts.values().empty()) {
+    s += "codec:" + codec.name + "{";
+    for (const auto& [k, v] : codec.opts.values()) s += k + "=" + to_string(v) + ";";
     s += "}";
   }
   s += policy.name;

@@ -46,7 +46,9 @@ std::string engine_stats::to_json(int indent) const {
   j["decisions"] = reasons;
   j["send_busy"] = send_busy;
   j["no_live_peer"] = no_live_peer;
+  j["codec"] = codec;
   j["bytes_sent"] = bytes_sent;
+  j["bytes_raw"] = bytes_raw;
   j["messages_sent"] = messages_sent;
   j["bytes_received"] = bytes_received;
   j["messages_received"] = messages_received;
@@ -62,6 +64,7 @@ std::string engine_stats::to_json(int indent) const {
   for (const auto& p : peers)
     j["peers"].push_back({{"rank", p.rank},
                           {"bytes_sent", p.bytes_sent},
+                          {"bytes_raw", p.bytes_raw},
                           {"messages_sent", p.messages_sent},
                           {"bytes_received", p.bytes_received},
                           {"messages_received", p.messages_received},
@@ -71,7 +74,7 @@ std::string engine_stats::to_json(int indent) const {
                           {"weight_unconfirmed", p.weight_unconfirmed}});
   j["tensors"] = nlohmann::json::array();
   for (const auto& t : tensors)
-    j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
+    j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"bytes_raw", t.bytes_raw}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
   j["dead_peers"] = dead_peers;
   j["lr_mean_at_send"] = sends ? lr_at_send_sum / static_cast<double>(sends) : 0.0;
   j["weight_range"] = {weight_min, weight_max};
@@ -109,7 +112,7 @@ void write_stats_file(const std::string& path, const engine_stats& stats) {
   write_text(expand_rank(path, stats.rank), stats.to_json(), "stats report");
 }
 
-void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events) {
+void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec) {
   nlohmann::json list = nlohmann::json::array();
   list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   for (const auto& e : events) {
@@ -129,6 +132,8 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
                            {"weight", e.weight},
                            {"consensus", std::isnan(e.consensus) ? nlohmann::json() : nlohmann::json(e.consensus)}}}};
     if (e.sent) {
+      ev["args"]["codec"] = codec;
+      ev["args"]["ratio"] = e.bytes_raw ? static_cast<double>(e.bytes) / static_cast<double>(e.bytes_raw) : 1.0;
       ev["ph"] = "X";
       ev["dur"] = e.dur_us;
     } else {

@@ -68,7 +68,7 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   CHECK_THROWS_WITH_AS(config::parse("[policy\nname = 1", "bad.toml"), doctest::Contains("bad.toml:1:"), config_error);
   CHECK_THROWS_WITH_AS(config::parse("[policy]\nname = 3\n", "bad.toml"), "bad.toml [policy]: key 'name' must be a string", config_error);
   CHECK_THROWS_WITH_AS(config::parse("threshold = 3\n", "bad.toml"),
-                       "bad.toml: top-level key 'threshold' must be inside a section; known sections: policy, topology, protocol, transport, engine",
+                       "bad.toml: top-level key 'threshold' must be inside a section; known sections: policy, topology, protocol, transport, codec, engine",
                        config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
 
@@ -141,14 +141,14 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
 TEST_CASE("unknown sections are refused with the known ones, and a close one is suggested") {
   CHECK_THROWS_WITH_AS(config::parse("[enigne]\ntimeout_s = 5\n", "run.toml"),
                        doctest::Contains("run.toml: unknown section [enigne] (did you mean [engine]?); known sections: policy, topology, "
-                                         "protocol, transport, engine"),
+                                         "protocol, transport, codec, engine"),
                        config_error);
   CHECK_THROWS_WITH_AS(config::parse("[trian]\nepochs = 5\n", "run.toml", {"train", "bench"}),
                        "run.toml: unknown section [trian] (did you mean [train]?); known sections: policy, topology, protocol, transport, "
-                       "engine, train, bench",
+                       "codec, engine, train, bench",
                        config_error);
   CHECK_THROWS_WITH_AS(config::parse("[nosuch]\nkey = 1\n", "run.toml", {"train"}),
-                       "run.toml: unknown section [nosuch]; known sections: policy, topology, protocol, transport, engine, train", config_error);
+                       "run.toml: unknown section [nosuch]; known sections: policy, topology, protocol, transport, codec, engine, train", config_error);
   // A program's own section is refused by a program that does not read it.
   CHECK_THROWS_WITH_AS(config::parse("[train]\nepochs = 5\n", "run.toml"), doctest::Contains("unknown section [train]"), config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml", {"train"}), doctest::Contains("cannot open"), config_error);
@@ -163,7 +163,7 @@ TEST_CASE("unknown sections are refused with the known ones, and a close one is 
 TEST_CASE("--set: unknown sections and keys name the override") {
   auto cfg = config::parse("[policy]\nname = \"drift\"\n[train]\nepochs = 3\n", "run.toml", {"train"});
   CHECK_THROWS_WITH_AS(cfg.apply_override("nosuch.key=1"),
-                       "--set nosuch.key=1: unknown section [nosuch]; known sections: policy, topology, protocol, transport, engine, train",
+                       "--set nosuch.key=1: unknown section [nosuch]; known sections: policy, topology, protocol, transport, codec, engine, train",
                        config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("polcy.threshold=0.1"), doctest::Contains("--set polcy.threshold=0.1: unknown section [polcy] (did you mean [policy]?)"),
                        config_error);

@@ -533,6 +533,57 @@ TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total
   }
 }
 
+TEST_CASE("ucx: two engines with int8 and topk codecs: weight conserved, fewer bytes after the codec") {
+  require_ucx();
+  for (const std::string codec_name : {"int8", "topk"}) {
+    CAPTURE(codec_name);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(2, "tcp", 60, [&](int r) {
+      auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+      test::toy_model m({1000, 37}, static_cast<std::uint64_t>(r + 1));
+      auto spec = test::spec_of(any_policy(periodic_until{}, "periodic-until"), "exponential", "push-sum", 20);
+      spec.codec.name = codec_name;
+      if (codec_name == "topk") spec.codec.opts.set("ratio", 0.1);
+      engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+      for (int s = 0; s < 50; ++s) {
+        for (auto& t : m.tensors)
+          for (std::size_t i = 0; i < t.size(); ++i) t[i] += 0.001f * static_cast<float>((r + 1) * static_cast<int>(i % 5));
+        e.step({.lr = 0.1});
+        std::this_thread::sleep_for(2ms);
+      }
+      e.flush();
+      const auto sent = e.stats().messages_sent;
+      boot->put(fmt::format("sent/{}", r),
+                bootstrap::blob(reinterpret_cast<const std::byte*>(&sent), reinterpret_cast<const std::byte*>(&sent) + 8));
+      const auto b = boot->get(fmt::format("sent/{}", 1 - r), "the peer's send count");
+      std::uint64_t expect = 0;
+      std::memcpy(&expect, b.data(), 8);
+      const auto deadline = clock_type::now() + 20s;
+      while (e.stats().peers.at(0).messages_received < expect) {
+        if (clock_type::now() > deadline)
+          throw timeout_error(fmt::format("rank {}: merged {} of {}", r, e.stats().peers.at(0).messages_received, expect));
+        e.step();
+        std::this_thread::sleep_for(1ms);
+      }
+      const double w = e.weight();
+      boot->put(fmt::format("w/{}", r),
+                bootstrap::blob(reinterpret_cast<const std::byte*>(&w), reinterpret_cast<const std::byte*>(&w) + 8));
+      double other = 0;
+      const auto wb = boot->get(fmt::format("w/{}", 1 - r), "the peer's weight");
+      std::memcpy(&other, wb.data(), 8);
+      const auto c = e.stats();
+      if (std::abs(w + other - 2.0) > 1e-9 || c.dropped != 0)
+        throw error(fmt::format("rank {}: weights {} + {} = {} (expected 2), dropped {}", r, w, other, w + other, c.dropped));
+      if (sent < 10 || !(c.bytes_sent < c.bytes_raw / 2))
+        throw error(fmt::format("rank {}: {} sends, {} bytes after the codec of {} before", r, sent, c.bytes_sent, c.bytes_raw));
+      final_barrier(*boot, "end", {0, 1});
+      e.finish(0);
+      return 0;
+    });
+    check_all_ok(out);
+  }
+}
+
 TEST_CASE("ucx: kill -9 of one rank mid-training; the other engines finish, exit 0 and report it") {
   require_ucx();
   for (const char* tls : {"tcp", "posix,self"}) {

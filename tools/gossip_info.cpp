@@ -30,6 +30,7 @@ int main() {
   print_registry(gossip::policy_registry(), "policy");
   print_registry(gossip::topology_registry(), "topology");
   print_registry(gossip::protocol_registry(), "protocol");
+  print_registry(gossip::codec_registry(), "codec");
   fmt::print("[transport] name = loopback (workers as threads of one process)\n");
   print_specs(gossip::loopback_option_specs());
   fmt::print("\n[engine]\n");

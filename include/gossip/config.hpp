@@ -46,9 +46,10 @@ struct config {
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
   component_config transport{"loopback", options("<code> [transport]")};
+  component_config codec{"none", options("<code> [codec]")};  ///< see gossip/codec.hpp
   options engine{"<code> [engine]"};
   /// The program's own sections, besides policy, topology, protocol,
-  /// transport and engine; load(), parse() and apply_override() refuse others.
+  /// transport, codec and engine; load(), parse() and apply_override() refuse others.
   std::vector<std::string> app_sections;
   std::map<std::string, options, std::less<>> sections;  ///< the app_sections present, unchecked until read
 
@@ -66,7 +67,7 @@ struct config {
   /// Applies "section.key=value" (value in TOML syntax: 3, 0.5, true, "ring",
   /// [1, 2]) on top of the file, e.g. from a --set command-line option: errors
   /// about it, now or when its section is read, name "--set section.key=value".
-  /// Setting `policy.name` (or topology/protocol/transport) switches the
+  /// Setting `policy.name` (or topology/protocol/transport/codec) switches the
   /// component and drops the options of the old one.
   void apply_override(std::string_view assignment);
 
@@ -74,7 +75,7 @@ struct config {
   /// defaults). `name` must be one of app_sections.
   options section(std::string_view name, std::span<const option_spec> specs) const;
 
-  /// policy, topology, protocol, transport, engine, then app_sections.
+  /// policy, topology, protocol, transport, codec, engine, then app_sections.
   std::vector<std::string> known_sections() const;
 
   /// Fingerprint of the settings every rank must share (component names and options).

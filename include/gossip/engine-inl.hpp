@@ -56,6 +56,12 @@ inline engine_spec engine_spec::from(const config& cfg) {
   s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
   s.topology = cfg.topology;
   s.protocol = cfg.protocol;
+  s.codec = cfg.codec;
+  const gossip::codec c = make_codec(cfg.codec);  // an unknown name or key is refused here, with the file and key
+  if (c.compresses() && cfg.transport.name == "switch")
+    throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
+                                   "compressed messages; set [codec] name = \"none\"",
+                                   cfg.codec.opts.where(), cfg.codec.name));
   // The switch protocol's mode follows the policy unless the config names one.
   if (s.protocol.name == "switch-aggregate") {
     const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
@@ -99,10 +105,31 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
   m_protocol.prepare(m_topology.sources(), m_elements);
+  m_codec = make_codec(spec.codec);
+  if (m_codec.compresses()) {
+    if (model.device())
+      throw config_error(fmt::format("engine (rank {}): codec '{}' is available for host models only; set [codec] name = \"none\"", rank,
+                                     m_codec.name()));
+    if (m_protocol.aggregated() || m_protocol.sends_delta())
+      throw config_error(fmt::format("engine (rank {}): codec '{}' cannot be used with protocol '{}': an aggregating switch adds fp32 "
+                                     "values and cannot sum compressed messages; set [codec] name = \"none\"",
+                                     rank, m_codec.name(), m_protocol.name()));
+  }
 
   const auto layout = model.layout();
   m_layout_fingerprint = fingerprint(layout);
   m_message_bytes = sizeof(wire_header) + m_elements * sizeof(float);
+  if (m_codec.compresses()) {
+    std::size_t largest = 0;
+    for (const auto& s : m_slots) {
+      m_counts.push_back(s.count);
+      largest = std::max(largest, s.count);
+    }
+    m_codec.prepare(largest);
+    m_message_bytes = std::max(m_message_bytes, sizeof(wire_header) + m_codec.payload_capacity(m_counts));
+    // One message per target: each stream encodes against its own x̂.
+    m_stream_slots = std::max<std::size_t>(1, m_topology.destinations().size());
+  }
   m_message_bytes = (m_message_bytes + 63) / 64 * 64;
 
   const auto caps = m_transport.capabilities();
@@ -113,8 +140,12 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   const int extra = m_protocol.sends_delta() ? 1 : 0;
   m_settings.send_buffers = buffers;
   if (!model.device()) {  // a device model gets its buffers, x̂ and x_{t−1} from its backend, below
-    m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers + extra) * m_message_bytes);
-    if (m_protocol.sends_delta()) {
+    m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers + extra) * m_stream_slots * m_message_bytes);
+    if (m_codec.compresses()) {
+      m_codec_snapshot.resize(m_elements);
+      m_snapshot = m_codec_snapshot.data();
+      for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+    } else if (m_protocol.sends_delta()) {
       m_snapshot = reinterpret_cast<float*>(buffer(buffers) + sizeof(wire_header));
       std::fill(m_snapshot, m_snapshot + m_elements, 0.0f);
     } else {
@@ -137,6 +168,17 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
 
   m_tensor_drift.resize(m_slots.size());
   m_received.resize(std::max<std::size_t>(m_topology.sources().size(), static_cast<std::size_t>(world)));
+  if (m_codec.compresses()) {
+    const auto& dests = m_topology.destinations();
+    m_out_index.assign(static_cast<std::size_t>(world), -1);
+    for (std::size_t k = 0; k < dests.size(); ++k) m_out_index[static_cast<std::size_t>(dests[k])] = static_cast<int>(k);
+    m_out_hat.assign(dests.size() * m_elements, 0.0f);
+    m_out_primed.assign(dests.size(), 0);
+    m_in_hat.assign(m_topology.sources().size() * m_elements, 0.0f);
+    m_in_primed.assign(m_topology.sources().size(), 0);
+    m_segment_bytes.assign(m_slots.size(), 0);
+    m_received_bytes.assign(m_received.size(), 0);
+  }
   m_trace.reserve(m_settings.trace_path.empty() ? 0 : m_settings.trace_capacity);
   m_inbox = inbox(m_topology.sources(), 2, m_message_bytes);
   if (model.device()) attach_device(*model.device(), detail::takes_device_memory(caps));
@@ -151,6 +193,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_stats.transport = caps.name;
   m_stats.momentum = !m_mhat.empty() ? "quasi-global" : "local";
   m_stats.momentum_merge = m_mhat.empty() ? "" : m_merge_full ? "full" : "spread";
+  m_stats.codec = m_codec.name();
   m_peer_index.assign(static_cast<std::size_t>(world), -1);
   std::vector<int> neighbours = m_topology.sources();
   neighbours.insert(neighbours.end(), targets.begin(), targets.end());
@@ -304,20 +347,35 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // under the first member).
   if (m_protocol.aggregated() && targets.size() > 1) targets = targets.first(1);
   const std::uint64_t wire_bytes = sizeof(wire_header) + m_elements * sizeof(float);
-  sig.bytes_per_send = wire_bytes * targets.size();
+  sig.bytes_per_send = (m_codec.compresses() && m_last_message_bytes ? m_last_message_bytes : wire_bytes) * targets.size();
   decision d = forced ? decision::fire(reason::period) : m_policy.decide(sig);
   result.why = d.why;
   result.relative_drift = sig.relative_drift();
 
   // 4. send: the copy into the send buffer becomes the new x̂
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0, bytes_raw = 0;
   std::uint32_t sent_to = 0;
   if (d.send) {
     const int next = m_copies_on_post ? m_current : (m_current + 1) % m_settings.send_buffers;
     if (targets.empty()) {
       ++m_stats.no_live_peer;
-    } else if (!m_copies_on_post && m_transport.busy(buffer(next)) && !await_buffer(next)) {
+    } else if (!m_copies_on_post && buffer_busy(next) && !await_buffer(next)) {
       ++m_stats.send_busy;
+    } else if (m_codec.compresses()) {
+      // x̂ of the policy: x at this send, uncompressed.
+      for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+      m_current = next;
+      sent_to = send_encoded(buffer(next), targets, t, bytes, bytes_raw);
+      m_last_send_step = static_cast<std::int64_t>(t);
+      ++m_round;
+      m_last_send_time = t0;
+      if (sent_to > 0) {
+        ++m_stats.sends;
+        m_stats.relative_drift_at_send_sum += result.relative_drift;
+        m_stats.lr_at_send_sum += info.lr;
+        m_stats.count_send_window(t);
+        result.sent = true;
+      }
     } else {
       std::byte* buf = buffer(next);
       auto* payload = reinterpret_cast<float*>(buf + sizeof(wire_header));
@@ -357,6 +415,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
           bytes += msg.size();
           ++sent_to;
           ps.bytes_sent += msg.size();
+          ps.bytes_raw += msg.size();
           ++ps.messages_sent;
           if (m_protocol.type() == protocol::kind::push_sum) {
             ps.weight_sent += h.weight;
@@ -373,7 +432,11 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       ++m_round;
       m_last_send_time = t0;
       if (sent_to > 0) {
-        for (std::size_t i = 0; i < m_slots.size(); ++i) m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;
+        for (std::size_t i = 0; i < m_slots.size(); ++i) {
+          m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;
+          m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float) * sent_to;
+        }
+        bytes_raw = bytes;
         ++m_stats.sends;
         m_stats.relative_drift_at_send_sum += result.relative_drift;
         m_stats.lr_at_send_sum += info.lr;
@@ -389,6 +452,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   if (!result.sent) ++m_stats.skips;
   ++m_stats.by_reason[static_cast<std::size_t>(d.why)];
   m_stats.bytes_sent += bytes;
+  m_stats.bytes_raw += bytes_raw;
   m_stats.messages_sent += sent_to;
   m_stats.relative_drift_last = result.relative_drift;
   m_stats.relative_drift_max = std::max(m_stats.relative_drift_max, result.relative_drift);
@@ -409,7 +473,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   if (m_trace.capacity() > m_trace.size() && (result.sent || t % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0)) {
     m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t0 - m_start).count(),
                                   std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
-                                  static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, static_cast<float>(info.lr),
+                                  static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, bytes_raw, static_cast<float>(info.lr),
                                   static_cast<float>(w), static_cast<float>(m_consensus)});
   }
   ++m_stats.steps;
@@ -501,10 +565,9 @@ inline bool engine::await_buffer(int i) {
 // arrives while waiting, so every rank's sends can complete (and no push-sum
 // share is left unmerged in a slot).
 inline void engine::wait_for_buffer(int i) {
-  const std::byte* b = buffer(i);
   detail::wait_for(
       [&] {
-        if (!m_transport.busy(b)) return true;
+        if (!buffer_busy(i)) return true;
         poll();
         return false;
       },
@@ -516,6 +579,7 @@ inline void engine::wait_for_buffer(int i) {
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
+    if (m_codec.compresses()) decode_inbound(n);
     merge_received(n);
     if (m_merge_steps == 0) {  // the first merge since the last drift pass
       m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);
@@ -527,7 +591,7 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
       const int k = sender >= 0 && sender < m_world ? m_peer_index[static_cast<std::size_t>(sender)] : -1;
       if (k < 0) continue;
       auto& p = m_stats.peers[static_cast<std::size_t>(k)];
-      p.bytes_received += sizeof(wire_header) + m_received[i].elements * sizeof(float);
+      p.bytes_received += m_codec.compresses() ? m_received_bytes[i] : sizeof(wire_header) + m_received[i].elements * sizeof(float);
       ++p.messages_received;
       if (m_protocol.type() == protocol::kind::push_sum) {
         p.weight_unconfirmed = 0;  // it was alive after our earlier shares reached it
@@ -537,6 +601,106 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
   }
   m_transport.release(t);
   return n;
+}
+
+inline bool engine::buffer_busy(int i) noexcept {
+  for (std::size_t k = 0; k < m_stream_slots; ++k)
+    if (m_transport.busy(buffer(i) + k * m_message_bytes)) return true;
+  return false;
+}
+
+// One message per target, each C(x − x̂) against the x̂ that target holds
+// (a stream's first message is the model in fp32). A post that fails leaves
+// the stream's x̂ ahead of the target's, so its next message is full again.
+inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes,
+                                          std::uint64_t& raw) {
+  const double share = m_protocol.on_send(targets, m_topology.self_weight());
+  const std::uint64_t raw_message = sizeof(wire_header) + m_elements * sizeof(float);
+  std::uint32_t sent_to = 0;
+  for (std::size_t k = 0; k < targets.size(); ++k) {
+    const int to = targets[k].rank;
+    const int si = m_out_index[static_cast<std::size_t>(to)];
+    GOSSIP_ASSERT(si >= 0, "engine (rank {}): rank {} is not among the topology's destinations", m_rank, to);
+    const auto stream = static_cast<std::size_t>(si);
+    std::byte* msg_buf = buf + k * m_message_bytes;
+    std::byte* out = msg_buf + sizeof(wire_header);
+    float* hat = m_out_hat.data() + stream * m_elements;
+    const bool absolute = !m_out_primed[stream];
+    codec_payload ph;
+    ph.tensors = static_cast<std::uint32_t>(m_slots.size());
+    ph.elements = m_elements;
+    std::memcpy(out, &ph, sizeof ph);
+    std::size_t at = sizeof ph;
+    // Positions (randomk) and samples (topk) differ per stream and send.
+    const std::uint64_t seed = (static_cast<std::uint64_t>(m_rank) << 40) ^ (static_cast<std::uint64_t>(to) << 20) ^ (m_round * 0x9e3779b97f4a7c15ull);
+    for (std::size_t i = 0; i < m_slots.size(); ++i) {
+      const auto& s = m_slots[i];
+      const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i);
+      m_segment_bytes[i] = b;
+      at += b;
+    }
+    wire_header h;
+    h.sender = m_rank;
+    h.step = t;
+    h.weight = share;
+    h.flags = 1;  // codec payload
+    h.payload_bytes = at;
+    h.layout_fingerprint = m_layout_fingerprint;
+    std::memcpy(msg_buf, &h, sizeof h);
+    const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
+    m_last_message_bytes = msg.size();
+    auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
+    if (m_transport.post(to, msg, t) == post_status::ok) {
+      m_out_primed[stream] = 1;
+      bytes += msg.size();
+      raw += raw_message;
+      ++sent_to;
+      ps.bytes_sent += msg.size();
+      ps.bytes_raw += raw_message;
+      ++ps.messages_sent;
+      for (std::size_t i = 0; i < m_slots.size(); ++i) {
+        m_stats.tensors[i].bytes_sent += m_segment_bytes[i];
+        m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float);
+      }
+      if (m_protocol.type() == protocol::kind::push_sum) {
+        ps.weight_sent += share;
+        ps.weight_unconfirmed += share;
+        ps.last_weight_sent = share;
+      }
+    } else {
+      m_out_primed[stream] = 0;
+      m_protocol.refund(share);  // the share never left: keep push-sum mass
+      ++ps.dropped;
+      ++m_stats.dropped;
+    }
+  }
+  return sent_to;
+}
+
+// Each message updates this rank's x̂ of its sender, which is then merged in
+// place of the sender's model. Checked before use: a malformed message is
+// refused with the sender named. Two messages of one sender in one collect
+// both merge its latest x̂.
+inline void engine::decode_inbound(std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    auto& m = m_received[i];
+    const int si = m_inbox.index_of(m.sender);
+    if (si < 0)
+      throw transport_error(fmt::format("rank {}: received a message from rank {}, which is not among its sources", m_rank, m.sender));
+    const auto source = static_cast<std::size_t>(si);
+    const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
+    m_received_bytes[i] = sizeof(wire_header) + payload.size();
+    float* hat = m_in_hat.data() + source * m_elements;
+    const decode_status st = decode_payload(payload, m_counts, hat, m_in_primed[source] != 0);
+    if (!st.ok())
+      throw transport_error(fmt::format("rank {}: refused the message rank {} sent at step {} ({} payload bytes, codec '{}'): {} (tensor '{}'); "
+                                        "give every rank the same libgossip and [codec] settings",
+                                        m_rank, m.sender, m.step, payload.size(), m_codec.name(), st.problem,
+                                        m_tensor_names[std::min(st.tensor, m_tensor_names.size() - 1)]));
+    m_in_primed[source] = 1;
+    m.data = hat;
+    m.elements = m_elements;
+  }
 }
 
 inline std::size_t engine::poll() {
@@ -582,7 +746,7 @@ inline void engine::finish(int rounds) {
   m_finished = true;
   m_transport.leave();
   if (!m_settings.stats_path.empty()) write_stats_file(m_settings.stats_path, stats());
-  if (!m_settings.trace_path.empty()) write_chrome_trace(m_settings.trace_path, m_rank, m_trace);
+  if (!m_settings.trace_path.empty()) write_chrome_trace(m_settings.trace_path, m_rank, m_trace, m_codec.name());
 }
 
 inline const engine_stats& engine::stats() {

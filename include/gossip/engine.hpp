@@ -14,7 +14,9 @@
 ///
 /// step() merges what peers sent, measures drift in one fused pass, asks the
 /// policy, and — if it fires — copies the model into a send buffer (that copy
-/// becomes x̂) and posts it. Every buffer is allocated here, in the
+/// becomes x̂) and posts it. With a [codec], the send encodes, per target, the
+/// change since what that target holds (gossip/codec.hpp); the policy still
+/// sees the drift of the uncompressed model. Every buffer is allocated here, in the
 /// constructor; step() allocates nothing and takes no lock.
 #include <chrono>
 #include <cmath>
@@ -27,6 +29,7 @@
 
 #include <fmt/format.h>
 
+#include "gossip/codec.hpp"
 #include "gossip/config.hpp"
 #include "gossip/device.hpp"
 #include "gossip/drift.hpp"
@@ -67,6 +70,7 @@ struct engine_spec {
   any_policy policy{policies::consensus{}, "consensus"};  ///< the shipped default
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
+  component_config codec{"none", options("<code> [codec]")};  ///< what a message carries (gossip/codec.hpp)
   engine_settings settings;
   std::uint64_t config_fingerprint = 0;  ///< ranks with different fingerprints refuse to connect
 
@@ -128,8 +132,11 @@ class engine {
  private:
   step_result run_step(const step_info& info, bool forced);
   std::byte* buffer(int i) noexcept {
-    return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_message_bytes;
+    return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_stream_slots * m_message_bytes;
   }
+  bool buffer_busy(int i) noexcept;  // any of buffer i's messages still on the wire
+  std::uint32_t send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes, std::uint64_t& raw);
+  void decode_inbound(std::size_t n);
   void handle_failures();
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
@@ -168,6 +175,18 @@ class engine {
   std::byte* m_send_base = nullptr;            // m_device's send storage, else null
   std::vector<double> m_merge_coefficients;
   bool m_device_step = false;                  // m_device measures ‖x_t − x_{t−1}‖²
+  // Codec state (empty for "none"). Per outgoing stream, the x̂ its target
+  // holds of this rank; per source, this rank's x̂ of it (what is merged).
+  codec m_codec;
+  std::size_t m_stream_slots = 1;               // messages per send buffer: one per target with a codec
+  std::vector<float> m_codec_snapshot;          // x at the last send: the drift reference
+  std::vector<float> m_out_hat, m_in_hat;
+  std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
+  std::vector<char> m_out_primed, m_in_primed;  // the stream's first (full) message went through
+  std::vector<std::size_t> m_counts;            // tensor sizes, layout order
+  std::vector<std::uint64_t> m_segment_bytes;   // per tensor: encoded bytes of the message being sent
+  std::vector<std::uint64_t> m_received_bytes;  // per collected message: its wire bytes
+  std::uint64_t m_last_message_bytes = 0;
   any_transport m_transport;  // after m_inbox: destroyed (and departed) first
 
   engine_stats m_stats;

@@ -3,6 +3,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "gossip/signal.hpp"
@@ -15,6 +16,7 @@ inline constexpr std::size_t send_window_capacity = 256;
 struct peer_stats {
   int rank = -1;
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
+  std::uint64_t bytes_raw = 0;  ///< what bytes_sent would have been without the codec
   bool dead = false;
   // Push-sum mass (zero for other protocols).
   double weight_sent = 0;          ///< shares posted to this peer
@@ -43,7 +45,8 @@ struct dead_peer {
 
 struct tensor_stats {
   std::string name;
-  std::uint64_t bytes_sent = 0;
+  std::uint64_t bytes_sent = 0;  ///< after the codec (segment headers included)
+  std::uint64_t bytes_raw = 0;   ///< the same values in fp32
   double last_diff_sq = 0;  ///< ‖x − x̂‖² of this tensor at the last decision
   double max_relative = 0;  ///< largest ‖x − x̂‖/‖x̂‖ of this tensor seen at a decision
 };
@@ -53,11 +56,13 @@ struct engine_stats {
   std::string policy, topology, protocol, transport;
   std::string momentum = "local";  ///< what the engine does with registered momentum buffers
   std::string momentum_merge;        ///< quasi-global only: "full" or "spread" (engine_settings::momentum_merge)
+  std::string codec = "none";      ///< [codec] name
   std::uint64_t steps = 0, sends = 0, skips = 0;
   std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire
   std::uint64_t no_live_peer = 0;  ///< fired, but no target was alive
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
+  std::uint64_t bytes_raw = 0;     ///< bytes_sent without the codec: header plus the model in fp32, per message
   double relative_drift_last = 0, relative_drift_max = 0, relative_drift_at_send_sum = 0;
   double weight = 1;               ///< push-sum weight
   double step_seconds = 0;         ///< time inside engine.step(), waits included
@@ -102,6 +107,7 @@ struct trace_event {
   bool sent = false;
   std::uint32_t targets = 0;
   std::uint64_t bytes = 0;
+  std::uint64_t bytes_raw = 0;  ///< the same messages without the codec
   float lr = 0;          ///< learning rate the caller reported
   float weight = 1;      ///< push-sum weight after the step
   float consensus = 0;   ///< consensus-distance estimate (NaN: none yet)
@@ -111,6 +117,7 @@ struct trace_event {
 void write_stats_file(const std::string& path, const engine_stats& stats);
 
 /// Writes events as Chrome-trace / Perfetto JSON (one track per rank).
-void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events);
+/// A send's args carry `codec` and its `ratio` (bytes after / before the codec).
+void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec = "none");
 
 }  // namespace gossip

@@ -1,0 +1,184 @@
+// bench/codec — encode + decode bandwidth of every codec against memcpy of the
+// same bytes, in one run, at several model sizes.
+//
+//     build/bench/codec --out DIR          # 1, 16 and 64 MiB; DIR/codec.json
+//     build/bench/codec --sizes 1 --repeats 3
+//
+// One measurement is what a send and its receipt cost on the step path: the
+// sender encodes x − x̂ and updates its x̂, the receiver checks the payload and
+// updates its own x̂. Bandwidth counts the fp32 model bytes (4 per value), so
+// it compares directly with memcpy of the model. Before any speed is
+// reported, each run checks that sender and receiver x̂ agree bit for bit and
+// that the reconstruction error is within the codec's bound.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "gossip/codec.hpp"
+#include "gossip/error.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct sample_stats {
+  double mean = 0, sd = 0, min = 0, max = 0;
+};
+sample_stats summarize(const std::vector<double>& v) {
+  sample_stats s;
+  if (v.empty()) return s;
+  for (double x : v) s.mean += x;
+  s.mean /= static_cast<double>(v.size());
+  for (double x : v) s.sd += (x - s.mean) * (x - s.mean);
+  s.sd = v.size() > 1 ? std::sqrt(s.sd / static_cast<double>(v.size() - 1)) : 0.0;
+  s.min = *std::min_element(v.begin(), v.end());
+  s.max = *std::max_element(v.begin(), v.end());
+  return s;
+}
+
+// The largest |x − x̂| / |x − x̂₀| allowed after one message, per codec
+// (sparse codecs: checked on the kept values only, which arrive exactly).
+void check(const std::string& name, const std::vector<float>& x, const std::vector<float>& base, const std::vector<float>& sender,
+           const std::vector<float>& receiver, std::size_t block) {
+  if (std::memcmp(sender.data(), receiver.data(), sender.size() * sizeof(float)) != 0)
+    throw gossip::error(fmt::format("codec {}: sender and receiver x̂ differ after one message", name));
+  const std::size_t n = x.size();
+  if (name == "fp16") {
+    for (std::size_t i = 0; i < n; ++i)
+      if (std::fabs(x[i] - sender[i]) > std::fabs(x[i] - base[i]) * 0x1p-11f + 1e-6f)
+        throw gossip::error(fmt::format("codec fp16: value {} off by more than 2^-11 of its change", i));
+  } else if (name == "int8") {
+    for (std::size_t b0 = 0; b0 < n; b0 += block) {
+      const std::size_t e = std::min(n, b0 + block);
+      float amax = 0;
+      for (std::size_t i = b0; i < e; ++i) amax = std::max(amax, std::fabs(x[i] - base[i]));
+      for (std::size_t i = b0; i < e; ++i)
+        if (std::fabs(x[i] - sender[i]) > amax / 254.0f * 1.001f + 1e-6f)
+          throw gossip::error(fmt::format("codec int8: value {} off by more than max/254 of its block", i));
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i)
+      if (sender[i] != base[i] && sender[i] != base[i] + (x[i] - base[i]))
+        throw gossip::error(fmt::format("codec {}: kept value {} did not arrive exactly", name, i));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench/codec: encode + decode bandwidth of each codec vs memcpy of the same bytes"};
+  std::vector<double> sizes_mib = {1, 16, 64};
+  int repeats = 7;
+  std::string out_dir;
+  double ratio = 0.01;
+  app.add_option("--sizes", sizes_mib, "model sizes in MiB (fp32)");
+  app.add_option("--repeats", repeats, "timed repeats per size and codec (after one warm-up)")->check(CLI::Range(1, 1000));
+  app.add_option("--ratio", ratio, "topk/randomk ratio")->check(CLI::Range(1e-6, 1.0));
+  app.add_option("--out", out_dir, "write DIR/codec.json");
+  CLI11_PARSE(app, argc, argv);
+
+  struct codec_case {
+    std::string name;
+    gossip::component_config cfg;
+  };
+  std::vector<codec_case> cases;
+  for (const char* n : {"fp16", "int8", "topk", "randomk"}) {
+    gossip::component_config c{n, gossip::options("bench [codec]")};
+    if (std::string(n) == "topk" || std::string(n) == "randomk") c.opts.set("ratio", ratio);
+    cases.push_back({n, c});
+  }
+
+  nlohmann::json results = nlohmann::json::array();
+  fmt::print("{:>8} {:<8} {:>11} {:>11} {:>13} {:>13} {:>12} {:>7} {:>9}\n", "MiB", "codec", "encode-ms", "decode-ms", "codec-GB/s", "memcpy-GB/s",
+             "vs-memcpy", "best", "bytes-out");
+  for (const double mib : sizes_mib) {
+    const auto n = static_cast<std::size_t>(mib * 1024 * 1024 / sizeof(float));
+    std::mt19937_64 g(42);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    // x̂₀: the model at the last send; x: after some training steps (a change of ~1 %).
+    std::vector<float> base(n), x(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      base[i] = dist(g);
+      x[i] = base[i] + 0.01f * dist(g);
+    }
+    std::vector<float> sender(n), receiver(n), copy(n);
+    for (auto& cc : cases) {
+      auto c = gossip::make_codec(cc.cfg);
+      c.prepare(n);
+      const std::size_t cap = c.segment_capacity(n);
+      std::vector<std::uint64_t> wire((cap + 7) / 8);
+      auto* out = reinterpret_cast<std::byte*>(wire.data());
+      std::vector<double> enc_s, dec_s, codec_gbps, memcpy_gbps, vs;
+      double best_codec = INFINITY, best_memcpy = INFINITY;
+      std::size_t bytes = 0;
+      for (int r = -1; r < repeats; ++r) {
+        std::memcpy(sender.data(), base.data(), n * sizeof(float));
+        std::memcpy(receiver.data(), base.data(), n * sizeof(float));
+        const auto t0 = clock_type::now();
+        bytes = c.encode(x.data(), sender.data(), n, out, false, static_cast<std::uint64_t>(r + 2));
+        const auto t1 = clock_type::now();
+        const auto st = gossip::decode_segment({out, bytes}, receiver.data(), n, true);
+        const auto t2 = clock_type::now();
+        if (!st.ok()) throw gossip::error(fmt::format("codec {}: its own message was refused: {}", cc.name, st.problem));
+        const auto t3 = clock_type::now();
+        std::memcpy(copy.data(), x.data(), n * sizeof(float));
+        const auto t4 = clock_type::now();
+        if (copy[n / 2] != x[n / 2]) throw gossip::error("memcpy check failed");
+        if (r < 0) {
+          check(cc.name, x, base, sender, receiver, c.settings().block);
+          continue;  // warm-up
+        }
+        const double e = std::chrono::duration<double>(t1 - t0).count(), d = std::chrono::duration<double>(t2 - t1).count();
+        const double m = std::chrono::duration<double>(t4 - t3).count();
+        const double model_bytes = static_cast<double>(n * sizeof(float));
+        enc_s.push_back(e);
+        dec_s.push_back(d);
+        codec_gbps.push_back(model_bytes / (e + d) / 1e9);
+        memcpy_gbps.push_back(model_bytes / m / 1e9);
+        vs.push_back(m / (e + d));
+        best_codec = std::min(best_codec, e + d);
+        best_memcpy = std::min(best_memcpy, m);
+      }
+      const auto es = summarize(enc_s), ds = summarize(dec_s), cs = summarize(codec_gbps), ms = summarize(memcpy_gbps), v = summarize(vs);
+      const double bytes_ratio = static_cast<double>(bytes) / static_cast<double>(n * sizeof(float));
+      const double best = best_memcpy / best_codec;
+      fmt::print("{:>8g} {:<8} {:>11.3f} {:>11.3f} {:>8.2f}±{:<4.2f} {:>8.2f}±{:<4.2f} {:>6.2f}±{:<5.2f} {:>7.2f} {:>9.4f}\n", mib, cc.name,
+                 es.mean * 1e3, ds.mean * 1e3, cs.mean, cs.sd, ms.mean, ms.sd, v.mean, v.sd, best, bytes_ratio);
+      auto js = [](const sample_stats& s) { return nlohmann::json{{"mean", s.mean}, {"sd", s.sd}, {"min", s.min}, {"max", s.max}}; };
+      results.push_back({{"mib", mib},
+                         {"codec", cc.name},
+                         {"options", cc.name == "int8" ? nlohmann::json{{"block", c.settings().block}}
+                                     : cc.name == "fp16" ? nlohmann::json::object()
+                                                         : nlohmann::json{{"ratio", c.settings().ratio}}},
+                         {"encode_s", js(es)},
+                         {"decode_s", js(ds)},
+                         {"codec_gbps", js(cs)},
+                         {"memcpy_gbps", js(ms)},
+                         {"ratio_to_memcpy", js(v)},
+                         {"ratio_to_memcpy_best", best},
+                         {"encoded_bytes", bytes},
+                         {"bytes_ratio", bytes_ratio}});
+    }
+  }
+  fmt::print("(GB/s of the fp32 model; vs-memcpy = memcpy time / (encode + decode time), mean±sd over {} repeats; best = fastest memcpy /\n"
+             " fastest encode + decode; bytes-out = encoded / fp32 bytes)\n",
+             repeats);
+  if (!out_dir.empty()) {
+    std::filesystem::create_directories(out_dir);
+    const auto path = std::filesystem::path(out_dir) / "codec.json";
+    std::ofstream f(path);
+    f << nlohmann::json{{"bench", "codec"}, {"repeats", repeats}, {"results", results}}.dump(2) << "\n";
+    if (!f) throw gossip::error(fmt::format("{}: cannot write the results", path.string()));
+    fmt::print("wrote {}\n", path.string());
+  }
+  return 0;
+}

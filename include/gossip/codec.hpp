@@ -1,0 +1,143 @@
+#pragma once
+/// Codecs: what a message carries, once the policy has decided to send.
+///
+///     [codec]
+///     name = "int8"      # none (default), fp16, int8, topk, randomk
+///     block = 256        # int8: values per scale
+///
+///     [codec]
+///     name = "topk"
+///     ratio = 0.01       # fraction of values kept per tensor
+///
+/// With a codec other than "none" the engine keeps, per outgoing stream
+/// (sender → target), the model x̂ the target holds of this sender, and sends
+/// C(x − x̂); both sides add exactly the decoded message to their x̂, so they
+/// stay bit-identical (CHOCO, Koloskova et al. 2019). What C dropped stays in
+/// x − x̂ and goes out with a later message: the error-feedback residual of
+/// EF21 (Richtárik et al. 2021), one per stream. A stream's first message
+/// starts x̂ from nothing, so ranks need not share an initial model: a dense
+/// codec (fp16, int8) encodes x − 0, a sparse one (topk, randomk) sends the
+/// tensor in fp32 (a fraction of it would leave x̂ mostly zero). The receiver merges its x̂ of the sender in
+/// place of the sender's model; the push-sum weight travels uncompressed in
+/// the wire header.
+///
+/// A payload is a codec_payload header followed by one segment per tensor,
+/// in layout order; each segment is a codec_segment header and its bytes,
+/// padded to 8. decode_payload() checks every size and index before it reads,
+/// and reports what is wrong instead of reading past the end.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gossip/config.hpp"
+#include "gossip/options.hpp"
+#include "gossip/registry.hpp"
+
+namespace gossip {
+
+enum class codec_kind : std::uint8_t { none = 0, fp16 = 1, int8 = 2, topk = 3, randomk = 4 };
+constexpr std::size_t codec_kind_count = 5;
+std::string_view to_string(codec_kind k) noexcept;
+
+/// Payload header. `magic` also tells a codec payload from a raw fp32 model.
+struct codec_payload {
+  static constexpr std::uint32_t magic_value = 0x43445347;  // "GSDC"
+  std::uint32_t magic = magic_value;
+  std::uint32_t tensors = 0;
+  std::uint64_t elements = 0;
+};
+static_assert(sizeof(codec_payload) == 16);
+
+/// One tensor's segment header. `kind` none: `count` values in fp32, which
+/// replace x̂ (a sparse codec's first message on a stream, or a tensor below
+/// min_elements). Any other kind: a change added to x̂, after setting x̂ to
+/// zero when `flags` has `reset` (a dense codec's first message). `param`:
+/// int8 block size, or the number of values a sparse segment keeps. `bytes`:
+/// the whole segment.
+struct codec_segment {
+  static constexpr std::uint16_t reset = 1;
+  std::uint8_t kind = 0;
+  std::uint8_t index_mode = 0;  ///< sparse: 0 bitmap, 1 gaps as LEB128 varints
+  std::uint16_t flags = 0;
+  std::uint32_t param = 0;
+  std::uint64_t bytes = 0;
+};
+static_assert(sizeof(codec_segment) == 16);
+
+struct codec_settings {
+  codec_kind kind = codec_kind::none;
+  std::size_t block = 256;         ///< int8: values sharing one scale
+  double ratio = 0.01;             ///< topk/randomk: fraction of values kept
+  std::size_t min_elements = 0;    ///< tensors with fewer values are sent in fp32
+  std::uint64_t seed = 1;          ///< randomk: seed of the kept positions (with rank and round)
+};
+
+/// One codec with its preallocated scratch. Not thread-safe; one per engine.
+class codec {
+ public:
+  codec() = default;
+  explicit codec(codec_settings s, std::string name = {});
+
+  const codec_settings& settings() const noexcept { return m_settings; }
+  const std::string& name() const noexcept { return m_name; }
+  /// False for "none": the engine then ships the model exactly as without a codec.
+  bool compresses() const noexcept { return m_settings.kind != codec_kind::none; }
+  /// The kind used for a tensor of `count` values (none below min_elements).
+  codec_kind kind_for(std::size_t count) const noexcept {
+    return count < m_settings.min_elements ? codec_kind::none : m_settings.kind;
+  }
+  /// Values a sparse codec keeps of `count`.
+  std::size_t kept(std::size_t count) const noexcept;
+
+  /// Most bytes encode() writes for a tensor of `count` values, segment header included.
+  std::size_t segment_capacity(std::size_t count) const noexcept;
+  /// Most bytes of a payload for tensors of these sizes, payload header included.
+  std::size_t payload_capacity(std::span<const std::size_t> counts) const noexcept;
+
+  /// Allocates scratch for tensors of up to `max_count` values (the step path then allocates nothing).
+  void prepare(std::size_t max_count);
+
+  /// Encodes one tensor as a segment at `out` (8-byte aligned, segment_capacity
+  /// bytes free): C(x − x̂), and x̂ += exactly what a receiver decodes. A tensor
+  /// below min_elements: x in fp32, and x̂ ← x. `absolute` (a stream's first
+  /// message): x̂ starts from zero for a dense codec, x in fp32 for the others.
+  /// `seed` varies per stream and send (randomk positions, topk sampling).
+  /// Returns the segment's bytes.
+  std::size_t encode(const float* x, float* hat, std::size_t count, std::byte* out, bool absolute, std::uint64_t seed) noexcept;
+
+ private:
+  codec_settings m_settings;
+  std::string m_name = "none";
+  std::vector<float> m_sample;           // topk: sampled magnitudes
+  std::vector<std::uint32_t> m_indices;  // topk/randomk: kept positions
+};
+
+/// What decode_payload() found wrong; ok() when nothing.
+struct decode_status {
+  const char* problem = nullptr;  ///< static text, null when ok
+  std::size_t tensor = 0;         ///< index of the offending tensor, when it concerns one
+  bool ok() const noexcept { return problem == nullptr; }
+};
+
+/// Checks and applies one payload to x̂ (tensors of `counts` values,
+/// contiguous in layout order). `primed`: whether this x̂ already holds a
+/// full message; a change before that is refused. Never reads outside
+/// `payload`; on error x̂ may be partly updated (the message is refused).
+[[nodiscard]] decode_status decode_payload(std::span<const std::byte> payload, std::span<const std::size_t> counts, float* hat,
+                                           bool primed) noexcept;
+
+/// One segment, as decode_payload() applies it (exposed for tests and the bench).
+[[nodiscard]] decode_status decode_segment(std::span<const std::byte> segment, float* hat, std::size_t count, bool primed) noexcept;
+
+using codec_registry_t = registry<codec>;
+/// Codecs by config name: none, fp16, int8, topk, randomk.
+codec_registry_t& codec_registry();
+
+/// Builds the codec a [codec] section names; an unknown name is a
+/// config_error with the closest known one.
+codec make_codec(const component_config& c);
+
+}  // namespace gossip

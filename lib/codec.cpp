@@ -1,0 +1,577 @@
+// Codec kernels, the payload checker, and the codec registry.
+#include "gossip/codec.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <Eigen/Core>
+#include <fmt/format.h>
+
+#include "did_you_mean.hpp"
+#include "gossip/error.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GOSSIP_CODEC_F16C 1
+#endif
+
+namespace gossip {
+namespace {
+
+constexpr float fp16_max = 65504.0f;
+
+constexpr std::size_t pad8(std::size_t n) noexcept { return (n + 7) / 8 * 8; }
+
+std::uint64_t splitmix(std::uint64_t& s) noexcept {
+  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+// Uniform in [0, n) (Lemire's multiply-shift; the tiny bias does not matter here).
+std::size_t below(std::uint64_t& s, std::size_t n) noexcept {
+  return static_cast<std::size_t>((static_cast<unsigned __int128>(splitmix(s)) * n) >> 64);
+}
+
+std::size_t varint_bytes(std::uint64_t v) noexcept {
+  std::size_t b = 1;
+  while (v >= 0x80) v >>= 7, ++b;
+  return b;
+}
+
+// fp16: the change x − x̂, clamped to the fp16 range (what does not fit stays
+// in the residual), rounded to nearest even; x̂ += the rounded value.
+void fp16_encode_scalar(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
+  for (std::size_t i = 0; i < n; ++i) {
+    const float d = std::clamp(x[i] - hat[i], -fp16_max, fp16_max);
+    const Eigen::half h(d);
+    out[i] = h.x;
+    hat[i] += static_cast<float>(h);
+  }
+}
+void fp16_decode_scalar(const std::uint16_t* in, float* hat, std::size_t n) noexcept {
+  for (std::size_t i = 0; i < n; ++i) hat[i] += static_cast<float>(Eigen::half(Eigen::half_impl::raw_uint16_to_half(in[i])));
+}
+
+#ifdef GOSSIP_CODEC_F16C
+__attribute__((target("avx2,f16c"))) void fp16_encode_f16c(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
+  const __m256 hi = _mm256_set1_ps(fp16_max), lo = _mm256_set1_ps(-fp16_max);
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 h = _mm256_loadu_ps(hat + i);
+    const __m256 d = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), h), lo), hi);
+    const __m128i q = _mm256_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), q);
+    _mm256_storeu_ps(hat + i, _mm256_add_ps(h, _mm256_cvtph_ps(q)));
+  }
+  fp16_encode_scalar(x + i, hat + i, n - i, out + i);
+}
+__attribute__((target("avx2,f16c"))) void fp16_decode_f16c(const std::uint16_t* in, float* hat, std::size_t n) noexcept {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(hat + i, _mm256_add_ps(_mm256_loadu_ps(hat + i), _mm256_cvtph_ps(q)));
+  }
+  fp16_decode_scalar(in + i, hat + i, n - i);
+}
+// Also gates the AVX2 kernels below. cpu_init first: this runs as a static
+// initializer, possibly before libgcc's own.
+bool detect_f16c() noexcept {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+const bool have_f16c = detect_f16c();
+#endif
+
+void fp16_encode(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return fp16_encode_f16c(x, hat, n, out);
+#endif
+  fp16_encode_scalar(x, hat, n, out);
+}
+void fp16_decode(const std::uint16_t* in, float* hat, std::size_t n) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return fp16_decode_f16c(in, hat, n);
+#endif
+  fp16_decode_scalar(in, hat, n);
+}
+
+// int8: per block, scale = max|x − x̂| / 127 and q = round(d / scale); both
+// sides then add q·scale. The maximum is taken on the bit patterns of |d|
+// (ordered like the values for non-negative floats), which vectorizes.
+struct int8_block {
+  float scale, inv;
+};
+int8_block int8_scale(std::uint32_t top) noexcept {
+  float amax = std::bit_cast<float>(top);
+  if (!std::isfinite(amax)) amax = 0;  // a non-finite change is not sent; it stays in the residual
+  return {amax / 127.0f, amax > 0 ? 127.0f / amax : 0.0f};
+}
+void int8_quantize_scalar(const float* xb, float* hb, std::size_t m, int8_block s, std::int8_t* qb) noexcept {
+  for (std::size_t i = 0; i < m; ++i) {
+    const float v = (xb[i] - hb[i]) * s.inv;
+    const float r = std::clamp(v + (v >= 0 ? 0.5f : -0.5f), -127.0f, 127.0f);
+    const auto c = static_cast<std::int8_t>(static_cast<int>(r));
+    qb[i] = c;
+    hb[i] += static_cast<float>(c) * s.scale;
+  }
+}
+std::uint32_t int8_top_scalar(const float* xb, const float* hb, std::size_t m) noexcept {
+  std::uint32_t top = 0;
+  for (std::size_t i = 0; i < m; ++i) top = std::max(top, std::bit_cast<std::uint32_t>(xb[i] - hb[i]) & 0x7fffffffu);
+  return top;
+}
+void int8_encode_scalar(const float* x, float* hat, std::size_t n, std::size_t block, float* scales, std::int8_t* q) noexcept {
+  for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
+    const std::size_t m = std::min(block, n - b0);
+    const int8_block s = int8_scale(int8_top_scalar(x + b0, hat + b0, m));
+    scales[k] = s.scale;
+    int8_quantize_scalar(x + b0, hat + b0, m, s, q + b0);
+  }
+}
+
+#ifdef GOSSIP_CODEC_F16C
+// The same arithmetic as the scalar code, eight values at a time (no FMA:
+// x̂ must come out as the receiver's q·scale + x̂, bit for bit).
+__attribute__((target("avx2"))) void int8_encode_avx2(const float* x, float* hat, std::size_t n, std::size_t block, float* scales,
+                                                      std::int8_t* q) noexcept {
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
+    const std::size_t m = std::min(block, n - b0);
+    const float* xb = x + b0;
+    float* hb = hat + b0;
+    __m256i vtop = _mm256_setzero_si256();
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(hb + i));
+      vtop = _mm256_max_epu32(vtop, _mm256_and_si256(_mm256_castps_si256(d), abs_mask));
+    }
+    alignas(32) std::uint32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vtop);
+    std::uint32_t top = int8_top_scalar(xb + i, hb + i, m - i);
+    for (const auto l : lanes) top = std::max(top, l);
+    const int8_block s = int8_scale(top);
+    scales[k] = s.scale;
+    const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
+    std::int8_t* qb = q + b0;
+    i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m256 h = _mm256_loadu_ps(hb + i);
+      const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xb + i), h), inv);
+      const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, _mm256_or_ps(half, _mm256_and_ps(v, sign))), lo), hi);
+      const __m256i c = _mm256_cvttps_epi32(r);
+      const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + i), _mm_packs_epi16(p16, p16));
+      _mm256_storeu_ps(hb + i, _mm256_add_ps(h, _mm256_mul_ps(_mm256_cvtepi32_ps(c), scale)));
+    }
+    int8_quantize_scalar(xb + i, hb + i, m - i, s, qb + i);
+  }
+}
+
+// topk: positions whose |x − x̂| reaches the threshold, eight compared at a time.
+__attribute__((target("avx2"))) std::size_t select_avx2(const float* x, const float* hat, std::size_t n, float threshold, bool strict,
+                                                        std::uint32_t* out) noexcept {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
+  std::size_t c = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 a = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(hat + i)), abs_mask);
+    auto mask = static_cast<unsigned>(_mm256_movemask_ps(strict ? _mm256_cmp_ps(a, t, _CMP_GT_OQ) : _mm256_cmp_ps(a, t, _CMP_GE_OQ)));
+    for (; mask; mask &= mask - 1) out[c++] = static_cast<std::uint32_t>(i + static_cast<std::size_t>(std::countr_zero(mask)));
+  }
+  for (; i < n; ++i) {
+    out[c] = static_cast<std::uint32_t>(i);
+    const float a = std::fabs(x[i] - hat[i]);
+    c += (strict ? a > threshold : a >= threshold) ? 1 : 0;
+  }
+  return c;
+}
+#endif
+
+void int8_encode(const float* x, float* hat, std::size_t n, std::size_t block, float* scales, std::int8_t* q) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return int8_encode_avx2(x, hat, n, block, scales, q);
+#endif
+  int8_encode_scalar(x, hat, n, block, scales, q);
+}
+
+// Positions with |x − x̂| ≥ threshold (> when strict), in increasing order; `out` has room for n + 1.
+std::size_t select(const float* x, const float* hat, std::size_t n, float threshold, bool strict, std::uint32_t* out) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return select_avx2(x, hat, n, threshold, strict, out);
+#endif
+  std::size_t c = 0;
+  for (std::size_t i = 0; i < n; ++i) {  // branch-free compaction
+    out[c] = static_cast<std::uint32_t>(i);
+    const float a = std::fabs(x[i] - hat[i]);
+    c += (strict ? a > threshold : a >= threshold) ? 1 : 0;
+  }
+  return c;
+}
+void int8_decode(const float* scales, const std::int8_t* q, float* hat, std::size_t n, std::size_t block) noexcept {
+  for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
+    const std::size_t m = std::min(block, n - b0);
+    const float scale = scales[k];
+    for (std::size_t i = 0; i < m; ++i) hat[b0 + i] += static_cast<float>(q[b0 + i]) * scale;
+  }
+}
+
+// Sparse segments: values (fp32), then positions as a bitmap or as LEB128
+// varints of the gaps (first position, then next − previous − 1), whichever
+// is smaller.
+std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32_t> kept, std::size_t n, std::byte* out,
+                         codec_kind kind) noexcept {
+  auto* values = reinterpret_cast<float*>(out + sizeof(codec_segment));
+  for (std::size_t j = 0; j < kept.size(); ++j) {
+    const std::uint32_t i = kept[j];
+    const float d = x[i] - hat[i];
+    values[j] = d;
+    hat[i] += d;
+  }
+  std::size_t gaps = 0;
+  for (std::size_t j = 0; j < kept.size(); ++j) gaps += varint_bytes(j == 0 ? kept[0] : kept[j] - kept[j - 1] - 1);
+  const std::size_t bitmap = (n + 7) / 8;
+  std::byte* idx = out + sizeof(codec_segment) + kept.size() * sizeof(float);
+  codec_segment sg;
+  sg.kind = static_cast<std::uint8_t>(kind);
+  sg.param = static_cast<std::uint32_t>(kept.size());
+  std::size_t index_bytes;
+  if (bitmap <= gaps) {
+    sg.index_mode = 0;
+    index_bytes = bitmap;
+    std::memset(idx, 0, bitmap);
+    auto* bits = reinterpret_cast<std::uint8_t*>(idx);
+    for (const std::uint32_t i : kept) bits[i >> 3] |= static_cast<std::uint8_t>(1u << (i & 7));
+  } else {
+    sg.index_mode = 1;
+    index_bytes = gaps;
+    auto* p = reinterpret_cast<std::uint8_t*>(idx);
+    for (std::size_t j = 0; j < kept.size(); ++j) {
+      std::uint64_t v = j == 0 ? kept[0] : kept[j] - kept[j - 1] - 1;
+      while (v >= 0x80) *p++ = static_cast<std::uint8_t>(v | 0x80), v >>= 7;
+      *p++ = static_cast<std::uint8_t>(v);
+    }
+  }
+  const std::size_t used = sizeof(codec_segment) + kept.size() * sizeof(float) + index_bytes;
+  sg.bytes = pad8(used);
+  std::memset(out + used, 0, sg.bytes - used);
+  std::memcpy(out, &sg, sizeof sg);
+  return sg.bytes;
+}
+
+decode_status fail(const char* what) noexcept { return decode_status{what, 0}; }
+
+}  // namespace
+
+std::string_view to_string(codec_kind k) noexcept {
+  switch (k) {
+    case codec_kind::none: return "none";
+    case codec_kind::fp16: return "fp16";
+    case codec_kind::int8: return "int8";
+    case codec_kind::topk: return "topk";
+    case codec_kind::randomk: return "randomk";
+  }
+  return "?";
+}
+
+codec::codec(codec_settings s, std::string name) : m_settings(s), m_name(name.empty() ? std::string(to_string(s.kind)) : std::move(name)) {
+  GOSSIP_ASSERT(m_settings.block > 0, "codec block size must be positive");
+}
+
+std::size_t codec::kept(std::size_t count) const noexcept {
+  if (count == 0) return 0;
+  const double k = std::ceil(m_settings.ratio * static_cast<double>(count));
+  return std::clamp<std::size_t>(static_cast<std::size_t>(k), 1, count);
+}
+
+std::size_t codec::segment_capacity(std::size_t count) const noexcept {
+  const std::size_t full = pad8(sizeof(codec_segment) + count * sizeof(float));  // a first message is fp32
+  switch (kind_for(count)) {
+    case codec_kind::none: return full;
+    case codec_kind::fp16: return full;
+    case codec_kind::int8: return std::max(full, pad8(sizeof(codec_segment) + (count + m_settings.block - 1) / m_settings.block * 4 + count));
+    case codec_kind::topk:
+    case codec_kind::randomk: return std::max(full, pad8(sizeof(codec_segment) + kept(count) * sizeof(float) + (count + 7) / 8));
+  }
+  return full;
+}
+
+std::size_t codec::payload_capacity(std::span<const std::size_t> counts) const noexcept {
+  std::size_t b = sizeof(codec_payload);
+  for (const auto n : counts) b += segment_capacity(n);
+  return b;
+}
+
+void codec::prepare(std::size_t max_count) {
+  if (max_count > std::numeric_limits<std::uint32_t>::max())
+    throw config_error(fmt::format("codec '{}': a tensor of {} values is too large (at most 2^32 − 1 per tensor)", m_name, max_count));
+  if (m_settings.kind == codec_kind::topk) {
+    m_sample.resize(max_count);
+    m_indices.resize(max_count + 1);
+  } else if (m_settings.kind == codec_kind::randomk) {
+    m_indices.resize(kept(max_count) + 1);
+  }
+}
+
+std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed) noexcept {
+  codec_segment sg;
+  codec_kind kind = n == 0 ? codec_kind::none : kind_for(n);
+  if (absolute && (kind == codec_kind::fp16 || kind == codec_kind::int8)) {
+    std::fill(hat, hat + n, 0.0f);  // both sides start this stream's x̂ from zero
+    sg.flags = codec_segment::reset;
+  } else if (absolute) {
+    kind = codec_kind::none;
+  }
+  sg.kind = static_cast<std::uint8_t>(kind);
+  std::byte* body = out + sizeof sg;
+  std::size_t used = sizeof sg;
+  switch (kind) {
+    case codec_kind::none:
+      std::memcpy(body, x, n * sizeof(float));
+      std::memcpy(hat, x, n * sizeof(float));
+      used += n * sizeof(float);
+      break;
+    case codec_kind::fp16:
+      fp16_encode(x, hat, n, reinterpret_cast<std::uint16_t*>(body));
+      used += n * 2;
+      break;
+    case codec_kind::int8: {
+      const std::size_t blocks = (n + m_settings.block - 1) / m_settings.block;
+      sg.param = static_cast<std::uint32_t>(m_settings.block);
+      int8_encode(x, hat, n, m_settings.block, reinterpret_cast<float*>(body), reinterpret_cast<std::int8_t*>(body + blocks * 4));
+      used += blocks * 4 + n;
+      break;
+    }
+    case codec_kind::randomk: {
+      // One uniform position in each of k equal strata: exactly k positions,
+      // each kept with probability k/n, in increasing order, O(k) draws.
+      const std::size_t k = kept(n);
+      std::uint64_t s = seed ^ m_settings.seed * 0x2545f4914f6cdd1dull;
+      for (std::size_t j = 0; j < k; ++j) {
+        const std::size_t lo = j * n / k, hi = (j + 1) * n / k;
+        m_indices[j] = static_cast<std::uint32_t>(lo + below(s, hi - lo));
+      }
+      return write_sparse(x, hat, {m_indices.data(), k}, n, out, kind);
+    }
+    case codec_kind::topk: {
+      const std::size_t k = kept(n);
+      float* mag = m_sample.data();
+      float threshold;
+      // A threshold from a sample of |x − x̂| (no sort of the tensor): aimed at
+      // about 1.15 k values, then trimmed to k exactly below.
+      const std::size_t samples = std::min(n, std::max<std::size_t>(4096, static_cast<std::size_t>(256.0 / m_settings.ratio)));
+      if (samples == n) {
+        for (std::size_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i] - hat[i]);
+      } else {
+        std::uint64_t s = seed;
+        for (std::size_t j = 0; j < samples; ++j) {
+          const std::size_t i = below(s, n);
+          mag[j] = std::fabs(x[i] - hat[i]);
+        }
+      }
+      const auto above = std::min(samples, static_cast<std::size_t>(std::ceil(1.15 * static_cast<double>(k) * static_cast<double>(samples) / static_cast<double>(n))));
+      const std::size_t nth = samples - std::max<std::size_t>(above, 1);
+      std::nth_element(mag, mag + nth, mag + samples);
+      threshold = mag[nth];
+      std::uint32_t* cand = m_indices.data();
+      // A zero threshold keeps only non-zero changes.
+      std::size_t c = select(x, hat, n, threshold, !(threshold > 0), cand);
+      if (c > k) {
+        // The k-th largest magnitude among the candidates, then a stable
+        // filter that keeps index order: larger ones, and ties up to k.
+        for (std::size_t j = 0; j < c; ++j) mag[j] = std::fabs(x[cand[j]] - hat[cand[j]]);
+        std::nth_element(mag, mag + (k - 1), mag + c, std::greater<>());
+        const float kth = mag[k - 1];
+        std::size_t greater = 0;
+        for (std::size_t j = 0; j < c; ++j) greater += std::fabs(x[cand[j]] - hat[cand[j]]) > kth ? 1 : 0;
+        std::size_t ties = k - greater, w = 0;
+        for (std::size_t j = 0; j < c; ++j) {
+          const float a = std::fabs(x[cand[j]] - hat[cand[j]]);
+          if (a > kth || (a == kth && ties > 0 && (ties--, true))) cand[w++] = cand[j];
+        }
+        c = w;
+      }
+      return write_sparse(x, hat, {cand, c}, n, out, kind);
+    }
+  }
+  sg.bytes = pad8(used);
+  std::memset(out + used, 0, sg.bytes - used);
+  std::memcpy(out, &sg, sizeof sg);
+  return sg.bytes;
+}
+
+decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::size_t n, bool primed) noexcept {
+  codec_segment sg;
+  if (seg.size() < sizeof sg) return fail("a tensor's segment header is truncated");
+  std::memcpy(&sg, seg.data(), sizeof sg);
+  if (sg.bytes < sizeof sg || sg.bytes > seg.size() || sg.bytes % 8 != 0) return fail("a tensor's segment size is out of bounds");
+  const std::byte* body = seg.data() + sizeof sg;
+  const std::size_t room = sg.bytes - sizeof sg;
+  const auto kind = static_cast<codec_kind>(sg.kind);
+  const bool reset = (sg.flags & codec_segment::reset) != 0;
+  if (sg.flags & ~codec_segment::reset) return fail("a segment has unknown flags");
+  if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
+  if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
+  switch (kind) {
+    case codec_kind::none:
+      if (sg.bytes != pad8(sizeof sg + n * sizeof(float))) return fail("an fp32 segment's size does not match the tensor");
+      std::memcpy(hat, body, n * sizeof(float));
+      return {};
+    case codec_kind::fp16:
+      if (sg.bytes != pad8(sizeof sg + n * 2)) return fail("an fp16 segment's size does not match the tensor");
+      if (reset) std::fill(hat, hat + n, 0.0f);
+      fp16_decode(reinterpret_cast<const std::uint16_t*>(body), hat, n);
+      return {};
+    case codec_kind::int8: {
+      const std::size_t block = sg.param;
+      if (block == 0) return fail("an int8 segment has block size 0");
+      const std::size_t blocks = (n + block - 1) / block;
+      if (sg.bytes != pad8(sizeof sg + blocks * 4 + n)) return fail("an int8 segment's size does not match the tensor and block size");
+      const auto* scales = reinterpret_cast<const float*>(body);
+      for (std::size_t k = 0; k < blocks; ++k)
+        if (!(scales[k] >= 0 && std::isfinite(scales[k]))) return fail("an int8 segment has a negative or non-finite scale");
+      if (reset) std::fill(hat, hat + n, 0.0f);
+      int8_decode(scales, reinterpret_cast<const std::int8_t*>(body + blocks * 4), hat, n, block);
+      return {};
+    }
+    case codec_kind::topk:
+    case codec_kind::randomk: {
+      const std::size_t k = sg.param;
+      if (k > n) return fail("a sparse segment keeps more values than the tensor has");
+      if (k * sizeof(float) > room) return fail("a sparse segment's values run past its end");
+      const auto* values = reinterpret_cast<const float*>(body);
+      const auto* idx = reinterpret_cast<const std::uint8_t*>(body + k * sizeof(float));
+      const std::size_t idx_room = room - k * sizeof(float);
+      std::size_t used = 0;
+      if (sg.index_mode == 0) {
+        const std::size_t bitmap = (n + 7) / 8;
+        if (bitmap > idx_room) return fail("a sparse segment's bitmap runs past its end");
+        std::size_t set = 0;
+        for (std::size_t b = 0; b < bitmap; ++b) set += static_cast<std::size_t>(std::popcount(idx[b]));
+        if (n % 8 != 0 && (idx[bitmap - 1] >> (n % 8)) != 0) return fail("a sparse segment's bitmap marks positions past the tensor's end");
+        if (set != k) return fail("a sparse segment's bitmap does not mark as many positions as it has values");
+        std::size_t j = 0;
+        for (std::size_t b = 0; b < bitmap; ++b)
+          for (std::uint8_t bits = idx[b]; bits; bits &= static_cast<std::uint8_t>(bits - 1))
+            hat[b * 8 + static_cast<std::size_t>(std::countr_zero(bits))] += values[j++];
+        used = bitmap;
+      } else if (sg.index_mode == 1) {
+        // Positions are checked in a first pass, so a bad one leaves x̂ untouched.
+        for (int pass = 0; pass < 2; ++pass) {
+          std::size_t p = 0, next = 0;
+          for (std::size_t j = 0; j < k; ++j) {
+            std::uint64_t v = 0;
+            for (int shift = 0;; shift += 7) {
+              if (p >= idx_room) return fail("a sparse segment's positions run past its end");
+              if (shift > 63) return fail("a sparse segment has an overlong position varint");
+              const std::uint8_t byte = idx[p++];
+              v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
+              if (!(byte & 0x80)) break;
+            }
+            if (v >= n || next + v >= n) return fail("a sparse segment names a position past the tensor's end");
+            const std::size_t i = next + v;
+            if (pass == 1) hat[i] += values[j];
+            next = i + 1;
+          }
+          used = p;
+        }
+      } else {
+        return fail("a sparse segment has an unknown position encoding");
+      }
+      if (sg.bytes != pad8(sizeof sg + k * sizeof(float) + used)) return fail("a sparse segment's size does not match its contents");
+      return {};
+    }
+  }
+  return fail("a segment names an unknown codec");
+}
+
+decode_status decode_payload(std::span<const std::byte> payload, std::span<const std::size_t> counts, float* hat, bool primed) noexcept {
+  codec_payload ph;
+  if (payload.size() < sizeof ph) return fail("the codec header is truncated");
+  std::memcpy(&ph, payload.data(), sizeof ph);
+  if (ph.magic != codec_payload::magic_value) return fail("the payload is not codec-encoded (bad magic): do both ranks use the same [codec]?");
+  std::size_t elements = 0;
+  for (const auto n : counts) elements += n;
+  if (ph.tensors != counts.size() || ph.elements != elements) return fail("the codec header's tensor count or size does not match the model");
+  std::size_t at = sizeof ph, offset = 0;
+  for (std::size_t t = 0; t < counts.size(); ++t) {
+    auto st = decode_segment(payload.subspan(at), hat + offset, counts[t], primed);
+    if (!st.ok()) {
+      st.tensor = t;
+      return st;
+    }
+    codec_segment sg;
+    std::memcpy(&sg, payload.data() + at, sizeof sg);
+    at += sg.bytes;
+    offset += counts[t];
+  }
+  if (at != payload.size()) return decode_status{"the payload has bytes after its last tensor", counts.size() - 1};
+  return {};
+}
+
+codec_registry_t& codec_registry() {
+  static codec_registry_t r = [] {
+    codec_registry_t c("codec");
+    const option_spec min_elements{"min_elements", std::int64_t{0}, "tensors with fewer values are sent in fp32 (e.g. biases)"};
+    auto base = [](const options& o, codec_kind k) {
+      codec_settings s;
+      s.kind = k;
+      const auto m = o.integer("min_elements");
+      if (m < 0) throw config_error(fmt::format("{}: key 'min_elements' must be >= 0, got {}", o.where("min_elements"), m));
+      s.min_elements = static_cast<std::size_t>(m);
+      return s;
+    };
+    auto ratio = [](const options& o) {
+      const double r = o.real("ratio");
+      if (!(r > 0 && r <= 1)) throw config_error(fmt::format("{}: key 'ratio' must be in (0, 1], got {}", o.where("ratio"), r));
+      return r;
+    };
+    c.add({"none", "the model in fp32, as without a codec (default)", {}, [](const options&) { return codec(); }});
+    c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements},
+           [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
+    c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",
+           {{"block", std::int64_t{256}, "values per scale"}, min_elements},
+           [base](const options& o) {
+             auto s = base(o, codec_kind::int8);
+             const auto b = o.integer("block");
+             if (b < 1 || b > (std::int64_t{1} << 24))
+               throw config_error(fmt::format("{}: key 'block' must be in 1..16777216, got {}", o.where("block"), b));
+             s.block = static_cast<std::size_t>(b);
+             return codec(s);
+           }});
+    c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
+           {{"ratio", 0.01, "fraction of each tensor's values sent"}, min_elements},
+           [base, ratio](const options& o) {
+             auto s = base(o, codec_kind::topk);
+             s.ratio = ratio(o);
+             return codec(s);
+           }});
+    c.add({"randomk", "changes at random positions (one per stratum), positions as bitmap or gaps",
+           {{"ratio", 0.01, "fraction of each tensor's values sent"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
+            min_elements},
+           [base, ratio](const options& o) {
+             auto s = base(o, codec_kind::randomk);
+             s.ratio = ratio(o);
+             s.seed = static_cast<std::uint64_t>(o.integer("seed"));
+             return codec(s);
+           }});
+    return c;
+  }();
+  return r;
+}
+
+codec make_codec(const component_config& c) {
+  const auto& r = codec_registry();
+  if (!r.contains(c.name)) {
+    std::vector<std::string> known;
+    for (const auto& e : r.entries()) known.push_back(e.name);
+    throw config_error(fmt::format("{}: unknown codec '{}'{}; known codecs: {}", c.opts.where(), c.name, detail::did_you_mean(c.name, known),
+                                   r.names_joined()));
+  }
+  return r.make(c.name, c.opts);
+}
+
+}  // namespace gossip

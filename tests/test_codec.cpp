@@ -1,0 +1,485 @@
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <new>
+#include <random>
+
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include "gossip/codec.hpp"
+#include "test_support.hpp"
+
+using namespace gossip;
+using gossip::test::run_ranks;
+using gossip::test::spec_of;
+using gossip::test::toy_model;
+
+// Count heap allocations made by the calling thread while counting is on.
+namespace {
+thread_local bool t_counting = false;
+thread_local std::size_t t_allocations = 0;
+}  // namespace
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t n) {
+  if (t_counting) ++t_allocations;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+codec make(std::string name, std::vector<std::pair<std::string, option_value>> kv = {}) {
+  component_config c{std::move(name), options("test [codec]")};
+  for (auto& [k, v] : kv) c.opts.set(k, v);
+  return make_codec(c);
+}
+
+std::vector<float> normal(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+struct buffer {
+  std::vector<std::uint64_t> words;  // 8-byte aligned bytes
+  explicit buffer(std::size_t bytes) : words((bytes + 7) / 8 + 1, 0) {}
+  std::byte* data() { return reinterpret_cast<std::byte*>(words.data()); }
+};
+
+// Encodes x against hat (sender side) and decodes into a copy of the old hat
+// (receiver side); checks both sides agree bit for bit. Returns the segment's bytes.
+std::size_t round_trip(codec& c, const std::vector<float>& x, std::vector<float>& hat, std::vector<float>& receiver, std::uint64_t seed = 7) {
+  buffer out(c.segment_capacity(x.size()));
+  const std::size_t bytes = c.encode(x.data(), hat.data(), x.size(), out.data(), false, seed);
+  REQUIRE(bytes <= c.segment_capacity(x.size()));
+  const auto st = decode_segment({out.data(), bytes}, receiver.data(), x.size(), true);
+  REQUIRE(st.ok());
+  REQUIRE(std::memcmp(hat.data(), receiver.data(), hat.size() * sizeof(float)) == 0);
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within each codec's error bound") {
+  const std::size_t n = 10007;  // not a multiple of a block or of 8
+  const auto x = normal(n, 1);
+  const auto hat0 = normal(n, 2, 0.5f);
+
+  SUBCASE("fp16: relative error of the change at most 2^-11") {
+    auto c = make("fp16");
+    c.prepare(n);
+    auto hat = hat0, recv = hat0;
+    const auto bytes = round_trip(c, x, hat, recv);
+    CHECK(bytes == (16 + 2 * n + 7) / 8 * 8);
+    for (std::size_t i = 0; i < n; ++i) {
+      const float d = x[i] - hat0[i];
+      CHECK(std::fabs(x[i] - hat[i]) <= std::fabs(d) * 0x1p-11f + 1e-6f);
+    }
+  }
+  SUBCASE("int8: error at most max|change| / 254 per block") {
+    for (std::int64_t block : {256, 100, 1}) {
+      auto c = make("int8", {{"block", block}});
+      c.prepare(n);
+      auto hat = hat0, recv = hat0;
+      round_trip(c, x, hat, recv);
+      for (std::size_t b0 = 0; b0 < n; b0 += static_cast<std::size_t>(block)) {
+        const std::size_t e = std::min(n, b0 + static_cast<std::size_t>(block));
+        float amax = 0;
+        for (std::size_t i = b0; i < e; ++i) amax = std::max(amax, std::fabs(x[i] - hat0[i]));
+        for (std::size_t i = b0; i < e; ++i) CHECK(std::fabs(x[i] - hat[i]) <= amax / 254.0f * 1.001f + 1e-6f);
+      }
+    }
+  }
+  SUBCASE("topk: exactly k values, the largest changes, each sent exactly") {
+    auto c = make("topk", {{"ratio", 0.01}});
+    c.prepare(n);
+    auto hat = hat0, recv = hat0;
+    const auto bytes = round_trip(c, x, hat, recv);
+    const std::size_t k = c.kept(n);
+    CHECK(k == 101);
+    std::size_t changed = 0;
+    float smallest_kept = INFINITY, largest_left = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const float d = std::fabs(x[i] - hat0[i]);
+      if (hat[i] != hat0[i]) {
+        ++changed;
+        CHECK(hat[i] == hat0[i] + (x[i] - hat0[i]));
+        smallest_kept = std::min(smallest_kept, d);
+      } else {
+        largest_left = std::max(largest_left, d);
+      }
+    }
+    CHECK(changed == k);
+    CHECK(smallest_kept >= largest_left);
+    // Gaps of about 100 positions: one or two bytes each, far below a bitmap of n/8.
+    CHECK(bytes < 16 + 4 * k + 2 * k + 8);
+  }
+  SUBCASE("topk at a large ratio uses a bitmap when that is smaller") {
+    auto c = make("topk", {{"ratio", 0.5}});
+    c.prepare(n);
+    auto hat = hat0, recv = hat0;
+    const auto bytes = round_trip(c, x, hat, recv);
+    CHECK(bytes == (16 + 4 * c.kept(n) + (n + 7) / 8 + 7) / 8 * 8);
+  }
+  SUBCASE("randomk: exactly k positions, each change sent exactly") {
+    auto c = make("randomk", {{"ratio", 0.05}, {"seed", std::int64_t{3}}});
+    c.prepare(n);
+    auto hat = hat0, recv = hat0;
+    round_trip(c, x, hat, recv);
+    std::size_t changed = 0;
+    for (std::size_t i = 0; i < n; ++i) changed += hat[i] != hat0[i];
+    CHECK(changed == c.kept(n));
+  }
+  SUBCASE("a tensor below min_elements, or an absolute segment, is the model in fp32") {
+    auto c = make("topk", {{"min_elements", std::int64_t{20000}}});
+    c.prepare(n);
+    CHECK(c.kind_for(n) == codec_kind::none);
+    auto hat = hat0, recv = hat0;
+    round_trip(c, x, hat, recv);
+    CHECK(hat == x);
+    // A stream's first message needs no earlier one: fp32 for a sparse codec,
+    // for a dense one the codec applied to x − 0 (x̂ reset on both sides).
+    for (const char* name : {"topk", "int8"}) {
+      auto d = make(name);
+      d.prepare(n);
+      buffer out(d.segment_capacity(n));
+      std::vector<float> h(n, 3.0f), r(n, 5.0f);
+      const auto bytes = d.encode(x.data(), h.data(), n, out.data(), true, 1);
+      REQUIRE(decode_segment({out.data(), bytes}, r.data(), n, false).ok());
+      CHECK(r == h);
+      if (std::string(name) == "topk") CHECK(h == x);
+      if (std::string(name) == "int8") CHECK(bytes < n * 2);
+    }
+  }
+}
+
+TEST_CASE("error feedback: what was sent plus the residual is what was fed in, and nothing is lost over time") {
+  const std::size_t n = 4096;
+  for (const char* name : {"fp16", "int8", "topk", "randomk"}) {
+    INFO("codec ", std::string(name));
+    auto c = make(name, {});
+    if (std::string(name) == "topk" || std::string(name) == "randomk") c = make(name, {{"ratio", 0.1}});
+    c.prepare(n);
+    std::vector<float> hat(n, 0.0f), recv(n, 0.0f);
+    std::vector<double> sent(n, 0.0);  // Σ of the decoded messages
+    std::vector<float> x = normal(n, 11);
+    const std::vector<float> x0 = x;
+    buffer out(c.segment_capacity(n));
+    for (int round = 0; round < 160; ++round) {
+      if (round < 10)
+        for (std::size_t i = 0; i < n; ++i) x[i] += 0.01f * x0[(i * 7 + static_cast<std::size_t>(round)) % n];
+      std::vector<float> before = recv;
+      const auto bytes = c.encode(x.data(), hat.data(), n, out.data(), false, static_cast<std::uint64_t>(round));
+      REQUIRE(decode_segment({out.data(), bytes}, recv.data(), n, true).ok());
+      REQUIRE(std::memcmp(hat.data(), recv.data(), n * sizeof(float)) == 0);
+      for (std::size_t i = 0; i < n; ++i) sent[i] += static_cast<double>(recv[i]) - static_cast<double>(before[i]);
+      // fed in so far = x − x̂₀ (x̂₀ = 0); residual = x − x̂
+      for (std::size_t i = 0; i < n; i += 97)
+        CHECK(sent[i] + (static_cast<double>(x[i]) - hat[i]) == doctest::Approx(static_cast<double>(x[i])).epsilon(1e-5));
+    }
+    // x held still for 150 rounds: the residual has (all but) arrived.
+    double res = 0, norm = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      res += (static_cast<double>(x[i]) - hat[i]) * (static_cast<double>(x[i]) - hat[i]);
+      norm += static_cast<double>(x[i]) * x[i];
+    }
+    CHECK(std::sqrt(res / norm) < 1e-4);
+  }
+  SUBCASE("sparse codecs deliver a still model exactly after 1/ratio sends from a zero x̂") {
+    auto c = make("topk", {{"ratio", 0.25}});
+    c.prepare(n);
+    std::vector<float> hat(n, 0.0f);
+    const auto x = normal(n, 5);
+    buffer out(c.segment_capacity(n));
+    for (int round = 0; round < 4; ++round) (void)c.encode(x.data(), hat.data(), n, out.data(), false, 1);
+    CHECK(hat == x);
+  }
+}
+
+TEST_CASE("decode_payload refuses malformed or inconsistent payloads without reading past them") {
+  const std::vector<std::size_t> counts = {1000, 37};
+  const auto x = normal(1037, 3);
+  for (const char* name : {"fp16", "int8", "topk", "randomk"}) {
+    INFO("codec ", std::string(name));
+    auto c = make(name, {{"min_elements", std::int64_t{0}}});
+    c.prepare(1000);
+    buffer out(c.payload_capacity(counts));
+    std::vector<float> hat(1037, 0.0f);
+    codec_payload ph;
+    ph.tensors = 2;
+    ph.elements = 1037;
+    std::memcpy(out.data(), &ph, sizeof ph);
+    std::size_t at = sizeof ph;
+    at += c.encode(x.data(), hat.data(), 1000, out.data() + at, false, 1);
+    at += c.encode(x.data() + 1000, hat.data() + 1000, 37, out.data() + at, false, 2);
+    std::vector<std::byte> good(out.data(), out.data() + at);
+    std::vector<float> recv(1037, 0.0f);
+    REQUIRE(decode_payload(good, counts, recv.data(), true).ok());
+    CHECK(recv == hat);
+
+    // Every truncation is refused, and read through a copy of exactly that size.
+    for (std::size_t len = 0; len < good.size(); ++len) {
+      std::vector<std::byte> cut(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(len));
+      CHECK_FALSE(decode_payload(cut, counts, recv.data(), true).ok());
+    }
+    auto corrupt = [&](std::size_t offset, auto value) {
+      std::vector<std::byte> bad = good;
+      std::memcpy(bad.data() + offset, &value, sizeof value);
+      return decode_payload(bad, counts, recv.data(), true);
+    };
+    CHECK_FALSE(corrupt(0, std::uint32_t{0x12345678}).ok());              // magic
+    CHECK_FALSE(corrupt(4, std::uint32_t{3}).ok());                       // tensor count
+    CHECK_FALSE(corrupt(8, std::uint64_t{1038}).ok());                    // elements
+    CHECK_FALSE(corrupt(16, std::uint8_t{9}).ok());                       // unknown codec kind
+    CHECK_FALSE(corrupt(16 + 2, std::uint16_t{4}).ok());                  // unknown flags
+    CHECK_FALSE(corrupt(16 + 8, std::uint64_t{1} << 40).ok());            // segment size
+    CHECK_FALSE(corrupt(16 + 8, std::uint64_t{24}).ok());                 // segment size too small for its contents
+    std::vector<std::byte> trailing = good;
+    trailing.resize(good.size() + 8);
+    CHECK_FALSE(decode_payload(trailing, counts, recv.data(), true).ok());
+    // A change before the stream's first full message.
+    CHECK(std::string(decode_payload(good, counts, recv.data(), false).problem).find("first full message") != std::string::npos);
+    const std::string kind(name);
+    if (kind == "int8") {
+      CHECK_FALSE(corrupt(16 + 4, std::uint32_t{0}).ok());  // block 0
+      CHECK_FALSE(corrupt(16 + 16, std::nanf("")).ok());     // non-finite scale
+    }
+    if (kind == "topk" || kind == "randomk") {
+      codec_segment sg;
+      std::memcpy(&sg, good.data() + 16, sizeof sg);
+      CHECK_FALSE(corrupt(16 + 4, std::uint32_t{1001}).ok());  // keeps more than the tensor
+      const std::size_t idx = 16 + 16 + sg.param * 4;
+      REQUIRE(sg.index_mode == 1);                            // 10 of 1000: gaps beat a bitmap
+      CHECK_FALSE(corrupt(idx, std::uint32_t{0x7fffffff}).ok()); // a position past the tensor's end
+      CHECK_FALSE(corrupt(idx, std::uint64_t{~0ull}).ok());      // a varint that never ends
+      CHECK_FALSE(corrupt(16 + 1, std::uint8_t{7}).ok());       // unknown position encoding
+    }
+  }
+}
+
+TEST_CASE("codec config: names and keys are checked, settings are listed, the switch refuses a codec") {
+  CHECK(codec_registry().contains("int8"));
+  for (const auto& e : codec_registry().entries()) CHECK(!e.help.empty());
+  auto cfg = config::parse("[codec]\nname = \"topk\"\nratio = 0.05\n", "run.toml");
+  CHECK(cfg.codec.name == "topk");
+  auto spec = engine_spec::from(cfg);
+  CHECK(spec.codec.name == "topk");
+  CHECK(make_codec(spec.codec).settings().ratio == 0.05);
+
+  try {
+    (void)engine_spec::from(config::parse("[codec]\nname = \"int9\"\n", "run.toml"));
+    FAIL("expected a config error");
+  } catch (const config_error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("run.toml [codec]") != std::string::npos);
+    CHECK(msg.find("did you mean 'int8'") != std::string::npos);
+  }
+  try {
+    (void)engine_spec::from(config::parse("[codec]\nname = \"topk\"\nration = 0.1\n", "run.toml"));
+    FAIL("expected a config error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("ratio") != std::string::npos);
+  }
+  CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"topk\"\nratio = 0\n", "run.toml")), config_error);
+  CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"int8\"\nblock = 0\n", "run.toml")), config_error);
+
+  config c;
+  c.apply_override("codec.name=int8");
+  c.apply_override("codec.block=64");
+  CHECK(make_codec(c.codec).settings().block == 64);
+  CHECK(c.fingerprint() != config().fingerprint());
+  CHECK(config::parse("[codec]\nname = \"none\"\n").fingerprint() == config().fingerprint());
+
+  config sw;
+  sw.transport.name = "switch";
+  sw.protocol.name = "switch-aggregate";
+  sw.codec.name = "int8";
+  try {
+    (void)engine_spec::from(sw);
+    FAIL("expected a config error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("transport 'switch'") != std::string::npos);
+  }
+}
+
+namespace {
+// Skips about half the steps, differently on every rank.
+struct coin_policy {
+  std::uint64_t state = 1;
+  decision decide(const signal& s) noexcept {
+    state = state * 6364136223846793005ull + 1442695040888963407ull + static_cast<std::uint64_t>(s.rank);
+    return (state >> 33) % 2 ? decision::fire(reason::period) : decision::skip(reason::period);
+  }
+};
+static_assert(gossip::policy<coin_policy>);
+}  // namespace
+
+TEST_CASE("push-sum mass is exact under every codec and random skipped sends; the models still reach consensus; no allocation") {
+  for (const char* name : {"none", "fp16", "int8", "topk", "randomk"}) {
+    INFO("codec ", std::string(name));
+    const int world = 8;
+    loopback_fabric fabric(world);
+    std::vector<double> weights(world);
+    std::vector<std::vector<float>> models(world);
+    std::vector<std::size_t> allocations(world);
+    std::vector<engine_stats> stats(world);
+    std::vector<float> mean(1037 + 13, 0.0f);
+    run_ranks(world, [&](int r) {
+      toy_model m({1037, 13}, static_cast<std::uint64_t>(r + 1));
+      auto spec = spec_of(any_policy(coin_policy{static_cast<std::uint64_t>(r + 1)}, "coin"), "exponential");
+      spec.codec.name = name;
+      if (std::string(name) == "topk" || std::string(name) == "randomk") spec.codec.opts.set("ratio", 0.2);
+      engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+      t_counting = true;
+      for (int s = 0; s < 60; ++s) e.step();
+      t_counting = false;
+      allocations[r] = t_allocations;
+      t_allocations = 0;
+      e.finish(200);
+      weights[r] = e.weight();
+      models[r] = m.flat();
+      stats[r] = e.stats();
+    });
+    double total = 0;
+    for (double w : weights) total += w;
+    CHECK(total == doctest::Approx(world).epsilon(1e-12));
+    for (int r = 0; r < world; ++r) {
+      CHECK(allocations[r] == 0);
+      CHECK(stats[r].codec == name);
+      CHECK(stats[r].bytes_sent > 0);
+      if (std::string(name) == "none") CHECK(stats[r].bytes_raw == stats[r].bytes_sent);
+      if (std::string(name) != "none" && std::string(name) != "fp16") CHECK(stats[r].bytes_sent < stats[r].bytes_raw / 2);
+    }
+    // The models agree after the final rounds (compression slows, not breaks, the averaging).
+    double spread = 0, norm = 0;
+    for (int r = 1; r < world; ++r)
+      for (std::size_t i = 0; i < models[0].size(); ++i) {
+        spread += (models[r][i] - models[0][i]) * (models[r][i] - models[0][i]);
+        norm += models[0][i] * models[0][i];
+      }
+    CHECK(std::sqrt(spread / norm) < 0.05);
+  }
+}
+
+namespace {
+// Loopback, except that rank 1's second and later messages claim 2 tensors.
+struct corrupting_transport {
+  loopback_transport t;
+  int rank = 0;
+  int posts = 0;
+  std::vector<std::byte> copy;
+  void attach(const transport_setup& s) {
+    copy.resize(s.message_bytes);
+    t.attach(s);
+  }
+  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) {
+    if (rank != 1 || posts++ == 0) return t.post(peer, msg, step);
+    std::memcpy(copy.data(), msg.data(), msg.size());
+    const std::uint32_t two = 2;
+    std::memcpy(copy.data() + sizeof(wire_header) + 4, &two, sizeof two);
+    return t.post(peer, {copy.data(), msg.size()}, step);
+  }
+  std::size_t collect(std::uint64_t s, std::span<received> o) { return t.collect(s, o); }
+  void release(std::uint64_t s) { t.release(s); }
+  void end_step(std::uint64_t s) { t.end_step(s); }
+  bool busy(const std::byte* b) const { return t.busy(b); }
+  void flush(std::chrono::duration<double> d) { t.flush(d); }
+  void leave() { t.leave(); }
+  transport_capabilities capabilities() const { return t.capabilities(); }
+  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
+  transport_counters counters() const { return t.counters(); }
+};
+static_assert(gossip::transport<corrupting_transport>);
+}  // namespace
+
+TEST_CASE("a receiver refuses a malformed message, naming the sender") {
+  const int world = 2;
+  loopback_fabric fabric(world);
+  std::vector<std::string> errors(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({64}, 1);
+    auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "push-sum", 5);
+    spec.codec.name = "int8";
+    engine e(m.view, r, world, std::move(spec), corrupting_transport{fabric.endpoint(r), r});
+    try {
+      for (int s = 0; s < 3; ++s) e.step();
+    } catch (const gossip::error& x) {
+      errors[r] = x.what();
+    }
+  });
+  CHECK(errors[0].find("rank 0: refused the message rank 1 sent") != std::string::npos);
+  CHECK(errors[0].find("tensor count") != std::string::npos);
+}
+
+TEST_CASE("the switch-aggregate protocol refuses a codec when the engine is built") {
+  toy_model m({16}, 1);
+  loopback_fabric fabric(1);
+  auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "switch-aggregate");
+  spec.codec.name = "fp16";
+  CHECK_THROWS_AS(engine(m.view, 0, 1, std::move(spec), fabric.endpoint(0)), config_error);
+}
+
+TEST_CASE("stats count bytes before and after the codec per rank, peer and tensor; the trace names the codec and its ratio") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / fmt::format("gossip-codec-{}", ::getpid());
+  fs::create_directories(dir);
+  auto cfg = config::parse(fmt::format("[policy]\nname = \"periodic\"\nevery = 2\n[codec]\nname = \"topk\"\nratio = 0.05\nmin_elements = 100\n"
+                                       "[engine]\ntimeout_s = 20\ntrace = \"{}\"\nstats = \"{}\"\n",
+                                       (dir / "trace-{rank}.json").string(), (dir / "stats-{rank}.json").string()),
+                           "run.toml");
+  const int world = 4;
+  loopback_fabric fabric(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({4000, 20}, static_cast<std::uint64_t>(r + 1));
+    engine e(m.view, r, world, cfg, fabric.endpoint(r));
+    for (int s = 0; s < 40; ++s) {
+      m.tensors[0][static_cast<std::size_t>(s * 13 + r) % 4000] += 0.5f;
+      e.step({.lr = 0.1});
+    }
+    e.finish();
+  });
+  for (int r = 0; r < world; ++r) {
+    std::ifstream sf(dir / fmt::format("stats-{}.json", r));
+    REQUIRE(sf.good());
+    const auto j = nlohmann::json::parse(sf);
+    CHECK(j["codec"] == "topk");
+    const auto sent = j["bytes_sent"].get<std::uint64_t>(), raw = j["bytes_raw"].get<std::uint64_t>();
+    CHECK(raw == j["messages_sent"].get<std::uint64_t>() * (sizeof(wire_header) + 4020 * sizeof(float)));
+    CHECK(sent < raw / 4);
+    std::uint64_t peers_sent = 0, peers_raw = 0;
+    for (const auto& p : j["peers"]) peers_sent += p["bytes_sent"].get<std::uint64_t>(), peers_raw += p["bytes_raw"].get<std::uint64_t>();
+    CHECK(peers_sent == sent);
+    CHECK(peers_raw == raw);
+    // The small tensor (below min_elements) goes in fp32: its bytes exceed its raw bytes by the segment header only.
+    const auto& small = j["tensors"][1];
+    CHECK(small["bytes_sent"].get<std::uint64_t>() == small["bytes_raw"].get<std::uint64_t>() / 80 * (16 + 80));
+    CHECK(j["tensors"][0]["bytes_sent"].get<std::uint64_t>() < j["tensors"][0]["bytes_raw"].get<std::uint64_t>() / 4);
+    std::ifstream tf(dir / fmt::format("trace-{}.json", r));
+    REQUIRE(tf.good());
+    const auto t = nlohmann::json::parse(tf);
+    std::size_t sends = 0;
+    for (const auto& ev : t["traceEvents"]) {
+      if (ev["name"] != "send") continue;
+      ++sends;
+      CHECK(ev["args"]["codec"] == "topk");
+      CHECK(ev["args"]["ratio"].get<double>() > 0);
+      CHECK(ev["args"]["ratio"].get<double>() <= 1.1);
+    }
+    CHECK(sends == j["sends"].get<std::size_t>());
+  }
+  fs::remove_all(dir);
+}
