@@ -531,6 +531,7 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
     d["policy"] = gp::describe(gossip::policy_registry());
     d["topology"] = gp::describe(gossip::topology_registry());
     d["protocol"] = gp::describe(gossip::protocol_registry());
+    d["codec"] = gp::describe(gossip::codec_registry());
     py::list engine;
     for (const auto& s : gossip::engine_option_specs()) {
       py::dict o;

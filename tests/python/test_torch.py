@@ -249,4 +249,5 @@ def test_policies_lists_components():
     c = gossip.components()
     assert {"exponential", "ring"} <= {t["name"] for t in c["topology"]}
     assert "push-sum" in {p["name"] for p in c["protocol"]}
+    assert {"none", "int8", "topk"} <= {k["name"] for k in c["codec"]}
     assert "timeout_s" in {o["key"] for o in c["engine"]}

@@ -127,9 +127,14 @@ class loopback_transport {
     const auto need = static_cast<std::int64_t>(step) - 1;
     detail::wait_for([&] { return p.merged.load(std::memory_order_acquire) >= need || p.departed.load(); }, m_setup.timeout,
                      [&] { return fmt::format("rank {} to merge step {} before rank {} can send to it", to, need, m_rank); });
+    // Counted as a writer until this function returns, also when a check
+    // below throws: the peer's leave() waits for its writers to finish.
     p.writers.fetch_add(1);
+    struct writer_scope {
+      std::atomic<int>& n;
+      ~writer_scope() { n.fetch_sub(1); }
+    } writing{p.writers};
     if (p.departed.load()) {
-      p.writers.fetch_sub(1);
       ++m_counters.dropped;
       return post_status::peer_dead;
     }
@@ -142,7 +147,6 @@ class loopback_transport {
     slot.bytes = msg.size();
     slot.ready_at = arrival(msg.size());
     slot.state.store(inbox::full, std::memory_order_release);
-    p.writers.fetch_sub(1);
     p.bytes_received.fetch_add(msg.size(), std::memory_order_relaxed);
     p.messages_received.fetch_add(1, std::memory_order_relaxed);
     m_counters.bytes_sent += msg.size();
