@@ -14,6 +14,7 @@
 #include "gossip/error.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define GOSSIP_CODEC_F16C 1
 #endif
@@ -79,9 +80,13 @@ __attribute__((target("avx2,f16c"))) void fp16_decode_f16c(const std::uint16_t* 
 }
 // Also gates the AVX2 kernels below. cpu_init first: this runs as a static
 // initializer, possibly before libgcc's own.
+// F16C from CPUID leaf 1 (ECX bit 29): clang 14's __builtin_cpu_supports
+// does not know "f16c".
 bool detect_f16c() noexcept {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  return __builtin_cpu_supports("avx2") && (c & bit_F16C) != 0;
 }
 const bool have_f16c = detect_f16c();
 #endif
