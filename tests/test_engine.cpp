@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "count_allocations.hpp"
 #include "test_support.hpp"
 
 using namespace gossip;
@@ -16,23 +17,6 @@ using gossip::test::run_ranks;
 using gossip::test::spec_of;
 using gossip::test::toy_model;
 
-// Count heap allocations made by the calling thread while counting is on.
-namespace {
-thread_local bool t_counting = false;
-thread_local std::size_t t_allocations = 0;
-}  // namespace
-// GCC cannot see that these replace the global pair and warns on free().
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-void* operator new(std::size_t n) {
-  if (t_counting) ++t_allocations;
-  if (void* p = std::malloc(n ? n : 1)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) { return operator new(n); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol") {
   for (const auto& entry : policy_registry().entries())

@@ -479,6 +479,34 @@ struct periodic_until {
   policies::periodic p{};
   decision decide(const gossip::signal& s) const noexcept { return s.step < until ? p.decide(s) : decision::skip(reason::not_due); }
 };
+
+// Rank r of two: trades send counts with the peer through the rendezvous, takes
+// silent steps until every message the peer sent is merged, and checks that
+// the two push-sum weights sum to 2 with nothing dropped. Returns the weight.
+double drain_and_check_weight(engine& e, bootstrap& boot, int r) {
+  const auto sent = e.stats().messages_sent;
+  boot.put(fmt::format("sent/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&sent), reinterpret_cast<const std::byte*>(&sent) + 8));
+  const auto b = boot.get(fmt::format("sent/{}", 1 - r), "the peer's send count");
+  std::uint64_t expect = 0;
+  std::memcpy(&expect, b.data(), 8);
+  // Silent steps merge what is still on its way.
+  const auto deadline = clock_type::now() + 20s;
+  while (e.stats().peers.at(0).messages_received < expect) {
+    if (clock_type::now() > deadline)
+      throw timeout_error(fmt::format("rank {}: merged {} of {}", r, e.stats().peers.at(0).messages_received, expect));
+    e.step();
+    std::this_thread::sleep_for(1ms);
+  }
+  const double w = e.weight();
+  boot.put(fmt::format("w/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&w), reinterpret_cast<const std::byte*>(&w) + 8));
+  double other = 0;
+  const auto wb = boot.get(fmt::format("w/{}", 1 - r), "the peer's weight");
+  std::memcpy(&other, wb.data(), 8);
+  const auto c = e.stats();
+  if (std::abs(w + other - 2.0) > 1e-9 || c.dropped != 0)
+    throw error(fmt::format("rank {}: weights {} + {} = {} (expected 2), dropped {}", r, w, other, w + other, c.dropped));
+  return w;
+}
 }  // namespace
 
 TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total weight") {
@@ -500,31 +528,11 @@ TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total
       e.flush();
       const auto sent = e.stats().messages_sent;
       if (sent < 10) throw error(fmt::format("rank {}: only {} of 50 sends left (send_busy {})", r, sent, e.stats().send_busy));
-      boot->put(fmt::format("sent/{}", r),
-                bootstrap::blob(reinterpret_cast<const std::byte*>(&sent), reinterpret_cast<const std::byte*>(&sent) + 8));
-      const auto b = boot->get(fmt::format("sent/{}", 1 - r), "the peer's send count");
-      std::uint64_t expect = 0;
-      std::memcpy(&expect, b.data(), 8);
-      // Silent steps merge what is still on its way.
-      const auto deadline = clock_type::now() + 20s;
-      while (e.stats().peers.at(0).messages_received < expect) {
-        if (clock_type::now() > deadline)
-          throw timeout_error(fmt::format("rank {}: merged {} of {}", r, e.stats().peers.at(0).messages_received, expect));
-        e.step();
-        std::this_thread::sleep_for(1ms);
-      }
-      const double w = e.weight();
-      boot->put(fmt::format("w/{}", r),
-                bootstrap::blob(reinterpret_cast<const std::byte*>(&w), reinterpret_cast<const std::byte*>(&w) + 8));
-      double other = 0;
-      const auto wb = boot->get(fmt::format("w/{}", 1 - r), "the peer's weight");
-      std::memcpy(&other, wb.data(), 8);
+      const double w = drain_and_check_weight(e, *boot, r);
       const auto c = e.stats();
-      if (std::abs(w + other - 2.0) > 1e-9 || c.dropped != 0)
-        throw error(fmt::format("rank {}: weights {} + {} = {} (expected 2), dropped {}", r, w, other, w + other, c.dropped));
       if (std::getenv("GOSSIP_TEST_VERBOSE"))
-        std::fprintf(stderr, "rank %d (%s): %llu sends, %llu skipped busy, weight %.17g, sum %.17g\n", r, tls,
-                     static_cast<unsigned long long>(c.sends), static_cast<unsigned long long>(c.send_busy), w, w + other);
+        std::fprintf(stderr, "rank %d (%s): %llu sends, %llu skipped busy, weight %.17g\n", r, tls,
+                     static_cast<unsigned long long>(c.sends), static_cast<unsigned long long>(c.send_busy), w);
       final_barrier(*boot, "end", {0, 1});
       e.finish(0);
       return 0;
@@ -553,27 +561,8 @@ TEST_CASE("ucx: two engines with int8 and topk codecs: weight conserved, fewer b
       }
       e.flush();
       const auto sent = e.stats().messages_sent;
-      boot->put(fmt::format("sent/{}", r),
-                bootstrap::blob(reinterpret_cast<const std::byte*>(&sent), reinterpret_cast<const std::byte*>(&sent) + 8));
-      const auto b = boot->get(fmt::format("sent/{}", 1 - r), "the peer's send count");
-      std::uint64_t expect = 0;
-      std::memcpy(&expect, b.data(), 8);
-      const auto deadline = clock_type::now() + 20s;
-      while (e.stats().peers.at(0).messages_received < expect) {
-        if (clock_type::now() > deadline)
-          throw timeout_error(fmt::format("rank {}: merged {} of {}", r, e.stats().peers.at(0).messages_received, expect));
-        e.step();
-        std::this_thread::sleep_for(1ms);
-      }
-      const double w = e.weight();
-      boot->put(fmt::format("w/{}", r),
-                bootstrap::blob(reinterpret_cast<const std::byte*>(&w), reinterpret_cast<const std::byte*>(&w) + 8));
-      double other = 0;
-      const auto wb = boot->get(fmt::format("w/{}", 1 - r), "the peer's weight");
-      std::memcpy(&other, wb.data(), 8);
+      drain_and_check_weight(e, *boot, r);
       const auto c = e.stats();
-      if (std::abs(w + other - 2.0) > 1e-9 || c.dropped != 0)
-        throw error(fmt::format("rank {}: weights {} + {} = {} (expected 2), dropped {}", r, w, other, w + other, c.dropped));
       if (sent < 10 || !(c.bytes_sent < c.bytes_raw / 2))
         throw error(fmt::format("rank {}: {} sends, {} bytes after the codec of {} before", r, sent, c.bytes_sent, c.bytes_raw));
       final_barrier(*boot, "end", {0, 1});
