@@ -15,6 +15,7 @@
 /// most 256 non-negative terms.
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 #include <Eigen/Core>
 
@@ -39,17 +40,39 @@ struct drift_sums {
 /// times its size. When merges are τ steps apart and nothing reacts to the
 /// overshoot, the models swing past each other: on label-skewed shards
 /// (8 workers), periodic every 10, 14 and 30 steps fell to 61 %, 49 % and
-/// 14 % (every 7: fine). With merge_share = min(1, 1/((1 − β)·τ)), a merge
-/// spaced beyond momentum's horizon 1/(1 − β) counts as that many steps'
-/// average: every 14 and 30 then reach 78.7 % and 74.1 % (local momentum:
-/// 74.2 % and 67.3 %). A policy that fires on drift closes the loop itself
-/// and does better with the full merge (engine_settings::momentum_merge).
+/// 14 % (every 7: fine). qgm_merge_share() gives the share for a merge τ
+/// steps after the previous one; a policy that fires on drift closes the
+/// loop itself and does better with the full merge
+/// (engine_settings::momentum_merge).
 struct qgm_args {
   float* mhat = nullptr;    ///< m̂, the engine's
   float* buffer = nullptr;  ///< the optimizer's momentum buffer: read as v, overwritten with m̂
   float inv_lr = 0, beta = 0.9f;
   float merge_share = 1.0f;  ///< the weight of the merged displacement (1: no merge, or the full merge)
 };
+
+/// The share of a merge's displacement Δ that quasi-global momentum carries
+/// on, for a merge τ steps after the previous one:
+///
+///     merge_share = min(1, 1 / (2·(1 − β)·τ))
+///
+/// Fed into m̂, share·Δ/lr moves the model by about β·(1 − β)·τ·share·Δ over
+/// the τ steps to the next merge (m̂ decays as β + (1 − β)·β per step, since
+/// the optimizer's buffer starts each step from β·m̂: a memory of
+/// 1/(1 − β)² = 100 steps at β = 0.9, far beyond τ). A merge takes a rank to
+/// a pairwise average; carrying on by more than the merge itself before the
+/// next one swaps the pair's sides, and with one peer per round
+/// (exponential graph) the swings grow: with 1/((1 − β)·τ), a carry of
+/// 0.9·Δ, consensus distance exploded on label-skewed shards at some periods
+/// (8 workers, periodic every 13: 63 % against 79 % at every 14) and in a
+/// quadratic model of 8 ranks (tests/test_drift.cpp). Half of that, a carry
+/// of 0.45·Δ per interval, keeps a factor 2 from the edge: periodic every
+/// 7 … 40 then falls smoothly with the period (80.2 % … 73.6 %), every one
+/// above local momentum.
+inline float qgm_merge_share(float beta, std::uint64_t tau) noexcept {
+  if (tau == 0) return 1.0f;
+  return std::min(1.0f, 1.0f / (2.0f * (1.0f - beta) * static_cast<float>(tau)));
+}
 
 namespace detail {
 

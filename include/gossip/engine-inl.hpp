@@ -303,9 +303,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     const bool qgm = !m_mhat.empty() && std::isfinite(info.lr) && info.lr > 0;
     // A merge since the last pass corrects the separation of the τ steps
     // since the merge before it (qgm_args::merge_share).
-    const float merge_share = m_merge_steps > 0 && !m_merge_full
-                                  ? std::min(1.0f, 1.0f / ((1.0f - m_settings.momentum_beta) * static_cast<float>(m_merge_steps)))
-                                  : 1.0f;
+    const float merge_share = m_merge_steps > 0 && !m_merge_full ? qgm_merge_share(m_settings.momentum_beta, m_merge_steps) : 1.0f;
     m_merge_steps = 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
