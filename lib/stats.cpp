@@ -27,6 +27,12 @@ void write_text(const std::string& path, const std::string& text, const char* wh
 
 }  // namespace
 
+// The per-peer, per-tensor and per-death records, field by field under their own names.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(peer_stats, rank, bytes_sent, bytes_raw, messages_sent, bytes_received, messages_received, dropped, dead,
+                                   weight_sent, weight_unconfirmed)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tensor_stats, name, bytes_sent, bytes_raw, last_diff_sq, max_relative)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(dead_peer, rank, step, seconds, weight_refunded, weight_unconfirmed, weight_estimate)
+
 std::string engine_stats::to_json(int indent) const {
   nlohmann::json j;
   j["rank"] = rank;
@@ -60,21 +66,8 @@ std::string engine_stats::to_json(int indent) const {
   j["step_seconds"] = step_seconds;
   j["wait_seconds"] = wait_seconds;
   j["busy_wait_seconds"] = busy_wait_seconds;
-  j["peers"] = nlohmann::json::array();
-  for (const auto& p : peers)
-    j["peers"].push_back({{"rank", p.rank},
-                          {"bytes_sent", p.bytes_sent},
-                          {"bytes_raw", p.bytes_raw},
-                          {"messages_sent", p.messages_sent},
-                          {"bytes_received", p.bytes_received},
-                          {"messages_received", p.messages_received},
-                          {"dropped", p.dropped},
-                          {"dead", p.dead},
-                          {"weight_sent", p.weight_sent},
-                          {"weight_unconfirmed", p.weight_unconfirmed}});
-  j["tensors"] = nlohmann::json::array();
-  for (const auto& t : tensors)
-    j["tensors"].push_back({{"name", t.name}, {"bytes_sent", t.bytes_sent}, {"bytes_raw", t.bytes_raw}, {"last_diff_sq", t.last_diff_sq}, {"max_relative", t.max_relative}});
+  j["peers"] = peers;
+  j["tensors"] = tensors;
   j["dead_peers"] = dead_peers;
   j["lr_mean_at_send"] = sends ? lr_at_send_sum / static_cast<double>(sends) : 0.0;
   j["weight_range"] = {weight_min, weight_max};
@@ -82,14 +75,7 @@ std::string engine_stats::to_json(int indent) const {
                              {"mean", consensus_steps ? consensus_sum / static_cast<double>(consensus_steps) : 0.0},
                              {"steps", consensus_steps}};
   j["sends_per_window"] = {{"window_steps", send_window_steps}, {"sends", sends_per_window}};
-  j["dead"] = nlohmann::json::array();
-  for (const auto& d : dead)
-    j["dead"].push_back({{"rank", d.rank},
-                         {"step", d.step},
-                         {"seconds", d.seconds},
-                         {"weight_refunded", d.weight_refunded},
-                         {"weight_unconfirmed", d.weight_unconfirmed},
-                         {"weight_estimate", d.weight_estimate}});
+  j["dead"] = dead;
   j["lost_weight"] = lost_weight;
   return j.dump(indent);
 }
