@@ -111,7 +111,7 @@ struct rank_process {
     return clock_type::now() + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(s.timeout_s));
   }
 
-  // Rank 0: W + N posts of `bytes` payload, then flush. Reply: "ok".
+  // Rank 0: W + N posts of `bytes` payload, then flush. Reply: "ok HELD" (bytes the transport holds per peer).
   std::string send(std::size_t bytes, std::uint64_t count) {
     const std::size_t words = bytes / 8;
     for (std::size_t b = 0; b < bufs.size(); ++b) {  // untimed
@@ -142,10 +142,11 @@ struct rank_process {
       }
     }
     t->flush(std::chrono::duration<double>(s.timeout_s));
-    return "ok";
+    return fmt::format("ok {}", t->held_bytes_per_peer());
   }
 
-  // Rank 1: consumes W + N messages. Reply: "ok SECONDS" (last warm-up to last timed message consumed).
+  // Rank 1: consumes W + N messages. Reply: "ok SECONDS HELD" (last warm-up to last timed message consumed; bytes
+  // the transport holds per peer).
   std::string receive(std::size_t bytes, std::uint64_t warmup, std::uint64_t count) {
     const std::size_t words = bytes / 8;
     const std::uint64_t first = seq, last = seq + warmup + count - 1, t0_at = seq + warmup - 1;
@@ -183,7 +184,7 @@ struct rank_process {
       t->release(0);
     }
     if (const auto c = t->counters(); c.dropped != 0) return fmt::format("fail rank 1: the transport dropped {} messages", c.dropped);
-    return fmt::format("ok {:.9f}", std::chrono::duration<double>(t1 - t0).count());
+    return fmt::format("ok {:.9f} {}", std::chrono::duration<double>(t1 - t0).count(), t->held_bytes_per_peer());
   }
 
   // Both ranks: an engine with the `never` policy over a fresh ucx_transport.

@@ -95,7 +95,8 @@ int run(settings& s) {
              "          to consuming the last of N timed ones; every message's stamps and the last payload are checked.\n"
              "  perftest: average bandwidth of its final line, MB/s with MB = 2^20 bytes, converted to GB/s; same N and warm-up;\n"
              "            perftest -e: the same with peer error handling on its endpoints, as the transport creates them.\n"
-             "  N = clamp({} MiB / S, {}, {}); each size runs {} time(s), alternating gossip and perftest; table: best of them.\n"
+             "  N = clamp({} MiB / S, {}, {}); each size runs {} time(s), alternating gossip and perftest; table: best of them,\n"
+             "  best ratio = best gossip / best perftest, median ratio = median gossip / median perftest.\n"
              "  {}\n\n",
              s.perftest_test, s.send_buffers, s.depth, s.wait, s.warmup, s.bytes_per_run >> 20, s.min_messages, s.max_messages, s.reps,
              s.cpus.empty() ? std::string("not pinned (--pin off)")
@@ -109,18 +110,23 @@ int run(settings& s) {
     fmt::print("note: load average {:.2f} on {} CPUs before the run: other work shares these cores, and ucx_perftest (which "
                "busy-polls) suffers from it more than the transport (which sleeps when it waits); compare runs at similar load.\n\n",
                load_before, cpus_here);
-  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>9} {:>6}   {}\n", "", "", "", "gossip", "perftest", "", "perftest", "",
-             "every run, GB/s");
-  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>9} {:>6}   {}\n", "UCX_TLS", "size", "N", "GB/s", "GB/s", "ratio",
+  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "", "", "", "gossip", "perftest", "best", "median",
+             "perftest", "", "every run, GB/s");
+  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "UCX_TLS", "size", "N", "GB/s", "GB/s", "ratio", "ratio",
              s.perftest_eh ? "-e GB/s" : "", s.perftest_eh ? "ratio" : "", "(g: gossip, p: perftest, e: perftest -e)");
   for (const auto& tls : s.tls) {
     rank_pair pair(tls, s);
     for (std::size_t bytes : s.sizes) {
       const std::uint64_t n = messages_for(s, bytes);
       std::vector<double> g, p, pe;
+      std::size_t held = 0;
       for (int rep = 0; rep < s.reps; ++rep) {
         const auto replies = pair.both(fmt::format("xfer {} {} {}", bytes, s.warmup, n), fmt::format("{} messages of {} bytes", n, bytes));
-        const double seconds = std::stod(replies[1].substr(3));
+        std::istringstream rx(replies[1].substr(3));
+        double seconds = 0;
+        std::size_t rx_held = 0;
+        rx >> seconds >> rx_held;
+        held = std::max<std::size_t>(rx_held, std::stoull(replies[0].substr(3)));  // the larger side: the receiver's backlog
         g.push_back(static_cast<double>(n * bytes) / seconds / 1e9);
         if (!perftest_exe.empty()) {
           p.push_back(perftest(s, perftest_exe, tls, bytes, static_cast<std::uint64_t>(s.warmup), n, false));
@@ -134,7 +140,8 @@ int run(settings& s) {
              {"verified", true},
              {"gossip_gbps", best(g)},
              {"gossip_median_gbps", median(g)},
-             {"gossip_all_gbps", g}};
+             {"gossip_all_gbps", g},
+             {"transport_bytes_per_peer", held}};
       auto list = [](const char* tag, const std::vector<double>& v) {
         std::string out;
         for (double x : v) out += fmt::format(" {:.2f}", x);
@@ -147,11 +154,11 @@ int run(settings& s) {
         r["perftest_all_gbps"] = p;
         r["ratio"] = best(g) / best(p);
         r["median_ratio"] = median(g) / median(p);
-        row += fmt::format(" {:>9.2f} {:>6.3f}", best(p), best(g) / best(p));
+        row += fmt::format(" {:>9.2f} {:>6.3f} {:>6.3f}", best(p), best(g) / best(p), median(g) / median(p));
       } else {
         r["perftest_gbps"] = nullptr;
         r["ratio"] = nullptr;
-        row += fmt::format(" {:>9} {:>6}", "-", "-");
+        row += fmt::format(" {:>9} {:>6} {:>6}", "-", "-", "-");
       }
       if (!pe.empty()) {
         r["perftest_eh_gbps"] = best(pe);

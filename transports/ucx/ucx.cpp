@@ -961,6 +961,13 @@ transport_capabilities ucx_transport::capabilities() const noexcept {
 bool ucx_transport::drained() { return m->drained(); }
 std::string ucx_transport::waiting_on() const { return m->attached ? m->waiting_on() : std::string("no peer (not attached)"); }
 std::size_t ucx_transport::dead_peers(std::span<received> out) { return m->dead_peers(out); }
+std::size_t ucx_transport::held_bytes_per_peer() const noexcept {
+  if (!m->attached || m->neighbours.empty()) return 0;
+  std::size_t total = m->neighbours.size() * sizeof(impl::peer_state);
+  for (const auto& src : m->sources)
+    total += sizeof src + src.backlog.capacity() * sizeof(impl::pending) + src.recv.capacity() * sizeof(impl::recv_ctx);
+  return total / m->neighbours.size();
+}
 transport_counters ucx_transport::counters() const noexcept {
   return {m->bytes_sent.load(), m->messages_sent.load(), m->bytes_received.load(), m->messages_received.load(), m->dropped.load()};
 }

@@ -92,6 +92,11 @@ class ucx_transport {
   /// as "rank J (host H)", for timeout messages.
   std::string waiting_on() const;
   transport_counters counters() const noexcept;
+  /// Bytes this transport allocates per neighbour after attach: its peer
+  /// record (send contexts), and per source the backlog ring and receive
+  /// contexts. Not counted: the inbox slots (the engine's) and what UCX
+  /// allocates inside (its eager buffers, shared-memory FIFOs per worker).
+  std::size_t held_bytes_per_peer() const noexcept;
 
   /// The UCX transports the worker selected, e.g. for a log line ("" before attach).
   std::string describe() const;
