@@ -440,6 +440,46 @@ TEST_CASE("ucx: kill -9 of one rank; the others see it in dead_peers() and conti
   }
 }
 
+TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight to it returns within the close bound") {
+  // The graceful close of an endpoint whose peer reads nothing cannot
+  // complete; past close_timeout_s the worker is destroyed with the close
+  // requests still pending, which UCX must be given back first (it asserted
+  // otherwise: ucp_ep.c "req->flags & UCP_REQUEST_FLAG_RELEASED", SIGABRT).
+  require_ucx();
+  const std::uint16_t port = free_port();
+  ucx_options o;
+  o.close_timeout_s = 1.0;
+  const auto out = run_procs(2, "tcp", 60, [&](int r) {
+    direct d(r, 2, port, std::size_t{1} << 20, 0, o);  // 4 MiB: rendezvous, stays in flight
+    d.attach();
+    const pid_t me = ::getpid();
+    d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+    final_barrier(*d.boot, "ready", {0, 1});
+    if (r == 1) {
+      ::raise(SIGSTOP);  // rank 0 sends, leaves, then SIGCONTs us
+      d.t.leave();
+      return 0;
+    }
+    const auto b = d.boot->get("pid/1", "rank 1's pid");
+    pid_t other = 0;
+    std::memcpy(&other, b.data(), sizeof other);
+    std::this_thread::sleep_for(300ms);  // rank 1 is stopped by now
+    for (std::uint64_t s = 0; s < 2; ++s) (void)d.post_step(s, d.others);
+    const auto t0 = clock_type::now();
+    d.t.leave();
+    const double took = std::chrono::duration<double>(clock_type::now() - t0).count();
+    ::kill(other, SIGCONT);
+    if (took > 10) throw error(fmt::format("leave() took {:.1f} s with close_timeout_s = 1", took));
+    return 0;
+  });
+  REQUIRE(out.size() == 2);
+  for (int r = 0; r < 2; ++r) {
+    INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
+                 << " signal=" << out[static_cast<std::size_t>(r)].signal);
+    CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
+  }
+}
+
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept and the rest counted as dropped") {
   require_ucx();
   const std::uint16_t port = free_port();

@@ -929,7 +929,12 @@ struct ucx_transport::impl {
       if (closing.empty() && !busy_recv()) break;
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
-    // Past the bound: the worker's destruction releases what is left.
+    // Past the bound (a peer that stopped reading, e.g. SIGSTOP): the close
+    // requests still in progress are released to UCX, which completes them
+    // when the worker is destroyed; a request still held by us there is a
+    // fatal assertion in UCX (ucp_ep.c: UCP_REQUEST_FLAG_RELEASED).
+    for (void* r : closing) ucp_request_free(r);
+    closing.clear();
     ucp_worker_destroy(worker);
     worker = nullptr;
   }
