@@ -95,10 +95,14 @@ const std::vector<option_spec>& engine_option_specs() {
       {"momentum", std::string("quasi-global"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included) or local (left alone)",
        "GOSSIP_MOMENTUM"},
+      {"max_lead", std::int64_t{0},
+       "wait at a step while this rank is more than max_lead steps ahead of the newest step a peer's message carried (0: never; "
+       "every rank must then send at least every max_lead steps): bounds how far processes drift apart, and with it push-sum weight skew",
+       "GOSSIP_MAX_LEAD"},
       {"momentum_beta", 0.9, "β of quasi-global momentum, in [0, 1): use the optimizer's momentum factor", ""},
       {"momentum_merge", std::string("auto"),
        "how much of a merge quasi-global momentum carries on: full (Lin et al.), spread (a merge after tau steps counts "
-       "min(1, 1/((1-beta)*tau)) of it; stable for any fixed period), or auto (full for a policy that fires on drift, such as "
+       "min(1, 1/(2*(1-beta)*tau)) of it; stable for any fixed period), or auto (full for a policy that fires on drift, such as "
        "consensus; spread for a fixed schedule)",
        ""},
   };

@@ -66,6 +66,8 @@ std::string engine_stats::to_json(int indent) const {
   j["step_seconds"] = step_seconds;
   j["wait_seconds"] = wait_seconds;
   j["busy_wait_seconds"] = busy_wait_seconds;
+  j["lead_waits"] = lead_waits;
+  j["lead_wait_seconds"] = lead_wait_seconds;
   j["peers"] = peers;
   j["tensors"] = tensors;
   j["dead_peers"] = dead_peers;

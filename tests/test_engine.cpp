@@ -255,6 +255,10 @@ TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-lo
     CHECK(e.stats().momentum_merge == w.reported);
     e.finish(0);
   }
+  options lead("test [engine]");
+  lead.set("max_lead", std::int64_t{-1});
+  CHECK_THROWS_WITH_AS(engine_settings::from(lead.resolved(engine_option_specs(), "test [engine]")),
+                       "test [engine]: key 'max_lead' must be >= 0 (0: off), got -1", config_error);
   options bad("test [engine]");
   bad.set("momentum_merge", std::string("half"));
   CHECK_THROWS_WITH_AS(engine_settings::from(bad.resolved(engine_option_specs(), "test [engine]")),

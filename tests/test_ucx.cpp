@@ -581,6 +581,40 @@ TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total
   }
 }
 
+TEST_CASE("ucx: [engine] max_lead holds a fast rank back, so its push-sum weight is not given away step after step") {
+  // Rank 1 "computes" 3 ms per step, rank 0 nothing. Each send halves the
+  // sender's weight; running ahead, rank 0 sends many times for every share
+  // it gets back. With max_lead = 2 it waits instead.
+  require_ucx();
+  for (const std::uint64_t lead : {std::uint64_t{2}, std::uint64_t{0}}) {
+    CAPTURE(lead);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(2, "tcp", 60, [&](int r) {
+      auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+      test::toy_model m({1000}, static_cast<std::uint64_t>(r + 1));
+      auto spec = test::spec_of(any_policy(periodic_until{.until = 60}, "periodic-until"), "exponential", "push-sum", 20);
+      spec.settings.max_lead = lead;
+      spec.settings.wait_when_busy = true;
+      engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+      for (int s = 0; s < 60; ++s) {
+        e.step({.lr = 0.1});
+        if (r == 1) std::this_thread::sleep_for(3ms);
+      }
+      e.flush();
+      const auto st = e.stats();
+      if (r == 0 && lead > 0 && st.lead_waits == 0) throw error("rank 0 never waited with max_lead = 2");
+      if (r == 0 && lead > 0 && !(st.weight_min > 0.05))
+        throw error(fmt::format("rank 0's weight fell to {} with max_lead = 2 ({} waits)", st.weight_min, st.lead_waits));
+      if (r == 0 && lead == 0 && !(st.weight_min < 0.05))
+        throw error(fmt::format("rank 0's weight stayed above {} without max_lead: the test no longer shows the lag", st.weight_min));
+      final_barrier(*boot, "end", {0, 1});
+      e.finish(0);
+      return 0;
+    });
+    check_all_ok(out);
+  }
+}
+
 TEST_CASE("ucx: two engines with int8 and topk codecs: weight conserved, fewer bytes after the codec") {
   require_ucx();
   for (const std::string codec_name : {"int8", "topk"}) {

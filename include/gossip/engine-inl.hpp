@@ -26,6 +26,7 @@ inline engine_settings engine_settings::from(const options& o) {
   s.finish_rounds =
       static_cast<int>(in_range("finish_rounds", -1, std::numeric_limits<int>::max(), ">= 0, or -1 for automatic"));
   s.wait_when_busy = o.boolean("wait_when_busy");
+  s.max_lead = static_cast<std::uint64_t>(in_range("max_lead", 0, std::int64_t{1} << 40, ">= 0 (0: off)"));
   const std::string momentum = o.string("momentum");
   if (momentum != "quasi-global" && momentum != "local")
     throw config_error(fmt::format("{}: key 'momentum' must be \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
@@ -287,6 +288,24 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 
   // 1. merge what arrived since the last step
   result.merged = merge_inbound(t);
+  // Lockstep transports (loopback) keep the ranks within a step already; an
+  // aggregator's replies carry no member's step.
+  // finish()'s forced rounds have their own drain handshake.
+  if (!forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated() && t > m_heard_step + m_settings.max_lead) {
+    ++m_stats.lead_waits;
+    detail::wait_for(
+        [&] {
+          result.merged += poll();
+          return t <= m_heard_step + m_settings.max_lead;
+        },
+        m_settings.timeout, [&] {
+          return fmt::format(
+              "rank {} at step {}: a message from a step at or after {} ([engine] max_lead = {}; the newest step heard from any peer is {}, "
+              "waiting on {}). With max_lead every rank must send at least every max_lead steps: raise max_lead or use a period <= it",
+              m_rank, t, t - m_settings.max_lead, m_settings.max_lead, m_heard_step, m_transport.waiting_on());
+        });
+    m_stats.lead_wait_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+  }
   const auto t1 = clock::now();
 
   // 2. measure drift: one fused pass over x and x̂ (and x_{t−1} when asked)
@@ -586,6 +605,7 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
     for (std::size_t i = 0; i < n; ++i) {
       // An aggregator's reply has no member rank as its sender.
       const int sender = m_received[i].sender;
+      if (sender >= 0 && sender < m_world) m_heard_step = std::max(m_heard_step, m_received[i].step);
       const int k = sender >= 0 && sender < m_world ? m_peer_index[static_cast<std::size_t>(sender)] : -1;
       if (k < 0) continue;
       auto& p = m_stats.peers[static_cast<std::size_t>(k)];

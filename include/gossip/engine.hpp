@@ -54,6 +54,14 @@ struct engine_settings {
   std::string stats_path;               ///< JSON report written by finish(); empty: off
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
+  /// 0: off. Else a step waits (merging what arrives, up to `timeout`) while
+  /// this rank is more than max_lead steps ahead of the newest step any
+  /// peer's message carried. Push-sum halves a sender's weight at every send,
+  /// so a rank L steps ahead of its sources ends with a weight of about 2^−L
+  /// and its gradients stop counting (docs/non-iid.md, "Over processes").
+  /// Peer-to-peer transports only: loopback is lockstep already, and through a
+  /// switch no member's step comes back.
+  std::uint64_t max_lead = 0;
   bool quasi_global_momentum = true;    ///< registered momentum buffers become quasi-global (model_view::momentum)
   float momentum_beta = 0.9f;
   /// How much of a merge quasi-global momentum carries on (qgm_args::merge_share):
@@ -161,7 +169,8 @@ class engine {
   std::vector<float> m_prev;                    // x_{t−1}, for policies that ask and for quasi-global momentum
   std::vector<float> m_mhat;                    // quasi-global momentum m̂ (only when buffers were registered)
   std::uint64_t m_last_merge_step = 0;          // step of the latest merge
-  std::uint64_t m_merge_steps = 0;              // τ of a merge since the last drift pass (0: none)
+  std::uint64_t m_merge_steps = 0;
+  std::uint64_t m_heard_step = 0;               // newest step a member's message carried (max_lead)              // τ of a merge since the last drift pass (0: none)
   bool m_merge_full = true;                     // quasi-global momentum carries merges on in full
   std::vector<float*> m_momentum;               // per tensor: the optimizer's momentum buffer, or null
   std::vector<tensor_drift> m_tensor_drift;

@@ -68,6 +68,8 @@ struct engine_stats {
   double step_seconds = 0;         ///< time inside engine.step(), waits included
   double wait_seconds = 0;         ///< of which waiting for peers (collect)
   double busy_wait_seconds = 0;    ///< of which waiting for a send buffer (wait_when_busy)
+  std::uint64_t lead_waits = 0;    ///< steps that waited for a peer to catch up ([engine] max_lead)
+  double lead_wait_seconds = 0;    ///< time those waits took
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;
   std::vector<int> dead_peers;
