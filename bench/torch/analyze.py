@@ -33,6 +33,7 @@ def main():
     for k in ("seeds", "quick", "train-limit", "epochs", "netem"):
         ap.add_argument("--" + k, type=int, required=True)
     ap.add_argument("--rate", type=float, required=True)
+    ap.add_argument("--momentum", required=True)
     ap.add_argument("--delay-ms", type=float, required=True)
     a = ap.parse_args()
 
@@ -127,7 +128,7 @@ def main():
     doc = {
         "bench": "torch",
         "mode": "quick" if a.quick else "full",
-        "quick_note": "quick: 12000 training samples (3000 per rank), 2 epochs, 2 seeds; full: 60000 samples, 2 epochs, 3 seeds" if a.quick else None,
+        "quick_note": "quick: 12000 training samples (3000 per rank), 2 epochs, 1 seed unless --seeds; full: 60000 samples, 2 epochs, 3 seeds" if a.quick else None,
         "setup": {
             "world": 4, "launcher": "one torchrun (static rendezvous, store on the bridge address), --no_python, each rank started through `ip netns exec` into its own namespace",
             "model": "CNN of examples/03_libtorch_cnn: conv5x5(16)-pool-conv5x5(32)-pool-fc128-fc10, %d parameters" % sum(n for _, _, n in shapes),
@@ -135,7 +136,8 @@ def main():
             "train_limit": a.train_limit, "epochs": a.epochs, "batch_per_rank": 32, "optimizer": "SGD lr 0.05 momentum 0.9, lr x0.1 at 50 % and x0.01 at 75 % of the steps",
             "methods": {m: LABELS[m] for m in METHODS},
             "gossip_configs": {"periodic": {"policy": {"name": "periodic", "every": 1}}, "default": {}},
-            "gossip_notes": "UCX over TCP (UCX_TLS=tcp, UCX_NET_DEVICES=eth0); optimizer= registered (quasi-global momentum); eng.finish() counted in the training time",
+            "gossip_momentum": a.momentum,
+            "gossip_notes": "UCX over TCP (UCX_TLS=tcp, UCX_NET_DEVICES=eth0); " + ("optimizer= registered (quasi-global momentum)" if a.momentum == "quasi-global" else "optimizer's momentum kept local (no optimizer=)") + "; eng.finish() counted in the training time",
             "time": "training time: the slowest rank's sum of step times (forward, backward, optimizer, eng.step, finish); start-up and evaluation excluded",
             "bytes": "bytes_sent: the 4 ranks' eth0 tx_bytes (IP and TCP headers included); gossip_bytes_sent: the engine's own count",
         },

@@ -4,7 +4,7 @@
 # network namespace behind a rate-limited veth link.
 #
 #   bash bench/torch/run.sh BUILD [--quick] [--rate MBIT] [--seeds N] [--out DIR] [--check-args]
-#                                 [--delay-ms MS] [--train-limit N] [--epochs N]
+#                                 [--delay-ms MS] [--train-limit N] [--epochs N] [--momentum quasi-global|local]
 #
 # Runs, each with the same CNN (examples/03_libtorch_cnn: two 5x5 conv layers,
 # 16 and 32 channels, fc 128, about 215k parameters) on iid shards of
@@ -34,8 +34,10 @@
 # (GLOO_SOCKET_IFNAME=eth0, UCX_NET_DEVICES=eth0, UCX_TLS=tcp so that UCX does
 # not take shared memory between processes of one host).
 #
-# --quick: 12000 training samples, 2 epochs, 2 seeds (about 10 minutes on 2
-# cores); otherwise the full 60000, 2 epochs, 3 seeds. --check-args validates
+# --quick: 12000 training samples, 2 epochs, 1 seed (about 10 minutes on 2
+# loaded cores); otherwise the full 60000, 2 epochs, 3 seeds. --momentum:
+# the gossip runs register SGD's momentum buffers with the engine
+# (quasi-global, the default, as README's script does) or keep them local. --check-args validates
 # the arguments and the build, prints the plan and exits (no root needed).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -43,7 +45,7 @@ HERE=$SRC/bench/torch
 usage() { sed -n '4,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""
+QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=quasi-global
 num() { [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" 'BEGIN{exit !(v > 0)}' || { echo "bench/torch: $1 takes a number > 0, not '$2'" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -54,13 +56,14 @@ while [[ $# -gt 0 ]]; do
     --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2"; DELAY=$2; shift 2 ;;
     --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --epochs takes an integer >= 1" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
+    --momentum) [[ $# -ge 2 && $2 =~ ^(quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
     --check-args) CHECK=1; shift ;;
     -h|--help) usage ;;
     *) echo "bench/torch: unknown option $1" >&2; usage ;;
   esac
 done
 PY=/usr/bin/python3  # Debian's interpreter: python3-torch is built for it
-if ((QUICK)); then LIMIT=12000; EPOCHS=2; : "${SEEDS:=2}"; else LIMIT=0; EPOCHS=2; : "${SEEDS:=3}"; fi
+if ((QUICK)); then LIMIT=12000; EPOCHS=2; : "${SEEDS:=1}"; else LIMIT=0; EPOCHS=2; : "${SEEDS:=3}"; fi
 LIMIT=${LIMIT_SET:-$LIMIT}; EPOCHS=${EPOCHS_SET:-$EPOCHS}
 DATA=/usr/share/datasets/fashion-mnist
 MODULE=$(compgen -G "$BUILD/python/gossip*.so" | head -n1 || true)
@@ -188,7 +191,7 @@ run_one() {  # METHOD SEED
     UCX_NET_DEVICES=eth0 UCX_TLS=tcp GOSSIP_MASTER_ADDR="$NET.1" GOSSIP_MASTER_PORT=$((port + 1)) \
     $PY -m torch.distributed.run --nnodes 1 --nproc_per_node 4 --master_addr "$NET.254" --master_port "$port" \
     --max_restarts 0 --monitor_interval 0.5 --redirects 2 --tee 2 --log_dir "$o/logs" --no_python \
-    "$TMP/in_netns.sh" $PY "$HERE/worker.py" --method "$m" --seed "$s" --epochs "$EPOCHS" --train-limit "$LIMIT" \
+    "$TMP/in_netns.sh" $PY "$HERE/worker.py" --method "$m" --momentum "$MOMENTUM" --seed "$s" --epochs "$EPOCHS" --train-limit "$LIMIT" \
     --data "$DATA" --out "$o" >"$o/out.txt" 2>&1 &
   local tp=$!
   BG+=("$tp")
@@ -215,4 +218,4 @@ echo "  evaluating the ranks' average models..."
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 $PY "$HERE/analyze.py" --runs "$TMP" --out "$OUT" --data "$DATA" --seeds "$SEEDS" --quick "$QUICK" \
   --train-limit "$LIMIT" --epochs "$EPOCHS" --rate "$RATE" --delay-ms "$DELAY" --netem "$NETEM" \
-  --link-mbit "$LINK_MBIT" --load "$LOAD" --bridge-net "$NET.0/24"
+  --link-mbit "$LINK_MBIT" --momentum "$MOMENTUM" --load "$LOAD" --bridge-net "$NET.0/24"

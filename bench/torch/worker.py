@@ -74,12 +74,13 @@ def tx_bytes(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--method", required=True, choices=["ddp", "periodic", "default", "none"])
+    ap.add_argument("--momentum-mode", "--momentum", dest="momentum_mode", default="quasi-global", choices=["quasi-global", "local"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--train-limit", type=int, default=0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--beta", type=float, default=0.9, help="SGD momentum")
     ap.add_argument("--evals", type=int, default=12, help="evaluation points besides step 0")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--dev", default="eth0")
@@ -99,7 +100,7 @@ def main():
 
     torch.manual_seed(a.seed)  # the same initial model on every rank
     model = CNN()
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.beta)
     eng = None
     net = model
     if a.method == "ddp":
@@ -110,8 +111,11 @@ def main():
     elif a.method in ("periodic", "default"):
         import gossip
         cfg = {"policy": {"name": "periodic", "every": 1}} if a.method == "periodic" else {}
-        # optimizer=: momentum buffers are quasi-global, as README's PyTorch script has it
-        eng = gossip.Engine(model.named_parameters(), optimizer=opt, config=cfg)
+        if a.momentum_mode == "quasi-global":
+            # optimizer=: momentum buffers are quasi-global, as README's PyTorch script has it
+            eng = gossip.Engine(model.named_parameters(), optimizer=opt, config=cfg)
+        else:
+            eng = gossip.Engine(model.named_parameters(), config=cfg)
 
     snaps = []
     train_s = 0.0
@@ -161,8 +165,9 @@ def main():
         import torch.distributed as dist
         dist.barrier()
         dist.destroy_process_group()
-    print(f"rank {rank} {a.method}: {total} steps, {train_s:.1f} s training "
-          f"({1000 * train_s / max(total, 1):.0f} ms/step), {snaps[-1]['tx_bytes']} bytes out of {a.dev}", flush=True)
+    if rank == 0:  # the ranks' stdout is not line-buffered together: one line, from rank 0
+        print(f"rank {rank} {a.method}: {total} steps, {train_s:.1f} s training "
+              f"({1000 * train_s / max(total, 1):.0f} ms/step), {snaps[-1]['tx_bytes']} bytes out of {a.dev}", flush=True)
 
 
 if __name__ == "__main__":
