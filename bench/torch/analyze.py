@@ -198,7 +198,8 @@ def main():
             kw = dict(color=colors[m], alpha=1.0 if s == 1 else 0.45, marker="o", ms=3, lw=1.5 if s == 1 else 1,
                       label=LABELS[m] if s == 1 else None)
             axes[0].plot([p["time_s"] for p in r["points"]], [100 * p["accuracy"] for p in r["points"]], **kw)
-            axes[1].plot([max(p["bytes_sent"], 1) / 1e6 for p in r["points"]], [100 * p["accuracy"] for p in r["points"]], **kw)
+            if m != "none":  # it sends nothing: no place on a log axis
+                axes[1].plot([max(p["bytes_sent"], 1) / 1e6 for p in r["points"][1:]], [100 * p["accuracy"] for p in r["points"][1:]], **kw)
     tgt = statistics.fmean(r["target_accuracy"] for r in per_seed) * 100
     top = max(100 * p["accuracy"] for v in runs.values() for r in v.values() for p in r["points"])
     for ax in axes:
@@ -209,6 +210,7 @@ def main():
     axes[0].set_xlabel("training time (s, slowest rank)")
     axes[1].set_xlabel("bytes sent by the 4 ranks (MB, eth0)")
     axes[1].set_xscale("log")
+    axes[1].text(0.02, 0.02, "no communication: 0 bytes (not shown)", transform=axes[1].transAxes, fontsize=8)
     axes[0].legend(fontsize=8, loc="lower right")
     fig.suptitle(f"bench/torch: 4 ranks, {a.rate:g} Mbit/s per link (tbf), {doc['mode']}, {a.seeds} seed(s)")
     fig.tight_layout()
