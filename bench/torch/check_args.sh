@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# A cheap check of bench/torch/run.sh's argument handling: bad arguments exit 2
+# with a message, --check-args validates the build and exits before anything
+# that needs root (namespaces, tc). Not part of `meson test` (it is a bench).
+#   bash bench/torch/check_args.sh [BUILD]
+set -uo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-$SRC/build}
+RUN=$SRC/bench/torch/run.sh
+fail=0
+expect() {  # RC MESSAGE-REGEX ARGS...
+  local want=$1 re=$2; shift 2
+  local out rc
+  out=$(bash "$RUN" "$@" 2>&1); rc=$?
+  if [[ $rc != "$want" ]] || ! grep -Eq -- "$re" <<<"$out"; then
+    echo "FAIL: run.sh $* → rc $rc (want $want), output:"; echo "$out" | sed 's/^/  /'; fail=1
+  else
+    echo "ok: run.sh $* → rc $rc"
+  fi
+}
+expect 2 "unknown option --bogus" "$BUILD" --bogus
+expect 2 "--rate takes a number > 0" "$BUILD" --rate 0
+expect 2 "--rate takes a number > 0" "$BUILD" --rate fast
+expect 2 "--seeds takes an integer" "$BUILD" --seeds 0
+expect 2 "--epochs takes an integer" "$BUILD" --epochs x
+expect 2 "--momentum takes" "$BUILD" --momentum global
+expect 2 "usage|run.sh" "$BUILD" --out
+expect 1 "Python module is missing" /nonexistent --check-args
+if compgen -G "$BUILD/python/gossip*.so" >/dev/null; then
+  expect 0 "quick — 4 ranks.*1 seed.*250 Mbit/s" "$BUILD" --quick --rate 250 --check-args --out /tmp/unused
+fi
+exit $fail

@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# bench/torch — time to accuracy of PyTorch training: torch DDP (gloo) against
+# the Python module `gossip`, 4 ranks under torchrun, each rank in its own
+# network namespace behind a rate-limited veth link.
+#
+#   bash bench/torch/run.sh BUILD [--quick] [--rate MBIT] [--seeds N] [--out DIR] [--check-args]
+#                                 [--delay-ms MS] [--train-limit N] [--epochs N] [--momentum quasi-global|local]
+#
+# Runs, each with the same CNN (examples/03_libtorch_cnn: two 5x5 conv layers,
+# 16 and 32 channels, fc 128, about 215k parameters) on iid shards of
+# Fashion-MNIST, batch 32 per rank, SGD lr 0.05 momentum 0.9, lr x0.1 at 50 %
+# and 75 % of the steps:
+#   ddp       torch DistributedDataParallel (gloo), gradients all-reduced every step
+#   periodic  libgossip, policy periodic every 1 (push-sum over UCX)
+#   default   libgossip with the config's defaults (config = {})
+#   none      no communication (each rank alone): the speed limit
+# Every rank keeps copies of its parameters at 12 points; the ranks' average
+# model (push-sum weighted) is evaluated afterwards on the 10000 test images,
+# against training time (max over ranks, evaluation excluded) and bytes sent
+# (the ranks' eth0 tx_bytes, headers included). Writes DIR/torch.json and
+# DIR/torch.png, and prints a table.
+#
+# Network: a bridge in the root namespace, one veth per rank; tbf at --rate
+# Mbit/s (default 100) on both ends of each veth, so each rank's link is that
+# fast in each direction. This kernel has no netem: latency is emulated only
+# where `tc qdisc add ... netem` works (--delay-ms, default 0). Namespaces and
+# links are made by this script only and removed on exit, also on error.
+#
+# torchrun: one torchrun (the agent, in the root namespace, serving its store
+# on the bridge address) starts the 4 ranks with --no_python through a wrapper
+# that runs `ip netns exec <rank's namespace> python3 worker.py`. That is a
+# real torchrun launch (its environment, store and process supervision) while
+# each rank's traffic, gloo's and UCX's, leaves through its own shaped link
+# (GLOO_SOCKET_IFNAME=eth0, UCX_NET_DEVICES=eth0, UCX_TLS=tcp so that UCX does
+# not take shared memory between processes of one host).
+#
+# --quick: 12000 training samples, 2 epochs, 1 seed (about 10 minutes on 2
+# loaded cores); otherwise the full 60000, 2 epochs, 3 seeds. --momentum:
+# the gossip runs register SGD's momentum buffers with the engine
+# (quasi-global, the default, as README's script does) or keep them local. --check-args validates
+# the arguments and the build, prints the plan and exits (no root needed).
+set -euo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+HERE=$SRC/bench/torch
+usage() { sed -n '4,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+BUILD=$SRC/build
+if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
+QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=quasi-global
+num() { [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" 'BEGIN{exit !(v > 0)}' || { echo "bench/torch: $1 takes a number > 0, not '$2'" >&2; exit 2; }; }
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --quick) QUICK=1; shift ;;
+    --out) [[ $# -ge 2 ]] || usage; OUT=$2; shift 2 ;;
+    --rate) [[ $# -ge 2 ]] || usage; num --rate "$2"; RATE=$2; shift 2 ;;
+    --seeds) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --seeds takes an integer >= 1" >&2; exit 2; }; SEEDS=$2; shift 2 ;;
+    --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2"; DELAY=$2; shift 2 ;;
+    --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
+    --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --epochs takes an integer >= 1" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
+    --momentum) [[ $# -ge 2 && $2 =~ ^(quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
+    --check-args) CHECK=1; shift ;;
+    -h|--help) usage ;;
+    *) echo "bench/torch: unknown option $1" >&2; usage ;;
+  esac
+done
+PY=/usr/bin/python3  # Debian's interpreter: python3-torch is built for it
+if ((QUICK)); then LIMIT=12000; EPOCHS=2; : "${SEEDS:=1}"; else LIMIT=0; EPOCHS=2; : "${SEEDS:=3}"; fi
+LIMIT=${LIMIT_SET:-$LIMIT}; EPOCHS=${EPOCHS_SET:-$EPOCHS}
+DATA=/usr/share/datasets/fashion-mnist
+MODULE=$(compgen -G "$BUILD/python/gossip*.so" | head -n1 || true)
+problems=()
+[[ -n $MODULE ]] || problems+=("the Python module is missing in $BUILD/python (configure with -Dpython=enabled -Ducx=enabled; ninja -C $BUILD)")
+[[ -x $PY ]] || problems+=("$PY is missing (apt-get install python3 python3-torch)")
+[[ -f $DATA/train-images-idx3-ubyte.gz ]] || problems+=("Fashion-MNIST is missing in $DATA (apt-get install dataset-fashion-mnist)")
+if [[ -x $PY ]] && ! $PY -c 'import torch.distributed.run' 2>/dev/null; then problems+=("torch is missing for $PY (apt-get install python3-torch)"); fi
+if [[ -n $MODULE && -x $PY ]] && ! PYTHONPATH=$BUILD/python $PY -c 'import gossip, sys; sys.exit(0 if gossip.has_ucx else 1)' 2>/dev/null; then
+  problems+=("the gossip module in $BUILD/python does not load or was built without UCX (-Ducx=enabled)")
+fi
+echo "bench/torch: $( ((QUICK)) && echo quick || echo full ) — 4 ranks, train_limit $LIMIT, $EPOCHS epochs, $SEEDS seed(s), ${RATE} Mbit/s per link (tbf)$( [[ $DELAY != 0 ]] && echo ", ${DELAY} ms delay (netem, if present)"), out $OUT"
+if ((${#problems[@]})); then
+  printf 'bench/torch: %s\n' "${problems[@]}" >&2
+  exit 1
+fi
+if ((CHECK)); then echo "bench/torch: arguments and build ok (--check-args: nothing run)"; exit 0; fi
+[[ $(id -u) == 0 ]] || { echo "bench/torch: network namespaces and tc need root" >&2; exit 1; }
+for t in ip tc; do command -v $t >/dev/null || { echo "bench/torch: $t is missing (apt-get install iproute2)" >&2; exit 1; }; done
+mkdir -p "$OUT"
+
+TMP=$(mktemp -d /tmp/gossip-torch.XXXXXX)
+P=gtorch$$
+NET=10.78.$(($$ % 200 + 20))
+BR=${P}br
+NS_MADE=()
+LINKS_MADE=()
+BG=()
+cleanup() {
+  local p left
+  for p in "${BG[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 1 100); do
+    left=0
+    for p in "${BG[@]}"; do kill -0 "$p" 2>/dev/null && left=1; done
+    ((left)) || break
+    sleep 0.1
+  done
+  for p in "${BG[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  for ns in "${NS_MADE[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+  for l in "${LINKS_MADE[@]}"; do ip link del "$l" 2>/dev/null || true; done
+  ip link del "$BR" 2>/dev/null || true
+  if [[ -n ${BENCH_TORCH_KEEP:-} ]]; then echo "bench/torch: kept $TMP"; else rm -rf "$TMP"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# tbf: burst of 64 kB and 50 ms of queue (PLATFORM.md: 12.3 MB/s for a TCP
+# stream at 100mbit), on the rank's side (its uplink) and the bridge's side
+# (its downlink) of each veth.
+shape() {  # NETNS-ARGS... DEV
+  local dev=${*: -1}
+  local args=("${@:1:$#-1}")
+  if [[ $DELAY != 0 ]] && ((NETEM)); then
+    tc "${args[@]}" qdisc add dev "$dev" root handle 1: netem delay "${DELAY}ms"
+    tc "${args[@]}" qdisc add dev "$dev" parent 1:1 handle 10: tbf rate "${RATE}mbit" burst 64kb latency 50ms
+  else
+    tc "${args[@]}" qdisc add dev "$dev" root tbf rate "${RATE}mbit" burst 64kb latency 50ms
+  fi
+}
+NETEM=0
+ip link add "${P}probe" type dummy 2>/dev/null && {
+  tc qdisc add dev "${P}probe" root netem delay 1ms 2>/dev/null && NETEM=1
+  ip link del "${P}probe"
+}
+if [[ $DELAY != 0 ]] && ((!NETEM)); then echo "bench/torch: this kernel has no netem: --delay-ms $DELAY is not emulated (rate only)"; fi
+
+ip link add "$BR" type bridge
+ip addr add "$NET.254/24" dev "$BR"
+ip link set "$BR" up
+for r in 0 1 2 3; do
+  ns=${P}r$r
+  ip netns add "$ns"
+  NS_MADE+=("$ns")
+  ip link add "${P}h$r" type veth peer name eth0 netns "$ns"
+  LINKS_MADE+=("${P}h$r")
+  ip link set "${P}h$r" master "$BR" up
+  ip -n "$ns" addr add "$NET.$((r + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+  shape -n "$ns" eth0
+  shape "${P}h$r"
+done
+# The bridge forwards between ports; netfilter on bridged traffic (br_netfilter) would be in the way.
+[[ -w /proc/sys/net/bridge/bridge-nf-call-iptables ]] && [[ $(cat /proc/sys/net/bridge/bridge-nf-call-iptables) == 1 ]] && \
+  echo "bench/torch: note: bridge-nf-call-iptables is on; host firewall rules see the ranks' traffic"
+ip netns exec "${P}r0" ping -q -c 3 -i 0.2 -W 2 "$NET.2" >/dev/null || { echo "bench/torch: namespace r0 cannot reach r1" >&2; exit 1; }
+
+# Measured link speed: 4 MB through r0 → r1 (python sockets, no extra tools).
+LINK_MBIT=$(ip netns exec "${P}r1" $PY - "$NET" "${P}r0" <<'PY' 2>/dev/null || echo null
+import socket, subprocess, sys, time
+net, ns0 = sys.argv[1], sys.argv[2]
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((f"{net}.2", 45123)); s.listen(1)
+n = 4 << 20
+sender = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-c",
+    f"import socket; c = socket.create_connection(('{net}.2', 45123)); c.sendall(b'x' * {n}); c.close()"])
+c, _ = s.accept(); got = 0; t0 = time.perf_counter()
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    got += len(b)
+dt = time.perf_counter() - t0
+sender.wait()
+print(f"{8 * got / dt / 1e6:.1f}")
+PY
+)
+echo "  links: $NET.1-4 behind bridge $BR ($NET.254), tbf ${RATE}mbit each way; measured r0→r1 TCP stream: ${LINK_MBIT} Mbit/s"
+
+cat >"$TMP/in_netns.sh" <<SH
+#!/bin/sh
+# torchrun --no_python runs this once per rank: the rank's own namespace.
+exec ip netns exec "${P}r\$LOCAL_RANK" "\$@"
+SH
+chmod +x "$TMP/in_netns.sh"
+
+free_port() {  # a free TCP port in the root namespace (torchrun's store); the rank namespaces are empty
+  $PY -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
+METHODS=(ddp periodic default none)
+run_one() {  # METHOD SEED
+  local m=$1 s=$2 o=$TMP/$1-s$2
+  mkdir -p "$o"
+  local port; port=$(free_port)
+  local start; start=$(date +%s.%N)
+  timeout -k 10 900 env PYTHONPATH="$BUILD/python" OMP_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 \
+    UCX_NET_DEVICES=eth0 UCX_TLS=tcp GOSSIP_MASTER_ADDR="$NET.1" GOSSIP_MASTER_PORT=$((port + 1)) \
+    $PY -m torch.distributed.run --nnodes 1 --nproc_per_node 4 --master_addr "$NET.254" --master_port "$port" \
+    --max_restarts 0 --monitor_interval 0.5 --redirects 2 --tee 2 --log_dir "$o/logs" --no_python \
+    "$TMP/in_netns.sh" $PY "$HERE/worker.py" --method "$m" --momentum "$MOMENTUM" --seed "$s" --epochs "$EPOCHS" --train-limit "$LIMIT" \
+    --data "$DATA" --out "$o" >"$o/out.txt" 2>&1 &
+  local tp=$!
+  BG+=("$tp")
+  local rc=0
+  wait "$tp" || rc=$?
+  BG=("${BG[@]/$tp}")
+  local wall; wall=$(awk -v a="$(date +%s.%N)" -v b="$start" 'BEGIN{printf "%.1f", a-b}')
+  if ((rc != 0)); then
+    echo "    $m seed $s: torchrun exited $rc after $wall s; its output:" >&2
+    tail -n 40 "$o/out.txt" >&2
+    return 1
+  fi
+  echo "    $m seed $s: $(grep -h '^rank 0' "$o/out.txt" | head -n1 | sed 's/^rank 0 [a-z]*: //') — ${wall} s with start-up"
+}
+
+for ((s = 1; s <= SEEDS; s++)); do
+  echo "  seed $s:"
+  for m in "${METHODS[@]}"; do
+    run_one "$m" "$s"
+  done
+done
+
+echo "  evaluating the ranks' average models..."
+LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
+$PY "$HERE/analyze.py" --runs "$TMP" --out "$OUT" --data "$DATA" --seeds "$SEEDS" --quick "$QUICK" \
+  --train-limit "$LIMIT" --epochs "$EPOCHS" --rate "$RATE" --delay-ms "$DELAY" --netem "$NETEM" \
+  --link-mbit "$LINK_MBIT" --momentum "$MOMENTUM" --load "$LOAD" --bridge-net "$NET.0/24"
