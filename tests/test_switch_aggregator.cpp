@@ -307,6 +307,43 @@ TEST_CASE("async sessions: a group is reused run after run, each delta applied o
   for (float v : agg.async_sum(2)) CHECK(v == 0.0f);
 }
 
+TEST_CASE("async: a switch that holds no session of a member asks it to rejoin, and applies nothing of the old session") {
+  const group_config g{.id = 2, .mode = group_mode::async, .members = 2, .chunk = 4, .elements = 4};
+  aggregator agg({g});  // as just restarted: members 0 and 1 were joined at the switch before
+  packet_header h{.type = packet_type::async_delta, .group = 2, .worker = 1, .chunk = 0, .sequence = 7, .session = 41};
+  reply_log log;
+  CHECK(agg.handle(make_packet(h, std::vector<float>(4, 3.0f)), log.sink()) == drop_reason::unknown_session);
+  REQUIRE(log.all.size() == 1);
+  CHECK(log.all[0].first == 1);
+  const auto r = header_of(log.all[0].second);
+  CHECK(r.type == packet_type::async_rejoin);
+  CHECK(r.elements == 0);
+  CHECK(log.all[0].second.size() == sizeof(packet_header));
+  CHECK((r.session == 41 && r.sequence == 7 && r.chunk == 0 && r.worker == 1));
+  for (float v : agg.async_sum(2)) CHECK(v == 0.0f);
+  CHECK(agg.async_joined(2) == 0);
+  // The member joins again as a new session with everything it had sent.
+  h.sequence = 1, h.session = 42;
+  log.all.clear();
+  CHECK(agg.handle(make_packet(h, std::vector<float>(4, 5.0f)), log.sink()) == drop_reason::accepted);
+  for (float v : agg.async_sum(2)) CHECK(v == 5.0f);
+  // A late packet of the old session is now stale, and not answered.
+  h.sequence = 8, h.session = 41;
+  log.all.clear();
+  CHECK(agg.handle(make_packet(h, std::vector<float>(4, 3.0f)), log.sink()) == drop_reason::stale_session);
+  CHECK(log.all.empty());
+  // A member that left is not asked to rejoin by a late packet either.
+  h.sequence = 1, h.session = 42;
+  packet_header leave{.type = packet_type::async_leave, .group = 2, .worker = 1, .session = 42};
+  std::vector<std::byte> lp(sizeof leave);
+  std::memcpy(lp.data(), &leave, sizeof leave);
+  CHECK(agg.handle(lp, log.sink()) == drop_reason::accepted);
+  log.all.clear();
+  h.sequence = 2;
+  CHECK(agg.handle(make_packet(h, std::vector<float>(4, 3.0f)), log.sink()) == drop_reason::stale_session);
+  CHECK(log.all.empty());
+}
+
 TEST_CASE("sync sessions: a restarted group is exact after a finished run and after a run cut off mid-all-reduce") {
   aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 2, .slots = 1}});
   reply_log log;

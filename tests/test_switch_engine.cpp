@@ -25,7 +25,7 @@ namespace {
 // A minimal gossip-switch-udp inside the test: one thread, one socket.
 class udp_aggregator {
  public:
-  udp_aggregator(std::vector<gossip::sw::group_config> groups, double drop = 0) : m_agg(std::move(groups)), m_drop(drop, 11) {
+  udp_aggregator(std::vector<gossip::sw::group_config> groups, double drop = 0) : m_groups(groups), m_agg(std::move(groups)), m_drop(drop, 11) {
     m_fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -53,6 +53,19 @@ class udp_aggregator {
     const auto s = m_agg.async_sum(group);
     return {s.begin(), s.end()};
   }
+  /// As a switch killed and started again on the same port: no group state,
+  /// no worker addresses.
+  void restart() {
+    std::lock_guard lock(m_mutex);
+    m_agg = gossip::sw::aggregator(m_groups);
+    m_peers.clear();
+    ++m_restarts;
+  }
+  /// Packets the current aggregator (since the last restart) dropped for `why`.
+  std::uint64_t live_drops(gossip::sw::drop_reason why) {
+    std::lock_guard lock(m_mutex);
+    return m_agg.stats().drops[static_cast<std::size_t>(why)];
+  }
   /// S and the members joined, read while serving.
   std::pair<std::vector<float>, int> live_sum(std::uint16_t group) {
     std::lock_guard lock(m_mutex);
@@ -63,7 +76,7 @@ class udp_aggregator {
  private:
   void serve() {
     std::vector<std::byte> buf(2048);
-    std::map<std::uint32_t, sockaddr_in> peers;
+    auto& peers = m_peers;
     while (!m_stop) {
       pollfd p{m_fd, POLLIN, 0};
       if (::poll(&p, 1, 20) <= 0) continue;
@@ -84,7 +97,10 @@ class udp_aggregator {
     }
   }
   std::mutex m_mutex;
+  std::vector<gossip::sw::group_config> m_groups;
   gossip::sw::aggregator m_agg;
+  std::map<std::uint32_t, sockaddr_in> m_peers;
+  int m_restarts = 0;
   gossip::sw::drop_injector m_drop;
   int m_fd = -1;
   std::uint16_t m_port = 0;
@@ -223,6 +239,50 @@ TEST_CASE("adaptive policy through the switch: every delta applied exactly once,
       CHECK(lo >= 0.0f);
       CHECK(hi <= 14.0f);
     }
+  }
+}
+
+TEST_CASE("async mode survives a switch restart: every member rejoins with what it had sent, S is exact again") {
+  const int world = 4;
+  const std::size_t n = 300;
+  udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::async, .members = world, .chunk = 64, .elements = n}});
+  auto cfg = switch_config("periodic", agg.port(), "async");
+  cfg.apply_override("transport.mode=\"async\"");
+  std::vector<std::vector<float>> hats(world);
+  std::vector<std::uint64_t> rejoins(world);
+  std::pair<std::vector<float>, int> live;
+  std::barrier sync(world);
+  gossip::test::run_ranks(world, [&](int r) {
+    std::vector<float> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
+    for (int s = 0; s < 60; ++s) {
+      if (s == 20) {
+        sync.arrive_and_wait();
+        if (r == 0) agg.restart();  // every member has sent 20 deltas: each one's next is answered async_rejoin
+        sync.arrive_and_wait();
+      }
+      for (std::size_t i = 0; i < n; i += 7) x[i] += 0.25f * static_cast<float>(r + 1);  // local progress to send
+      e.step();
+      e.flush();
+    }
+    sync.arrive_and_wait();
+    if (r == 0) live = agg.live_sum(1);
+    sync.arrive_and_wait();
+    rejoins[static_cast<std::size_t>(r)] = e.stats().transport_rejoins;
+    hats[static_cast<std::size_t>(r)].assign(e.snapshot().begin(), e.snapshot().end());
+    e.finish(0);
+  });
+  CHECK(agg.live_drops(gossip::sw::drop_reason::unknown_session) >= world);
+  for (int r = 0; r < world; ++r) CHECK(rejoins[static_cast<std::size_t>(r)] == 1);
+  // The restarted switch's S is again the sum of what every member last sent.
+  CHECK(live.second == world);
+  for (std::size_t i = 0; i < n; ++i) {
+    double ref = 0;
+    for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
+    REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
   }
 }
 

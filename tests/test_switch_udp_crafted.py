@@ -22,7 +22,7 @@ import tempfile
 import time
 
 MAGIC, VERSION = 0x31575347, 2
-SYNC, RESULT, DELTA, REPLY, LEAVE = 1, 2, 3, 4, 5
+SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN = 1, 2, 3, 4, 5, 6
 HDR = struct.Struct("<IBBBBHHHHIIII")
 
 
@@ -140,7 +140,11 @@ def main():
         drop("bad_slot", packet(DELTA, 2, 0, d0, slot=1, sequence=2, session=100))
         drop("sequence_gap", packet(DELTA, 2, 0, d0, sequence=0, session=100))
         drop("sequence_gap", packet(DELTA, 2, 0, d0, sequence=3, session=100))
-        drop("stale_session", packet(DELTA, 2, 1, d0, sequence=2, session=200), sender=1)  # a new session must start at 1
+        # A member the switch holds no session for, with sequence > 1 (as after a switch restart): asked to rejoin.
+        drop("unknown_session", packet(DELTA, 2, 1, d0, sequence=2, session=200), sender=1)
+        r = reply(1)
+        check(r["type"] == REJOIN and r["values"] == [] and r["session"] == 200 and quiet(1),
+              "a delta of a session the switch never saw (sequence 2) is answered async_rejoin, once")
         drop("wrong_mode", packet(SYNC, 2, 0, d0, session=100))
         w[0].sendto(packet(DELTA, 2, 0, d0, sequence=1, session=100), addr)  # duplicate: answered, not applied
         check(reply(0)["values"] == d0, "an async duplicate is answered and not applied again")

@@ -772,6 +772,7 @@ inline const engine_stats& engine::stats() {
   m_stats.weight = m_protocol.weight();
   m_stats.bytes_received = c.bytes_received;
   m_stats.messages_received = c.messages_received;
+  m_stats.transport_rejoins = c.rejoins;
   return m_stats;
 }
 

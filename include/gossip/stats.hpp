@@ -63,6 +63,7 @@ struct engine_stats {
   std::uint64_t no_live_peer = 0;  ///< fired, but no target was alive
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   std::uint64_t bytes_raw = 0;     ///< bytes_sent without the codec: header plus the model in fp32, per message
+  std::uint64_t transport_rejoins = 0;  ///< the transport joined again after its far end lost its state (switch restarted)
   double relative_drift_last = 0, relative_drift_max = 0, relative_drift_at_send_sum = 0;
   double weight = 1;               ///< push-sum weight
   double step_seconds = 0;         ///< time inside engine.step(), waits included

@@ -125,6 +125,7 @@ enum class post_status : std::uint8_t { ok, peer_dead, busy };
 
 struct transport_counters {
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
+  std::uint64_t rejoins = 0;  ///< times the transport joined again after its far end lost its state (a restarted switch)
 };
 
 template <class T>

@@ -43,6 +43,11 @@
 ///    restart at 1. Any other delta of a foreign session — a late packet of a
 ///    session that left or was replaced — is dropped (stale_session). A leave
 ///    is answered always (it is idempotent) and acts only on the current session.
+///    A delta with sequence > 1 from a member of which the switch has seen no
+///    session at all means the switch lost its state (it was restarted while
+///    the member was joined): it is not applied (unknown_session) and answered
+///    with async_rejoin, so that the member joins again as a new session whose
+///    first delta is everything it had sent (see client.hpp).
 ///  - sync: the first contribution of a new session clears the member's bit
 ///    in every completed set and discards every set still in progress that
 ///    holds its contribution (that all-reduce can no longer complete).
@@ -368,6 +373,13 @@ class aggregator {
   drop_reason handle_async(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
     const auto& c = g.cfg;
     if (auto& m = g.sessions[h.worker]; !m.current(h.session)) {
+      if (h.sequence != 1 && m.state == member_session::none) {
+        packet_header out = h;
+        out.type = packet_type::async_rejoin;
+        out.count = async_joined(c.id);
+        reply(out, nullptr, 0, h.worker, emit);
+        return drop_reason::unknown_session;
+      }
       if (h.sequence != 1 || (m.state == member_session::left && m.id == h.session)) return drop_reason::stale_session;
       remove_member(g, h.worker);
       m = {h.session, member_session::joined};

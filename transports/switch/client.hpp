@@ -15,6 +15,12 @@
 /// aggregator.hpp). leave() ends the session; a later push_delta() starts a
 /// new one.
 ///
+/// The client keeps the sum of its applied deltas (its part of S; one model
+/// of floats, allocated by the first push_delta()). When a switch that was
+/// restarted answers async_rejoin, push_delta() joins again as a new session
+/// whose first delta is that part plus the current delta, so the new switch's
+/// S holds exactly what this member had sent (counters().rejoins).
+///
 /// The calls block until every chunk is answered, or throw
 /// gossip::timeout_error after `timeout_s` naming the group, worker, chunk and
 /// switch address. Chunks are pipelined: `window` packets in flight (at most
@@ -63,6 +69,7 @@ struct client_counters {
   std::uint64_t retransmits = 0;  ///< packets sent again after a timeout
   std::uint64_t stale = 0;        ///< replies for chunks already answered (duplicates)
   std::uint64_t malformed = 0;    ///< replies that failed validation
+  std::uint64_t rejoins = 0;      ///< async: times a restarted switch asked this member to join again
 };
 
 class client {
@@ -111,6 +118,8 @@ class client {
       m_flight = std::move(o.m_flight);
       m_tx = std::move(o.m_tx);
       m_rx = std::move(o.m_rx);
+      m_part = std::move(o.m_part);
+      m_rejoin = std::move(o.m_rejoin);
       m_sync_ops = o.m_sync_ops;
       m_async_seq = o.m_async_seq;
       m_session = o.m_session;
@@ -128,10 +137,38 @@ class client {
   }
 
   /// Async group: S += delta (exactly once), average = S / joined per chunk.
+  /// If the switch lost this member's session (it restarted), joins again as
+  /// a new session with everything sent so far, `delta` included.
   void push_delta(std::span<const float> delta, std::span<float> average) {
     GOSSIP_ASSERT(delta.size() == average.size(), "push_delta: delta has {} values, average {}", delta.size(), average.size());
+    const std::size_t n = delta.size();
+    if (m_part.size() != n) m_part.assign(n, 0.0f);  // first push: this member holds nothing in S yet
+    std::vector<float> copy;  // a rejoin reads `delta` after replies were written to `average`
+    if (delta.data() == average.data() && n > 0) {
+      copy.assign(delta.begin(), delta.end());
+      delta = copy;
+    }
     ++m_async_seq;
-    run(packet_type::async_delta, delta, average, m_async_seq);
+    if (!run(packet_type::async_delta, delta, average, m_async_seq)) {
+      for (std::size_t i = 0; i < n; ++i) m_part[i] += delta[i];  // as the switch adds it: the same float sums
+      return;
+    }
+    // The switch answered async_rejoin: it holds nothing of this member. Join
+    // as a new session whose first delta is the whole part; a switch that
+    // restarts again meanwhile asks again (bounded).
+    m_rejoin.resize(n);
+    for (std::size_t i = 0; i < n; ++i) m_rejoin[i] = m_part[i] + delta[i];
+    for (int attempt = 0;; ++attempt) {
+      if (attempt == 8)
+        throw transport_error(fmt::format("switch client (group {}, worker {}): the switch at {}:{} asked this member to join again {} times in a row; "
+                                          "is more than one switch serving that address?",
+                                          m_cfg.group, m_cfg.worker, m_cfg.address, m_cfg.port, attempt));
+      ++m_counters.rejoins;
+      m_session = new_session();
+      m_async_seq = 1;
+      if (!run(packet_type::async_delta, m_rejoin, average, m_async_seq)) break;
+    }
+    m_part.swap(m_rejoin);
   }
 
   /// Async group: ends this session; the switch takes this member's part out
@@ -175,6 +212,7 @@ class client {
     }
     m_session = new_session();
     m_async_seq = 0;
+    std::fill(m_part.begin(), m_part.end(), 0.0f);  // the switch took this member's part out of S
   }
 
   /// This session's id (in every packet).
@@ -204,7 +242,10 @@ class client {
     m_fd = -1;
   }
 
-  void run(packet_type type, std::span<const float> in, std::span<float> out, std::uint64_t sequence) {
+  // One operation over every chunk; true when the switch answered
+  // async_rejoin (async only: it holds no session of this member), after
+  // which nothing of this operation counts.
+  bool run(packet_type type, std::span<const float> in, std::span<float> out, std::uint64_t sequence) {
     using clock = std::chrono::steady_clock;
     const bool sync = type == packet_type::sync_contribution;
     const std::uint64_t n = in.size();
@@ -282,7 +323,8 @@ class client {
     std::array<mmsghdr, batch> rmsgs{};
     std::array<iovec, batch> riovs{};
     const std::size_t rstride = max_packet_bytes + 64;
-    while (done < chunks) {
+    bool rejoin = false;
+    while (done < chunks && !rejoin) {
       // Earliest retransmission due decides how long to sleep.
       auto due = deadline;
       for (const auto& f : m_flight)
@@ -309,6 +351,15 @@ class client {
           m_counters.bytes_received += len;
           packet_header h;
           const auto want = sync ? packet_type::sync_result : packet_type::async_reply;
+          if (!sync && read_header(p, len, h) && h.magic == packet_header::magic_value && h.version == packet_header::version_value &&
+              h.type == packet_type::async_rejoin) {
+            if (len == sizeof h && h.group == m_cfg.group && h.worker == m_cfg.worker && h.session == m_session &&
+                h.sequence == static_cast<std::uint32_t>(sequence))
+              rejoin = true;
+            else
+              ++m_counters.stale;  // one for an earlier session or operation
+            continue;
+          }
           if (!read_header(p, len, h) || h.magic != packet_header::magic_value || h.version != packet_header::version_value ||
               h.type != want || h.group != m_cfg.group || h.worker != m_cfg.worker || h.elements == 0 || h.elements > m_cfg.chunk ||
               len != packet_bytes(h.elements)) {
@@ -348,6 +399,7 @@ class client {
         flush();
         if (static_cast<std::size_t>(r) < batch) break;
       }
+      if (rejoin) break;
       now = clock::now();
       if (done < chunks && now > deadline) {
         std::uint64_t waiting = chunks;
@@ -369,6 +421,7 @@ class client {
       }
       flush();
     }
+    return rejoin;
   }
 
   client_config m_cfg;
@@ -376,6 +429,8 @@ class client {
   std::vector<std::uint8_t> m_ver;   // sync: shadow bit each slot uses next
   std::vector<flight> m_flight;
   std::vector<std::byte> m_tx, m_rx;
+  std::vector<float> m_part;    // async: Σ of this session's applied deltas (this member's part of S)
+  std::vector<float> m_rejoin;  // async: the first delta of a rejoin (allocated at the first one)
   std::uint64_t m_sync_ops = 0, m_async_seq = 0;
   std::uint32_t m_session = 0;
   client_counters m_counters;

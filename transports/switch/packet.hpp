@@ -7,7 +7,7 @@
 ///     offset  size  field
 ///          0     4  magic      "GSW1" (0x31575347)
 ///          4     1  version    2
-///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave
+///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin
 ///          6     1  flags      bit 0: shadow set of the slot (sync)
 ///          7     1  reserved   0
 ///          8     2  group      aggregation group id (configured on the switch)
@@ -23,6 +23,10 @@
 /// at 1 with every new session, and the switch resets a member's state when
 /// it sees a session it does not hold for that member (the rules are in
 /// aggregator.hpp). A reply carries the session of the member it goes to.
+/// A switch that holds no session at all for a member (it was restarted)
+/// answers that member's later deltas with async_rejoin: the worker then
+/// joins as a new session, sending everything it had sent so far (the switch
+/// transport survives a switch restart this way).
 /// Sequence numbers are 32 bits: 2^32 deltas per chunk and session.
 ///
 ///     gossip::sw::packet_header h{.type = gossip::sw::packet_type::sync_contribution, .group = 1, .worker = 0};
@@ -52,6 +56,7 @@ enum class packet_type : std::uint8_t {
   async_delta = 3,
   async_reply = 4,
   async_leave = 5,  ///< header only: remove my contribution from S; answered by an async_reply of 0 elements
+  async_rejoin = 6, ///< switch to worker, header only: "I hold no session of yours" (an answer to a delta, echoing its fields)
 };
 
 struct packet_header {
@@ -102,6 +107,7 @@ enum class drop_reason : std::uint8_t {
   not_for_us,     ///< switch only: destination IP is not the switch's
   no_route,       ///< switch only: reply to a worker whose address was never seen
   tx_full,        ///< switch only: transmit queue full, reply freed
+  unknown_session,///< async delta (sequence > 1) of a member this switch holds no session for — it restarted: answered with async_rejoin
   count_
 };
 inline constexpr std::size_t drop_reason_count = static_cast<std::size_t>(drop_reason::count_);
@@ -110,7 +116,7 @@ inline constexpr std::string_view to_string(drop_reason r) noexcept {
   constexpr std::array<std::string_view, drop_reason_count> names = {
       "accepted",   "too_short",    "bad_magic",     "bad_version", "bad_type",   "unknown_group", "bad_worker",   "bad_elements",
       "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "stale_session", "injected", "not_ipv4",
-      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full"};
+      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session"};
   const auto i = static_cast<std::size_t>(r);
   return i < names.size() ? names[i] : "?";
 }

@@ -27,7 +27,12 @@
 /// switch (see transports/switch/aggregator.hpp). In async mode leave() (the
 /// engine's finish) takes this member's model out of the switch's S, so the
 /// next run starts from an empty aggregate; a rank that dies without leaving
-/// is replaced when its id joins again.
+/// is replaced when its id joins again. If the switch is restarted during an
+/// async run, each member's next delta is answered async_rejoin and the
+/// member joins again with everything it had sent (rejoins() counts it); the
+/// run goes on. A sync all-reduce cut by a restart cannot be completed (the
+/// switch lost the partial sums some members already moved past) and fails
+/// after timeout_s with an error naming the switch.
 ///
 /// post() queues the send buffer for a progress thread and returns; the
 /// buffer stays busy() until every chunk is answered (async: every buffer,
@@ -206,11 +211,14 @@ class switch_transport {
     c.bytes_received = st.wire_bytes_received.load(std::memory_order_relaxed);
     c.messages_received = st.done.load(std::memory_order_relaxed);
     c.dropped = st.retransmits.load(std::memory_order_relaxed);
+    c.rejoins = st.rejoins.load(std::memory_order_relaxed);
     return c;
   }
 
   /// Packets sent again after a timeout, so far.
   std::uint64_t retransmits() const noexcept { return m_state->retransmits.load(); }
+  /// Times a restarted switch asked this member to join again (async), so far.
+  std::uint64_t rejoins() const noexcept { return m_state->rejoins.load(); }
 
  private:
   struct job {
@@ -231,7 +239,7 @@ class switch_transport {
     std::atomic<bool> stop{false}, failed{false};
     bool left = false;
     std::exception_ptr error;
-    std::atomic<std::uint64_t> wire_bytes_sent{0}, wire_bytes_received{0}, retransmits{0};
+    std::atomic<std::uint64_t> wire_bytes_sent{0}, wire_bytes_received{0}, retransmits{0}, rejoins{0};
     // Engine thread only.
     std::int64_t last_post_step = -1;
     std::uint64_t last_post_op = 0, collected = 0, to_release = 0, bytes_posted = 0, messages_posted = 0;
@@ -276,6 +284,7 @@ class switch_transport {
           wire_bytes_sent.store(c.bytes_sent, std::memory_order_relaxed);
           wire_bytes_received.store(c.bytes_received, std::memory_order_relaxed);
           retransmits.store(c.retransmits, std::memory_order_relaxed);
+          rejoins.store(c.rejoins, std::memory_order_relaxed);
           done.store(op + 1, std::memory_order_release);
           tail.store(op + 1, std::memory_order_release);
         }
