@@ -46,13 +46,16 @@ struct fd_guard {
 // Outcome of a socket operation that may be retried or reported by the caller.
 enum class io { ok, timeout, closed, failed };
 
-io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline) {
+// With `idle` > 0 the deadline moves to now + idle whenever bytes move: a
+// slow but live peer (a lossy link) is not cut off, a silent one is.
+io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (k > 0) {
       p += k;
       n -= static_cast<std::size_t>(k);
+      if (idle.count() > 0) deadline = clock::now() + idle;
       continue;
     }
     if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
@@ -64,13 +67,14 @@ io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline)
   return io::ok;
 }
 
-io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline) {
+io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
     if (k > 0) {
       p += k;
       n -= static_cast<std::size_t>(k);
+      if (idle.count() > 0) deadline = clock::now() + idle;
       continue;
     }
     if (k == 0) return io::closed;
@@ -208,24 +212,26 @@ struct bootstrap::server {
     }
   }
 
-  // One request per connection; a stuck or foreign client costs at most 5 s.
+  // One request per connection; a stuck or foreign client costs at most 5 s
+  // of silence. A slow one that keeps sending (a model over a lossy link,
+  // where TCP waits out retransmission timeouts) is served to the end.
   void handle(int c) {
-    const auto deadline = deadline_after(std::chrono::duration<double>(5.0));
+    const auto idle = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(5.0));
     char hdr[4 + 1 + 4];
-    if (recv_all(c, hdr, sizeof hdr, deadline) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
+    if (recv_all(c, hdr, sizeof hdr, clock::now() + idle, idle) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
     const char op = hdr[4];
     std::uint32_t klen;
     std::memcpy(&klen, hdr + 5, 4);
     if (klen > 4096) return;
     std::string key(klen, '\0');
-    if (recv_all(c, key.data(), klen, deadline) != io::ok) return;
+    if (recv_all(c, key.data(), klen, clock::now() + idle, idle) != io::ok) return;
     blob reply_value;
     char status = 'N';
     if (op == 'P') {
       std::uint64_t vlen;
-      if (recv_all(c, &vlen, 8, deadline) != io::ok || vlen > max_blob) return;
+      if (recv_all(c, &vlen, 8, clock::now() + idle, idle) != io::ok || vlen > max_blob) return;
       blob v(vlen);
-      if (recv_all(c, v.data(), vlen, deadline) != io::ok) return;
+      if (recv_all(c, v.data(), vlen, clock::now() + idle, idle) != io::ok) return;
       std::lock_guard lock(mutex);
       store[key] = std::move(v);
       status = 'Y';
@@ -245,7 +251,7 @@ struct bootstrap::server {
     out[4] = static_cast<std::byte>(status);
     std::memcpy(out.data() + 5, &n, 8);
     if (n) std::memcpy(out.data() + 13, reply_value.data(), n);
-    send_all(c, out.data(), out.size(), deadline);
+    send_all(c, out.data(), out.size(), clock::now() + idle, idle);
   }
 };
 
@@ -369,9 +375,10 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       }
       if (r != io::ok || std::memcmp(head, magic, 4) != 0)
         throw transport_error(
-            fmt::format("bootstrap: rank {}: {} accepted the connection but {}; it is not a gossip rendezvous "
-                        "(wrong GOSSIP_MASTER_PORT?)",
-                        m_rank, where(), r != io::ok ? "closed it without answering" : "answered in a foreign protocol"));
+            fmt::format("bootstrap: rank {}: {} accepted the connection but {}",
+                        m_rank, where(), r != io::ok ? "closed it without answering; either it is not a gossip rendezvous (wrong "
+                                                        "GOSSIP_MASTER_PORT?) or the request stalled for 5 s on the way (a failing link?)"
+                                                     : "answered in a foreign protocol; it is not a gossip rendezvous (wrong GOSSIP_MASTER_PORT?)"));
       std::uint64_t len;
       std::memcpy(&len, head + 5, 8);
       if (len > max_blob)

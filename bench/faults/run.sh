@@ -25,7 +25,10 @@
 # give or take its noise: |mean| <= 1 + 2 sigma/sqrt(seeds). Writes
 # DIR/faults.json and prints a table.
 #
-#   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--out DIR]
+#   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--only NAME,...] [--out DIR]
+#
+# --only runs the named scenarios (and the fault-free runs they compare
+# with); the others are listed as not selected.
 #
 # --quick: a 24000-sample slice, 3 epochs, 3 seeds (about 10 minutes);
 # otherwise the full 60000 samples, 4 epochs, 5 seeds. Namespaces and
@@ -35,15 +38,23 @@ set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; SEEDS=
+QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=
+SCENARIOS=kill-1-of-4,kill-2-of-8,sigstop-20s,loss-10pct,switch-restart
 while [[ $# -gt 0 ]]; do
   case $1 in
     --quick) QUICK=1; shift ;;
     --seeds) SEEDS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
+    --only) ONLY=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+for s in ${ONLY//,/ }; do
+  [[ ,$SCENARIOS, == *,$s,* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }
+done
+want() { [[ -z $ONLY || ,$ONLY, == *,$1,* ]]; }  # NAME...: is any of them selected?
+wants() { local n; for n in "$@"; do want "$n" && return 0; done; return 1; }
+skip_case() { echo "skip 0 false null" >"$TMP/$1.res"; }
 RUN=$BUILD/tools/gossip-run
 EXE=$BUILD/examples/fashion_mnist
 SWITCH=$BUILD/transports/switch/gossip-switch-udp
@@ -215,7 +226,8 @@ switch_start() {  # starts gossip-switch-udp on $SW_PORT (a free one the first t
       --group "id=2,mode=async,members=4,elements=$SW_ELEMENTS" >>"$TMP/switch.log" 2>&1 &
     SW=$!
     for _ in $(seq 1 50); do
-      if (($(grep -c serving "$TMP/switch.log" 2>/dev/null || echo 0) > ${SW_STARTS:-0})); then
+      local served; served=$(grep -c serving "$TMP/switch.log" 2>/dev/null) || true
+      if ((${served:-0} > ${SW_STARTS:-0})); then
         SW_PORT=$p; SW_STARTS=$((${SW_STARTS:-0} + 1)); return 0
       fi
       kill -0 "$SW" 2>/dev/null || break
@@ -257,7 +269,9 @@ run_switch() {
 echo "bench/faults: $( ((QUICK)) && echo quick || echo full ) — $EPOCHS epochs, train_limit $LIMIT, $SEEDS seeds, UCX_TLS=tcp, gossip-run --on-failure continue"
 LOSS_MEASURED=null
 NETNS_OK=0
-if ip netns add "${NS_PREFIX}probe" 2>/dev/null; then
+if ! want loss-10pct; then
+  :
+elif ip netns add "${NS_PREFIX}probe" 2>/dev/null; then
   ip netns del "${NS_PREFIX}probe"
   loss_setup 4
   LOSS_MEASURED=$(loss_check)
@@ -267,32 +281,55 @@ else
   echo "  cannot create network namespaces here (not root?); loss-10pct skipped"
 fi
 SWITCH_OK=0
-if [[ -x $SWITCH ]]; then
+if ! want switch-restart; then
+  :
+elif [[ -x $SWITCH ]]; then
   if switch_start; then SWITCH_OK=1; else echo "  gossip-switch-udp did not start; switch-restart skipped"; fi
 else
   echo "  $SWITCH is not built (DPDK found? ninja -C $BUILD transports/switch/gossip-switch-udp); switch-restart skipped"
 fi
 declare -A AT
 for ((SEED = 1; SEED <= SEEDS; SEED++)); do
-  echo "  seed $SEED: fault-free 4 and 8 ranks..."
-  run_case "base4-s$SEED" 4 none 0
-  run_case "base8-s$SEED" 8 none 0
-  if ((SEED == 1)); then
-    AT[4]=$(awk -v w="$(cat "$TMP/base4-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
-    AT[8]=$(awk -v w="$(cat "$TMP/base8-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+  if wants kill-1-of-4 sigstop-20s loss-10pct; then
+    echo "  seed $SEED: fault-free 4 ranks..."
+    run_case "base4-s$SEED" 4 none 0
+    [[ -n ${AT[4]:-} ]] || AT[4]=$(awk -v w="$(cat "$TMP/base4-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+  else
+    skip_case "base4-s$SEED"
   fi
-  echo "  seed $SEED: kill -9 of rank 2 of 4 at ${AT[4]} s; of ranks 3 and 6 of 8 at ${AT[8]} s; SIGSTOP of rank 1 of 4 for 20 s at ${AT[4]} s..."
-  run_case "kill-1-of-4-s$SEED" 4 kill:2 "${AT[4]}"
-  run_case "kill-2-of-8-s$SEED" 8 kill:3,6 "${AT[8]}"
-  run_case "sigstop-20s-s$SEED" 4 stop:1:20 "${AT[4]}"
-  if ((NETNS_OK)); then
+  if want kill-2-of-8; then
+    echo "  seed $SEED: fault-free 8 ranks..."
+    run_case "base8-s$SEED" 8 none 0
+    [[ -n ${AT[8]:-} ]] || AT[8]=$(awk -v w="$(cat "$TMP/base8-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+  else
+    skip_case "base8-s$SEED"
+  fi
+  if want kill-1-of-4; then
+    echo "  seed $SEED: kill -9 of rank 2 of 4 at ${AT[4]} s..."
+    run_case "kill-1-of-4-s$SEED" 4 kill:2 "${AT[4]}"
+  else
+    skip_case "kill-1-of-4-s$SEED"
+  fi
+  if want kill-2-of-8; then
+    echo "  seed $SEED: kill -9 of ranks 3 and 6 of 8 at ${AT[8]} s..."
+    run_case "kill-2-of-8-s$SEED" 8 kill:3,6 "${AT[8]}"
+  else
+    skip_case "kill-2-of-8-s$SEED"
+  fi
+  if want sigstop-20s; then
+    echo "  seed $SEED: SIGSTOP of rank 1 of 4 for 20 s at ${AT[4]} s..."
+    run_case "sigstop-20s-s$SEED" 4 stop:1:20 "${AT[4]}"
+  else
+    skip_case "sigstop-20s-s$SEED"
+  fi
+  if ((NETNS_OK)) && want loss-10pct; then
     echo "  seed $SEED: 10 % packet loss on every link..."
     MASTER_ADDR=$NET.1 UCX_NET_DEVICES_FAULTS=eth0 \
       run_case "loss-10pct-s$SEED" 4 none 0 sh -c "exec ip netns exec ${NS_PREFIX}r\$GOSSIP_RANK \"\$0\" \"\$@\""
   else
     echo "skip 0 false null" >"$TMP/loss-10pct-s$SEED.res"
   fi
-  if ((SWITCH_OK)); then
+  if ((SWITCH_OK)) && want switch-restart; then
     echo "  seed $SEED: through the switch, fault-free and with the switch restarted..."
     run_switch "baseswitch-s$SEED" none 0
     [[ -n ${AT[switch]:-} ]] || AT[switch]=$(awk -v w="$(cat "$TMP/baseswitch-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
@@ -304,9 +341,10 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
 done
 switch_stop
 
-/usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" <<'PY'
+/usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" "$ONLY" <<'PY'
 import json, math, os, re, statistics, sys
 tmp, out, quick, loss_measured, seeds = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
+only = [s for s in sys.argv[6].split(",") if s]
 def load(name):
     rc, wall, hung, detect = open(f"{tmp}/{name}.res").read().split()
     j = None
@@ -330,7 +368,8 @@ rows = []
 for name, bkey, world, killed in cases:
     runs = [load(f"{name}-s{s}") for s in S]
     if all(r["rc"] == "skip" for r in runs):
-        why = "cannot create network namespaces here" if name == "loss-10pct" else "gossip-switch-udp is not built or did not start"
+        why = ("not selected (--only)" if only and name not in only
+               else "cannot create network namespaces here" if name == "loss-10pct" else "gossip-switch-udp is not built or did not start")
         rows.append(dict(name=name, ok=None, survivors_finished=None, hung=False, accuracy_delta_pt=None, accuracy_delta_sigma_pt=None,
                          lost_mass=None, detect_s=None, seeds=0, message=f"skipped: {why}"))
         continue
@@ -371,9 +410,9 @@ for name, bkey, world, killed in cases:
           and not any("internal check failed" in r["err"] or "Assertion" in r["err"] for r in runs))
     lm = [x for x in losts if x is not None]
     head = []
-    if name == "switch-restart" and not finished_all:
-        head.append("workers do not resync with a restarted switch: it has no session state and drops their deltas (stale_session) "
-                    "until transport.timeout_s ends the run; not implemented (a client would rejoin as a new session with its whole last-sent model)")
+    if name == "switch-restart":
+        rj = [sum(st.get("transport_rejoins", 0) for st in (r["json"] or {}).get("ranks", []) if isinstance(st, dict)) for r in runs]
+        head.append("workers that rejoined the restarted switch per seed: " + " ".join(str(x) for x in rj))
     if name == "loss-10pct" and loss_measured != "null": head.append(f"ping between two ranks lost {loss_measured} %")
     if dm is not None: head.append(f"Δ per seed " + " ".join(f"{d:+.2f}" for d in deltas) + (f" (mean ± 2σ/√n: {dm:+.2f} ± {2 * se:.2f})" if se is not None else ""))
     rows.append(dict(name=name, ok=ok, survivors_finished=finished_all, hung=hung_any,
