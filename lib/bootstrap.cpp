@@ -13,10 +13,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <system_error>
 
 namespace gossip {
 
@@ -48,7 +50,8 @@ enum class io { ok, timeout, closed, failed };
 
 // With `idle` > 0 the deadline moves to now + idle whenever bytes move: a
 // slow but live peer (a lossy link) is not cut off, a silent one is.
-io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}) {
+// A `stop_fd` that becomes readable ends the wait (io::failed).
+io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -61,13 +64,14 @@ io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline,
     if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
       return errno == EPIPE || errno == ECONNRESET ? io::closed : io::failed;
     if (clock::now() >= deadline) return io::timeout;
-    pollfd pfd{fd, POLLOUT, 0};
-    ::poll(&pfd, 1, remaining_ms(deadline));
+    pollfd pfd[2] = {{fd, POLLOUT, 0}, {stop_fd, POLLIN, 0}};
+    ::poll(pfd, stop_fd >= 0 ? 2 : 1, remaining_ms(deadline));
+    if (stop_fd >= 0 && pfd[1].revents) return io::failed;
   }
   return io::ok;
 }
 
-io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}) {
+io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
@@ -80,8 +84,9 @@ io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock
     if (k == 0) return io::closed;
     if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return errno == ECONNRESET ? io::closed : io::failed;
     if (clock::now() >= deadline) return io::timeout;
-    pollfd pfd{fd, POLLIN, 0};
-    ::poll(&pfd, 1, remaining_ms(deadline));
+    pollfd pfd[2] = {{fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    ::poll(pfd, stop_fd >= 0 ? 2 : 1, remaining_ms(deadline));
+    if (stop_fd >= 0 && pfd[1].revents) return io::failed;
   }
   return io::ok;
 }
@@ -185,8 +190,12 @@ struct bootstrap::server {
   std::mutex mutex;
   std::map<std::string, blob, std::less<>> store;
   int listen_fd = -1;
-  int stop_pipe[2] = {-1, -1};
+  int stop_pipe[2] = {-1, -1};  // written once at shutdown: readable from then on, for every waiter
   std::thread thread;
+  clock::duration idle{};        // a request silent this long is dropped (the bootstrap timeout)
+  std::mutex conn_mutex;
+  std::condition_variable conn_done;
+  int active = 0;                // connections being served, each on its own thread
 
   ~server() {
     if (stop_pipe[1] >= 0) {
@@ -194,10 +203,18 @@ struct bootstrap::server {
       [[maybe_unused]] auto n = ::write(stop_pipe[1], &c, 1);
     }
     if (thread.joinable()) thread.join();
+    {
+      // Handlers see the stop pipe and return at once.
+      std::unique_lock lock(conn_mutex);
+      conn_done.wait(lock, [&] { return active == 0; });
+    }
     for (int fd : {listen_fd, stop_pipe[0], stop_pipe[1]})
       if (fd >= 0) ::close(fd);
   }
 
+  // Each connection on its own thread: one slow client (a model crossing a
+  // lossy link, where TCP sits out retransmission timeouts of many seconds)
+  // delays no other.
   void serve() {
     for (;;) {
       pollfd pfd[2] = {{listen_fd, POLLIN, 0}, {stop_pipe[0], POLLIN, 0}};
@@ -206,32 +223,47 @@ struct bootstrap::server {
       if (!(pfd[0].revents & POLLIN)) continue;
       const int c = ::accept(listen_fd, nullptr, nullptr);
       if (c < 0) continue;
-      fd_guard g(c);
       set_nonblocking(c);
-      handle(c);
+      {
+        std::lock_guard lock(conn_mutex);
+        ++active;
+      }
+      const auto run = [this, c] {
+        {
+          fd_guard g(c);
+          handle(c);
+        }
+        std::lock_guard lock(conn_mutex);
+        --active;
+        conn_done.notify_all();
+      };
+      try {
+        std::thread(run).detach();
+      } catch (const std::system_error&) {
+        run();  // no thread to be had: serve it here
+      }
     }
   }
 
-  // One request per connection; a stuck or foreign client costs at most 5 s
-  // of silence. A slow one that keeps sending (a model over a lossy link,
-  // where TCP waits out retransmission timeouts) is served to the end.
+  // One request per connection; a stuck or foreign client is dropped after
+  // `idle` of silence. A slow one that keeps sending is served to the end.
   void handle(int c) {
-    const auto idle = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(5.0));
+    const int stop = stop_pipe[0];
     char hdr[4 + 1 + 4];
-    if (recv_all(c, hdr, sizeof hdr, clock::now() + idle, idle) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
+    if (recv_all(c, hdr, sizeof hdr, clock::now() + idle, idle, stop) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
     const char op = hdr[4];
     std::uint32_t klen;
     std::memcpy(&klen, hdr + 5, 4);
     if (klen > 4096) return;
     std::string key(klen, '\0');
-    if (recv_all(c, key.data(), klen, clock::now() + idle, idle) != io::ok) return;
+    if (recv_all(c, key.data(), klen, clock::now() + idle, idle, stop) != io::ok) return;
     blob reply_value;
     char status = 'N';
     if (op == 'P') {
       std::uint64_t vlen;
-      if (recv_all(c, &vlen, 8, clock::now() + idle, idle) != io::ok || vlen > max_blob) return;
+      if (recv_all(c, &vlen, 8, clock::now() + idle, idle, stop) != io::ok || vlen > max_blob) return;
       blob v(vlen);
-      if (recv_all(c, v.data(), vlen, clock::now() + idle, idle) != io::ok) return;
+      if (recv_all(c, v.data(), vlen, clock::now() + idle, idle, stop) != io::ok) return;
       std::lock_guard lock(mutex);
       store[key] = std::move(v);
       status = 'Y';
@@ -251,7 +283,7 @@ struct bootstrap::server {
     out[4] = static_cast<std::byte>(status);
     std::memcpy(out.data() + 5, &n, 8);
     if (n) std::memcpy(out.data() + 13, reply_value.data(), n);
-    send_all(c, out.data(), out.size(), clock::now() + idle, idle);
+    send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
   }
 };
 
@@ -293,6 +325,7 @@ bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t por
                     where(), std::strerror(last_errno)));
   set_nonblocking(m_server->listen_fd);
   if (::pipe2(m_server->stop_pipe, O_CLOEXEC) != 0) throw transport_error(fmt::format("bootstrap: pipe: {}", std::strerror(errno)));
+  m_server->idle = std::chrono::duration_cast<clock::duration>(std::max(timeout, std::chrono::duration<double>(5.0)));
   m_server->thread = std::thread([s = m_server.get()] { s->serve(); });
 }
 
@@ -377,7 +410,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} accepted the connection but {}",
                         m_rank, where(), r != io::ok ? "closed it without answering; either it is not a gossip rendezvous (wrong "
-                                                        "GOSSIP_MASTER_PORT?) or the request stalled for 5 s on the way (a failing link?)"
+                                                        "GOSSIP_MASTER_PORT?) or the request stalled on the way for longer than the rendezvous's timeout (a failing link?)"
                                                      : "answered in a foreign protocol; it is not a gossip rendezvous (wrong GOSSIP_MASTER_PORT?)"));
       std::uint64_t len;
       std::memcpy(&len, head + 5, 8);

@@ -18,6 +18,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <optional>
 #include <thread>
 
 #include "gossip/bootstrap.hpp"
@@ -316,6 +317,37 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
     CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("no-such-host.invalid"), transport_error);
   }
+}
+
+TEST_CASE("bootstrap: a client that connects and stays silent delays neither other ranks nor rank 0's exit") {
+  // Rank 0 serves each connection on its own thread and drops one only after
+  // its timeout of silence (a slow upload over a lossy link is not cut off).
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(30.0);
+  std::optional<bootstrap> root(std::in_place, 0, 2, "127.0.0.1", port, timeout);
+  std::vector<int> silent;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    const char part[] = "GRV1";  // the start of a request, then nothing
+    REQUIRE(::write(fd, part, 4) == 4);
+    silent.push_back(fd);
+  }
+  std::this_thread::sleep_for(100ms);
+  const auto t0 = clock_type::now();
+  bootstrap b(1, 2, "127.0.0.1", port, timeout);
+  const bootstrap::blob v{std::byte{7}, std::byte{9}};
+  b.put("k", v);
+  CHECK(b.get("k", "rank 0's blob") == v);
+  CHECK(clock_type::now() - t0 < 10s);  // served at once, not after the silent ones' 30 s
+  const auto t1 = clock_type::now();
+  root.reset();  // the handlers of the silent connections see the stop and return
+  CHECK(clock_type::now() - t1 < 10s);
+  for (int fd : silent) ::close(fd);
 }
 
 TEST_CASE("bootstrap: put, get and barrier across processes") {

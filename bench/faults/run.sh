@@ -27,6 +27,7 @@
 #
 #   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--only NAME,...] [--out DIR]
 #
+# FAULTS_KEEP=1 in the environment keeps every run's output (rank logs, JSON).
 # --only runs the named scenarios (and the fault-free runs they compare
 # with); the others are listed as not selected.
 #
@@ -81,7 +82,7 @@ cleanup() {
   done
   for ns in "${NS_MADE[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
   ip link del "${NS_PREFIX}br" 2>/dev/null || true
-  rm -rf "$TMP"
+  if [[ -n ${FAULTS_KEEP:-} ]]; then echo "bench/faults: each run's output is kept in $TMP (FAULTS_KEEP)"; else rm -rf "$TMP"; fi
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
