@@ -101,6 +101,11 @@ class epoch_exchange {
   /// `progress` is called while waiting: it merges what peers send meanwhile
   /// and returns the ranks this rank's engine has found dead so far.
   virtual std::vector<rank_epoch> gather(int rank, int epoch, rank_epoch mine, const std::function<std::vector<int>()>& progress) = 0;
+  /// After the last gather, before the engine's finish(): every rank calls it.
+  /// Ranks other than 0 wait (merging, bounded) until rank 0 has its last
+  /// epoch, telling it meanwhile of every peer their engine finds dead — so
+  /// that rank 0 need not wait out a deadline for a rank it cannot see die.
+  virtual void before_finish(int, const std::function<std::vector<int>()>&) {}
   /// After the engine's finish(): every live rank calls it with its final
   /// weight; rank 0 returns last (it serves the rendezvous) and fills the
   /// report's dead ranks and lost weight.
@@ -166,7 +171,10 @@ class thread_exchange final : public epoch_exchange {
 /// rank 0 serves. Rank 0 waits for every rank it does not know to be dead, and
 /// leaves out (naming it) a rank that an engine found dead or that missed the
 /// deadline (the engine timeout): its model is not in the average, and later
-/// epochs and the final barrier do not wait for it. If rank 0 itself is gone
+/// epochs and the final barrier do not wait for it. Ranks also post the peers
+/// their engine found dead under train/dead/<rank> (at every epoch, and while
+/// they wait for rank 0 to close the last one), so rank 0 hears of a death it
+/// cannot see itself (a rank that is not its neighbour). If rank 0 itself is gone
 /// (its engine peers found it dead, or its rendezvous stops answering), the
 /// other ranks say so once and train on without epoch evaluation.
 class bootstrap_exchange final : public epoch_exchange {
@@ -186,7 +194,10 @@ class bootstrap_exchange final : public epoch_exchange {
     mine.host = m_host;
     std::vector<rank_epoch> all;
     if (rank != 0) {
-      publish(fmt::format("epoch/{}/{}", epoch, rank), pack(mine), mine.dead);
+      const auto dead = mine.dead;
+      if (publish(fmt::format("epoch/{}/{}", epoch, rank), pack(mine), dead) && dead.size() > m_dead_posted &&
+          publish(fmt::format("train/dead/{}", rank), pack_ranks(dead), dead))
+        m_dead_posted = dead.size();
       return all;
     }
     m_hosts[0] = m_host;
@@ -210,6 +221,9 @@ class bootstrap_exchange final : public epoch_exchange {
         }
       }
       note_dead(progress(), "found dead by rank 0's engine");  // rank j may be waiting for us to take its message
+      for (int k = 1; k < m_boot->world(); ++k)
+        if (!m_dead.contains(k))
+          if (auto b = m_boot->try_get(fmt::format("train/dead/{}", k))) note_dead(unpack_ranks(*b), fmt::format("found dead by rank {}'s engine", k));
       if (!waiting) break;
       if (std::chrono::steady_clock::now() > deadline) {
         for (int j = 1; j < m_boot->world(); ++j)
@@ -222,6 +236,29 @@ class bootstrap_exchange final : public epoch_exchange {
     for (auto& e : got)
       if (e && !m_dead.contains(e->rank)) all.push_back(std::move(*e));
     return all;
+  }
+
+  void before_finish(int rank, const std::function<std::vector<int>()>& progress) override {
+    if (rank == 0) {
+      m_boot->put("train/final/go", {});
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(m_boot->timeout());
+    for (unsigned i = 0; !m_rank0_gone; ++i) {
+      const auto dead = progress();
+      if (dead.size() > m_dead_posted && !publish(fmt::format("train/dead/{}", rank), pack_ranks(dead), dead)) return;
+      m_dead_posted = std::max(m_dead_posted, dead.size());
+      try {
+        if (m_boot->try_get("train/final/go")) return;
+      } catch (const error& e) {
+        m_rank0_gone = true;
+        fmt::print(stderr, "rank {}: rank 0's rendezvous does not answer (rank 0 died?): {}\n", rank, e.what());
+        return;
+      }
+      // Bounded: rank 0 closes its last epoch within its own deadline.
+      if (std::chrono::steady_clock::now() > deadline) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1u + 2 * i, 50u)));
+    }
   }
 
   void done(int rank, double weight, const engine_stats& stats, run_report& report) override {
@@ -326,6 +363,18 @@ class bootstrap_exchange final : public epoch_exchange {
     at += sizeof v;
     return v;
   }
+  static bootstrap::blob pack_ranks(const std::vector<int>& ranks) {
+    bootstrap::blob b;
+    for (int r : ranks) put(b, static_cast<std::int32_t>(r));
+    return b;
+  }
+  std::vector<int> unpack_ranks(const bootstrap::blob& b) const {
+    std::vector<int> out;
+    std::size_t at = 0;
+    while (at + sizeof(std::int32_t) <= b.size())
+      if (const int r = take<std::int32_t>(b, at); r > 0 && r < m_boot->world()) out.push_back(r);
+    return out;
+  }
   static bootstrap::blob pack(const rank_epoch& e) {
     bootstrap::blob b;
     put(b, e.loss), put(b, e.local_accuracy), put(b, e.weight);
@@ -407,6 +456,7 @@ class bootstrap_exchange final : public epoch_exchange {
   std::vector<std::string> m_hosts;       // rank 0: as each rank reported
   std::vector<int> m_last_epoch;          // rank 0: last epoch each rank delivered
   bool m_rank0_gone = false;              // other ranks: stop using the rendezvous
+  std::size_t m_dead_posted = 0;          // other ranks: dead peers posted under train/dead/<rank> (the list only grows)
 };
 
 }  // namespace gossip::examples

@@ -311,6 +311,10 @@ void train_rank(int r, int world, const engine_spec& base, any_transport transpo
       }
     }
   }
+  exchange.before_finish(r, [&] {
+    eng.poll();
+    return eng.stats().dead_peers;
+  });
   eng.finish(0);
   exchange.done(r, eng.weight(), eng.stats(), report);
   if (r == 0) report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
