@@ -293,6 +293,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // finish()'s forced rounds have their own drain handshake.
   if (!forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated() && t > m_heard_step + m_settings.max_lead) {
     ++m_stats.lead_waits;
+    const auto wait_start = clock::now();
     detail::wait_for(
         [&] {
           result.merged += poll();
@@ -304,7 +305,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
               "waiting on {}). With max_lead every rank must send at least every max_lead steps: raise max_lead or use a period <= it",
               m_rank, t, t - m_settings.max_lead, m_settings.max_lead, m_heard_step, m_transport.waiting_on());
         });
-    m_stats.lead_wait_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+    m_stats.lead_wait_seconds += std::chrono::duration<double>(clock::now() - wait_start).count();
   }
   const auto t1 = clock::now();
 
