@@ -399,7 +399,7 @@ TEST_CASE("a receiver refuses a malformed message, naming the sender") {
     toy_model m({64}, 1);
     auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "push-sum", 5);
     spec.codec.name = "int8";
-    engine e(m.view, r, world, std::move(spec), corrupting_transport{fabric.endpoint(r), r});
+    engine e(m.view, r, world, std::move(spec), corrupting_transport{fabric.endpoint(r), r, 0, {}});
     try {
       for (int s = 0; s < 3; ++s) e.step();
     } catch (const gossip::error& x) {
