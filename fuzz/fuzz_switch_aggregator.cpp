@@ -6,7 +6,8 @@
 // a sync group of any model size, a sync group of a known size and an async
 // group, so valid headers (see the seed corpus) reach every handler.
 // Checked besides memory safety: every datagram is counted once, every reply
-// is a well-formed packet for a member of the group, and the async group's
+// is a well-formed packet for a member of the group (a rejoin request only
+// from the async group, header only), and the async group's
 // joined count never exceeds its members.
 #include <cstddef>
 #include <cstdint>
@@ -35,7 +36,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       if (!g || worker != h.worker || worker >= g->members || h.elements > g->chunk ||
           reply.size() != sw::packet_bytes(h.elements) || h.magic != sw::packet_header::magic_value)
         std::abort();
-      if (h.type != sw::packet_type::sync_result && h.type != sw::packet_type::async_reply) std::abort();
+      if (h.type != sw::packet_type::sync_result && h.type != sw::packet_type::async_reply && h.type != sw::packet_type::async_rejoin)
+        std::abort();
+      if (h.type == sw::packet_type::async_rejoin && (h.elements != 0 || h.group != 3)) std::abort();  // header only, async group only
     });
     ++datagrams;
     p += len, data += len, size -= len;
