@@ -1,0 +1,208 @@
+#pragma once
+// The UCX transport's state, shared by its three parts: ucx.cpp (the
+// transport's interface and the engine thread's data path: post, collect,
+// release), lifecycle.cpp (UCX set-up, the rendezvous through the bootstrap,
+// the drain handshake, leaving and teardown) and progress.cpp (the progress
+// thread: sends, arrivals, goodbyes and endpoint errors). Only these files
+// include it; ucx.hpp keeps UCX out of users' builds.
+#include <ucp/api/ucp.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ucx.hpp"
+#include "wire.hpp"
+
+namespace gossip {
+
+namespace ucx_detail {
+
+inline constexpr unsigned am_id = 0x47;                  // "G"
+inline constexpr unsigned bye_id = 0x48;                 // a rank leaving on purpose: header = its rank
+inline constexpr std::size_t max_buffers = 64;           // distinct send buffers tracked by busy()
+inline constexpr std::size_t queue_capacity = 1024;
+
+inline std::string status_text(ucs_status_t s) { return ucs_status_string(s); }
+
+/// UCX 1.13 leaves peer error handling off on the shared-memory transports
+/// (UCX_POSIX_ERROR_HANDLING=n), so under UCP_ERR_HANDLING_MODE_PEER they
+/// drop out and posix,self finds no path ("Destination is unreachable").
+/// Turns it on for the transports UCX_TLS may select, unless the user chose.
+void enable_shm_error_handling();
+
+}  // namespace ucx_detail
+
+struct ucx_transport::impl {
+  struct send_ctx {
+    impl* owner = nullptr;
+    int peer = -1;
+    int entry = -1;
+    std::size_t length = 0;  // one send per (peer, buffer) is in flight at a time
+  };
+  struct peer_state {
+    int rank = -1;
+    bool target = false;
+    std::string name;       // "rank J (host H)", for messages; set by attach
+    ucp_ep_h ep = nullptr;  // progress thread after attach
+    std::atomic<bool> dead{false};
+    // It said goodbye (left after its drain handshake): its endpoint closing
+    // later is a departure, not a death, and is neither reported nor logged.
+    std::atomic<bool> departed{false};
+    std::atomic<int> why{UCS_OK};  // the error that marked it dead, when UCX gave one
+    std::atomic<int> inflight{0};  // sends posted and not completed
+    // Protocol weight stamped on sends to it that failed (written by the
+    // progress thread before it decrements inflight; read once inflight is 0).
+    std::atomic<double> failed_weight{0};
+    bool reported = false;         // engine thread
+    std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
+    std::uint64_t posted = 0;      // engine thread: messages accepted by post()
+    bool closing = false;          // progress thread
+    std::array<send_ctx, ucx_detail::max_buffers> ctx{};
+    impl* owner = nullptr;
+  };
+  // A message UCX holds for us while every slot of its source is full.
+  struct pending {
+    wire_header h;
+    void* data = nullptr;
+    std::size_t length = 0;
+    bool rndv = false;
+  };
+  struct recv_ctx {
+    impl* owner = nullptr;
+    inbox::slot* slot = nullptr;
+    void* request = nullptr;
+  };
+  struct source_state {
+    int rank = -1;
+    std::size_t index = 0;
+    std::uint64_t write = 0;            // progress thread: next slot to fill
+    std::uint64_t read = 0, taken = 0;  // engine thread: first slot not released; returned by last collect
+    std::uint64_t consumed = 0;         // engine thread: slots handed to the engine (or skipped as failed)
+    std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
+    std::vector<pending> backlog;       // progress thread: ring of `backlog` entries
+    std::size_t head = 0, count = 0;
+    std::vector<recv_ctx> recv;  // one per slot
+  };
+  struct send_op {
+    int peer;
+    int entry;
+    const std::byte* data;
+    std::size_t length;
+  };
+  struct buffer_entry {
+    const std::byte* ptr = nullptr;  // engine thread
+    std::atomic<int> inflight{0};
+  };
+
+  std::shared_ptr<gossip::bootstrap> boot;
+  ucx_options opt;
+  transport_setup setup;
+  std::string self_name;  // "rank R (host H)"
+  bool attached = false, left = false;
+
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  int worker_fd = -1, wake_fd = -1;
+  std::thread thread;
+  std::atomic<bool> stop{false};
+
+  std::vector<std::unique_ptr<peer_state>> peers;  // by rank; null when not a neighbour
+  std::vector<int> neighbours;
+  std::vector<source_state> sources;
+  std::vector<int> source_of;  // rank → index in sources, or -1
+  std::array<buffer_entry, ucx_detail::max_buffers> buffers{};
+
+  std::array<send_op, ucx_detail::queue_capacity> queue{};
+  std::atomic<std::size_t> q_head{0}, q_tail{0};  // head: consumer, tail: producer
+
+  std::atomic<std::uint64_t> bytes_sent{0}, messages_sent{0}, bytes_received{0}, messages_received{0}, dropped{0};
+  // Per source: messages UCX delivered that never reached a slot (backlog overflow,
+  // unkeepable eager data). Written by the progress thread, read by drained().
+  std::unique_ptr<std::atomic<std::uint64_t>[]> discarded;
+  std::uint64_t generation = 0;
+  bool drain_published = false, rendezvous_gone = false;
+  bool finishing = false;  // engine::finish reached the drain handshake: leaving is a departure
+
+  ~impl() { teardown_now(); }
+
+  // ---- engine thread -------------------------------------------------------
+
+  void wake() const noexcept {
+    if (wake_fd < 0) return;
+    const std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(wake_fd, &one, sizeof one);
+  }
+
+  peer_state* peer(int r) const noexcept {
+    return r >= 0 && static_cast<std::size_t>(r) < peers.size() ? peers[static_cast<std::size_t>(r)].get() : nullptr;
+  }
+
+  void init_ucx();
+  void attach(const transport_setup& s);
+  int find_buffer(const std::byte* ptr) noexcept;
+  post_status post(int to, std::span<const std::byte> msg, std::uint64_t step);
+  std::size_t collect(std::span<received> out);
+  void release();
+
+  // Drain handshake: publish how many messages we posted to each rank, then
+  // report true once every live source's count has been consumed (or lost
+  // inside UCX). The engine keeps merging while it waits, so nothing a peer
+  // sent before it left is stranded in a slot or a held rendezvous.
+  bool drained();
+  bool drained_through_rendezvous();
+  std::string outstanding() const;
+
+  // What this rank still waits for, naming each peer and its host.
+  std::string waiting_on() const;
+  void flush(std::chrono::duration<double> timeout);
+  void leave();
+
+  // Stops the thread (it closes the endpoints and the worker) or, when it
+  // never started, does the same here.
+  void teardown_now() noexcept;
+
+  // A dead peer is reported once its sends have all completed (UCX fails them
+  // when the endpoint closes), so that the weight of the ones that never
+  // arrived is known: received::weight carries it, for the engine to take
+  // back. After 2 s it is reported regardless, with what has failed so far.
+  std::size_t dead_peers(std::span<received> out);
+
+  // ---- progress thread (and UCX callbacks, which run inside it) -----------
+
+  static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status);
+  static void on_send_done(void* request, ucs_status_t status, void* user);
+  void send_done(int to, int entry, ucs_status_t status, std::size_t length) noexcept;
+  bool drain_sends() noexcept;
+  static ucs_status_t on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+
+  static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
+                            const ucp_am_recv_param_t* param);
+  ucs_status_t arrived(const void* header, std::size_t header_length, void* data, std::size_t length, std::uint64_t attr) noexcept;
+
+  bool slot_free(const source_state& src) const noexcept {
+    return setup.inbox->at(src.index, src.write).state.load(std::memory_order_acquire) == inbox::empty;
+  }
+
+  // Fills the next slot of `src` with `m`. `owned`: m.data must be released to UCX after the copy.
+  void land(source_state& src, const pending& m, bool owned) noexcept;
+  void landed(inbox::slot& slot, std::size_t length) noexcept;
+
+  // A slot whose receive failed: full but empty, so collect skips it and keeps the order.
+  void failed(inbox::slot& slot) noexcept;
+  static void on_recv_done(void* request, ucs_status_t status, std::size_t length, void* user);
+  bool land_backlog() noexcept;
+  void close_dead() noexcept;
+  bool transfer_under_way() const noexcept;
+  void run() noexcept;
+
+  // Cancels what is queued, returns held messages to UCX, closes endpoints
+  // (gracefully, bounded by close_timeout_s) and destroys the worker.
+  void shutdown_ucx() noexcept;
+};
+
+}  // namespace gossip

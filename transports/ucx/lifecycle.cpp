@@ -1,0 +1,493 @@
+// The UCX transport's life: UCX context and worker, the rendezvous of
+// worker addresses through the bootstrap, endpoints to the topology's
+// neighbours, the drain handshake of engine::finish, leaving, teardown.
+#include <fmt/format.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gossip/wait.hpp"
+#include "impl.hpp"
+
+namespace gossip {
+
+using namespace ucx_detail;
+
+namespace {
+
+constexpr std::uint32_t blob_magic = 0x58435547;  // "GUCX"
+
+// Little serialiser for the rendezvous blob.
+struct writer {
+  bootstrap::blob b;
+  template <class T>
+  void pod(const T& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(&v);
+    b.insert(b.end(), p, p + sizeof v);
+  }
+  void bytes(const void* p, std::size_t n) {
+    pod<std::uint64_t>(n);
+    const auto* q = static_cast<const std::byte*>(p);
+    b.insert(b.end(), q, q + n);
+  }
+};
+struct reader {
+  const bootstrap::blob& b;
+  std::size_t at = 0;
+  bool ok = true;
+  template <class T>
+  T pod() {
+    T v{};
+    if (at + sizeof v > b.size()) {
+      ok = false;
+      return v;
+    }
+    std::memcpy(&v, b.data() + at, sizeof v);
+    at += sizeof v;
+    return v;
+  }
+  std::vector<std::byte> bytes() {
+    const auto n = pod<std::uint64_t>();
+    if (!ok || n > b.size() - at) {
+      ok = false;
+      return {};
+    }
+    std::vector<std::byte> v(b.begin() + static_cast<std::ptrdiff_t>(at), b.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+    return v;
+  }
+};
+
+struct peer_blob {
+  int rank = -1, world = 0;
+  std::uint64_t config_fp = 0, layout_fp = 0, message_bytes = 0;
+  std::vector<int> sources, targets;
+  model_layout layout;
+  std::vector<std::byte> address;
+  std::string host;
+};
+
+std::string host_name() {
+  char h[256] = {};
+  if (::gethostname(h, sizeof h - 1) != 0 || !h[0]) return "?";
+  return h;
+}
+
+bootstrap::blob encode(const transport_setup& s, const void* address, std::size_t address_len, const std::string& host) {
+  writer w;
+  w.pod(blob_magic);
+  w.pod<std::int32_t>(s.rank);
+  w.pod<std::int32_t>(s.world);
+  w.pod(s.config_fingerprint);
+  w.pod(s.layout_fingerprint);
+  w.pod<std::uint64_t>(s.message_bytes);
+  w.bytes(s.sources.data(), s.sources.size() * sizeof(int));
+  w.bytes(s.targets.data(), s.targets.size() * sizeof(int));
+  w.pod<std::uint64_t>(s.layout.size());
+  for (const auto& e : s.layout) {
+    w.bytes(e.name.data(), e.name.size());
+    w.pod<std::uint64_t>(e.count);
+    w.pod(static_cast<std::uint8_t>(e.dtype));
+  }
+  w.bytes(address, address_len);
+  w.bytes(host.data(), host.size());
+  return std::move(w.b);
+}
+
+std::vector<int> ints(const std::vector<std::byte>& v) {
+  std::vector<int> out(v.size() / sizeof(int));
+  if (!out.empty()) std::memcpy(out.data(), v.data(), out.size() * sizeof(int));  // an empty list has no data()
+  return out;
+}
+
+std::optional<peer_blob> decode(const bootstrap::blob& b) {
+  reader r{b};
+  peer_blob p;
+  if (r.pod<std::uint32_t>() != blob_magic) return std::nullopt;
+  p.rank = r.pod<std::int32_t>();
+  p.world = r.pod<std::int32_t>();
+  p.config_fp = r.pod<std::uint64_t>();
+  p.layout_fp = r.pod<std::uint64_t>();
+  p.message_bytes = r.pod<std::uint64_t>();
+  p.sources = ints(r.bytes());
+  p.targets = ints(r.bytes());
+  const auto n = r.pod<std::uint64_t>();
+  for (std::uint64_t i = 0; r.ok && i < n; ++i) {
+    const auto name = r.bytes();
+    layout_entry e;
+    e.name.assign(reinterpret_cast<const char*>(name.data()), name.size());
+    e.count = r.pod<std::uint64_t>();
+    e.dtype = static_cast<gossip::dtype>(r.pod<std::uint8_t>());
+    p.layout.push_back(std::move(e));
+  }
+  p.address = r.bytes();
+  const auto host = r.bytes();
+  p.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
+  if (!r.ok) return std::nullopt;
+  return p;
+}
+
+bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+
+}  // namespace
+
+void ucx_detail::enable_shm_error_handling() {
+  const char* tls_env = std::getenv("UCX_TLS");
+  const std::string tls = tls_env ? tls_env : "all";
+  const auto may_use = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names)
+      if (tls.find(n) != std::string::npos) return true;
+    return false;
+  };
+  if (may_use({"all", "posix", "sm", "shm", "^"})) ::setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
+  if (may_use({"all", "sysv", "sm", "shm", "^"})) ::setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
+}
+
+void ucx_transport::impl::init_ucx() {
+  // Shared-memory transports exclude themselves under peer error handling
+  // unless told otherwise; the user's setting wins.
+  enable_shm_error_handling();
+  ucp_config_t* cfg = nullptr;
+  if (auto s = ucp_config_read(nullptr, nullptr, &cfg); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot read the UCX configuration: {}", setup.rank, status_text(s)));
+  if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
+    const auto v = fmt::format("{}s", opt.keepalive_s);
+    ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", v.c_str());
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+  params.mt_workers_shared = 0;
+  ucs_status_t s = ucp_init(&params, cfg, &context);
+  if (s != UCS_OK) {
+    params.features = UCP_FEATURE_AM;  // no wakeup support: poll with short sleeps instead
+    s = ucp_init(&params, cfg, &context);
+  }
+  ucp_config_release(cfg);
+  if (s != UCS_OK) {
+    context = nullptr;
+    const char* tls = std::getenv("UCX_TLS");
+    throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX context: {} (UCX_TLS={}); check UCX_TLS and UCX_NET_DEVICES",
+                                      setup.rank, status_text(s), tls ? tls : "<unset>"));
+  }
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  if (s = ucp_worker_create(context, &wp, &worker); s != UCS_OK) {
+    worker = nullptr;
+    throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX worker: {}", setup.rank, status_text(s)));
+  }
+  if (ucp_worker_get_efd(worker, &worker_fd) != UCS_OK) worker_fd = -1;
+  wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd < 0) throw transport_error(fmt::format("ucx (rank {}): eventfd: {}", setup.rank, std::strerror(errno)));
+
+  ucp_am_handler_param_t hp{};
+  hp.field_mask =
+      UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+  hp.id = am_id;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+  hp.cb = &impl::on_am;
+  hp.arg = this;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  hp.id = bye_id;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  hp.cb = &impl::on_bye;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+}
+
+void ucx_transport::impl::attach(const transport_setup& s) {
+  GOSSIP_ASSERT(s.inbox != nullptr, "ucx: attach without an inbox");
+  GOSSIP_ASSERT(!attached, "ucx (rank {}): attach called twice", s.rank);
+  if (!boot) throw config_error(fmt::format("ucx (rank {}): no bootstrap was given", s.rank));
+  if (boot->rank() != s.rank || boot->world() != s.world)
+    throw config_error(
+        fmt::format("ucx: the engine is rank {} of {} but the bootstrap says rank {} of {}; build the engine from "
+                    "bootstrap.rank() and bootstrap.world()",
+                    s.rank, s.world, boot->rank(), boot->world()));
+  setup = s;
+  attached = true;
+  neighbours = s.sources;
+  for (int t : s.targets)
+    if (!contains(neighbours, t)) neighbours.push_back(t);
+  std::sort(neighbours.begin(), neighbours.end());
+  peers.resize(static_cast<std::size_t>(s.world));
+  for (int j : neighbours) {
+    auto p = std::make_unique<peer_state>();
+    p->rank = j;
+    p->target = contains(s.targets, j);
+    p->owner = this;
+    for (std::size_t e = 0; e < max_buffers; ++e) p->ctx[e] = {this, j, static_cast<int>(e)};
+    peers[static_cast<std::size_t>(j)] = std::move(p);
+  }
+  source_of.assign(static_cast<std::size_t>(s.world), -1);
+  const auto& in_sources = s.inbox->sources();
+  sources.resize(in_sources.size());
+  discarded = std::make_unique<std::atomic<std::uint64_t>[]>(in_sources.size());
+  for (std::size_t i = 0; i < in_sources.size(); ++i) {
+    auto& src = sources[i];
+    src.rank = in_sources[i];
+    src.index = i;
+    src.backlog.resize(std::max<std::size_t>(opt.backlog, 1));
+    src.recv.resize(s.inbox->depth());
+    for (std::size_t k = 0; k < s.inbox->depth(); ++k) src.recv[k] = {this, &s.inbox->at(i, k), nullptr};
+    source_of[static_cast<std::size_t>(src.rank)] = static_cast<int>(i);
+  }
+
+  init_ucx();
+
+  ucp_address_t* addr = nullptr;
+  std::size_t addr_len = 0;
+  if (auto st = ucp_worker_get_address(worker, &addr, &addr_len); st != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot get the worker address: {}", s.rank, status_text(st)));
+  const std::string host = host_name();
+  self_name = fmt::format("rank {} (host {})", s.rank, host);
+  const auto blob = encode(s, addr, addr_len, host);
+  ucp_worker_release_address(worker, addr);
+
+  const std::uint64_t gen = boot->next_generation();
+  generation = gen;
+  boot->put(fmt::format("gossip/ucx/{}/{}", gen, s.rank), blob);
+  for (int j : neighbours) {
+    const auto b = boot->get(fmt::format("gossip/ucx/{}/{}", gen, j),
+                             fmt::format("rank {} to publish its UCX address (rank {} connecting)", j, s.rank), s.timeout);
+    const auto pb = decode(b);
+    if (!pb || pb->rank != j)
+      throw transport_error(fmt::format("ucx (rank {}): the rendezvous entry of rank {} is not a libgossip UCX address; are all ranks "
+                                        "built from the same libgossip version?",
+                                        s.rank, j));
+    auto& p = *peers[static_cast<std::size_t>(j)];
+    p.name = fmt::format("rank {} (host {})", j, pb->host);
+    if (pb->world != s.world)
+      throw config_error(
+          fmt::format("ucx: {} was started in a world of {} ranks but {} in a world of {}", self_name, s.world, p.name, pb->world));
+    check_layouts(s.layout, s.rank, pb->layout, j);
+    if (pb->config_fp != s.config_fingerprint)
+      throw config_error(
+          fmt::format("{} and {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
+                      "give every rank the same config file",
+                      self_name, p.name, s.config_fingerprint, pb->config_fp));
+    if (contains(s.targets, j) && !contains(pb->sources, s.rank))
+      throw config_error(
+          fmt::format("{} may send to {}, but rank {} does not expect messages from it; every rank must use the same topology",
+                      self_name, p.name, j));
+    GOSSIP_ASSERT(pb->message_bytes == s.message_bytes, "ucx: ranks {} and {} have equal layouts but message sizes {} and {}", s.rank, j,
+                  s.message_bytes, pb->message_bytes);
+
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(pb->address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &impl::on_ep_error;
+    ep.err_handler.arg = &p;
+    if (auto st = ucp_ep_create(worker, &ep, &p.ep); st != UCS_OK) {
+      p.ep = nullptr;
+      throw transport_error(
+          fmt::format("ucx ({}): cannot reach {}: {}; check that UCX_TLS / UCX_NET_DEVICES offer a transport "
+                      "both ranks share (with error handling: UCX_POSIX_ERROR_HANDLING=y for posix)",
+                      self_name, p.name, status_text(st)));
+    }
+  }
+  thread = std::thread([this] { run(); });
+}
+
+bool ucx_transport::impl::drained() {
+  finishing = true;
+  if (rendezvous_gone) return true;
+  try {
+    return drained_through_rendezvous();
+  } catch (const error& e) {
+    // Rank 0 is gone: no peer can publish or read drain counts any more.
+    // Leave with what has been merged; messages still on their way are lost.
+    rendezvous_gone = true;
+    std::fprintf(stderr, "libgossip ucx (%s): leaving without the drain handshake, messages still in flight to this rank are lost: %s\n",
+                 self_name.c_str(), e.what());
+    return true;
+  }
+}
+
+bool ucx_transport::impl::drained_through_rendezvous() {
+  if (!drain_published) {
+    bootstrap::blob b(static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t));
+    for (int j : neighbours)
+      if (const peer_state* p = peer(j); p && p->target) {
+        const std::uint64_t n = p->posted;
+        std::memcpy(b.data() + static_cast<std::size_t>(j) * sizeof n, &n, sizeof n);
+      }
+    boot->put(fmt::format("gossip/ucx/{}/drain/{}", generation, setup.rank), b);
+    drain_published = true;
+  }
+  for (std::size_t i = 0; i < sources.size(); ++i) {
+    auto& src = sources[i];
+    const peer_state* p = peer(src.rank);
+    if (p && p->dead.load(std::memory_order_acquire)) continue;
+    if (src.expected == ~0ull) {
+      const auto b = boot->try_get(fmt::format("gossip/ucx/{}/drain/{}", generation, src.rank));
+      if (!b) return false;
+      if (b->size() != static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t))
+        throw transport_error(fmt::format("ucx ({}): {}'s drain record has {} bytes, expected {}", self_name, p->name, b->size(),
+                                          static_cast<std::size_t>(setup.world) * sizeof(std::uint64_t)));
+      std::memcpy(&src.expected, b->data() + static_cast<std::size_t>(setup.rank) * sizeof src.expected, sizeof src.expected);
+    }
+    if (src.consumed + discarded[i].load(std::memory_order_acquire) < src.expected) return false;
+  }
+  return true;
+}
+
+std::string ucx_transport::impl::outstanding() const {
+  std::string who;
+  for (int j : neighbours)
+    if (const int k = peer(j)->inflight.load(); k > 0)
+      who += fmt::format("{}{}: {} send{}", who.empty() ? "" : ", ", peer(j)->name, k, k == 1 ? "" : "s");
+  return who.empty() ? "the progress thread to pick up queued sends" : who;
+}
+
+std::string ucx_transport::impl::waiting_on() const {
+  std::string who;
+  for (int j : neighbours)
+    if (const int k = peer(j)->inflight.load(); k > 0)
+      who += fmt::format("{}{}: {} send{} in flight", who.empty() ? "" : "; ", peer(j)->name, k, k == 1 ? "" : "s");
+  for (std::size_t i = 0; i < sources.size(); ++i) {
+    const auto& src = sources[i];
+    const peer_state* p = peer(src.rank);
+    if (!drain_published || (p && p->dead.load())) continue;
+    if (src.expected == ~0ull)
+      who += fmt::format("{}{}: has not said how many messages it sent (it has not reached finish(), or it hangs)",
+                         who.empty() ? "" : "; ", p->name);
+    else if (const auto got = src.consumed + discarded[i].load(); got < src.expected)
+      who += fmt::format("{}{}: {} of {} messages received", who.empty() ? "" : "; ", p->name, got, src.expected);
+  }
+  return who.empty() ? "no peer" : who;
+}
+
+void ucx_transport::impl::flush(std::chrono::duration<double> timeout) {
+  if (!attached || left) return;
+  detail::wait_for(
+      [&] {
+        for (int j : neighbours)
+          if (peer(j)->inflight.load(std::memory_order_acquire) > 0) return false;
+        return true;
+      },
+      timeout, [&] { return fmt::format("rank {}'s sends to complete: to {}", setup.rank, outstanding()); });
+}
+
+void ucx_transport::impl::leave() {
+  if (!attached || left) return;
+  try {
+    flush(std::min<std::chrono::duration<double>>(setup.timeout, std::chrono::duration<double>(opt.close_timeout_s)));
+  } catch (const timeout_error&) {
+    // leaving anyway: what is still in flight is lost, and counted in teardown
+  }
+  left = true;
+  teardown_now();
+}
+
+void ucx_transport::impl::teardown_now() noexcept {
+  left = true;
+  if (thread.joinable()) {
+    stop.store(true, std::memory_order_release);
+    wake();
+    thread.join();
+  } else if (worker) {
+    shutdown_ucx();
+  }
+  if (context) {
+    ucp_cleanup(context);
+    context = nullptr;
+  }
+  if (wake_fd >= 0) {
+    ::close(wake_fd);
+    wake_fd = -1;
+  }
+}
+
+std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
+  std::size_t n = 0;
+  const auto now = std::chrono::steady_clock::now();
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (p.reported || !p.dead.load(std::memory_order_acquire)) continue;
+    if (p.dead_seen == std::chrono::steady_clock::time_point{}) p.dead_seen = now;
+    if (p.inflight.load(std::memory_order_acquire) > 0 && now - p.dead_seen < std::chrono::seconds(2)) continue;
+    if (n == out.size()) break;
+    p.reported = true;
+    out[n++] = received{.sender = j, .weight = p.failed_weight.load(std::memory_order_relaxed), .departed = p.departed.load(std::memory_order_acquire)};
+  }
+  return n;
+}
+
+void ucx_transport::impl::shutdown_ucx() noexcept {
+  if (!worker) return;
+  drain_sends();  // sends queued after the last flush: dropped
+  for (auto& src : sources) {
+    for (; src.count > 0; --src.count, src.head = (src.head + 1) % src.backlog.size()) {
+      ucp_am_data_release(worker, src.backlog[src.head].data);
+      dropped.fetch_add(1, std::memory_order_relaxed);
+    }
+    for (auto& rc : src.recv)
+      if (rc.request) ucp_request_cancel(worker, rc.request);
+  }
+  std::vector<void*> closing;
+  // Goodbye first, on the same endpoints: the graceful close below flushes
+  // it, and the peers then know this rank left rather than died. Only after
+  // the drain handshake (engine::finish): a rank torn down by an error is
+  // seen as failed.
+  const std::int32_t me = setup.rank;
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!finishing || !p.ep || p.dead.load()) continue;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, bye_id, &me, sizeof me, nullptr, 0, &rp);
+    if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+  }
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!p.ep) continue;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = p.dead.load() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
+    if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+    p.ep = nullptr;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                               std::chrono::duration<double>(opt.close_timeout_s));
+  auto busy_recv = [&] {
+    for (auto& src : sources)
+      for (auto& rc : src.recv)
+        if (rc.request) return true;
+    return false;
+  };
+  while (std::chrono::steady_clock::now() < deadline) {
+    ucp_worker_progress(worker);
+    closing.erase(std::remove_if(closing.begin(), closing.end(),
+                                 [](void* r) {
+                                   if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+                                   ucp_request_free(r);
+                                   return true;
+                                 }),
+                  closing.end());
+    if (closing.empty() && !busy_recv()) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  // Past the bound (a peer that stopped reading, e.g. SIGSTOP): the close
+  // requests still in progress are released to UCX, which completes them
+  // when the worker is destroyed; a request still held by us there is a
+  // fatal assertion in UCX (ucp_ep.c: UCP_REQUEST_FLAG_RELEASED).
+  for (void* r : closing) ucp_request_free(r);
+  closing.clear();
+  ucp_worker_destroy(worker);
+  worker = nullptr;
+}
+
+}  // namespace gossip

@@ -1,0 +1,268 @@
+// The UCX transport's progress thread: it posts the engine's queued sends,
+// completes them, lands arriving messages in the inbox (straight away, or
+// from a backlog while every slot of their source is full), notes goodbyes
+// and endpoint errors, and sleeps on the worker's event fd when idle.
+#include <fmt/format.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+
+#include "impl.hpp"
+
+namespace gossip {
+
+using namespace ucx_detail;
+
+void ucx_transport::impl::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* p = static_cast<peer_state*>(arg);
+  int expected = UCS_OK;
+  p->why.compare_exchange_strong(expected, static_cast<int>(status), std::memory_order_relaxed);
+  p->dead.store(true, std::memory_order_release);
+}
+
+void ucx_transport::impl::on_send_done(void* request, ucs_status_t status, void* user) {
+  auto* c = static_cast<send_ctx*>(user);
+  c->owner->send_done(c->peer, c->entry, status, c->length);
+  ucp_request_free(request);
+}
+
+void ucx_transport::impl::send_done(int to, int entry, ucs_status_t status, std::size_t length) noexcept {
+  if (status == UCS_OK) {
+    messages_sent.fetch_add(1, std::memory_order_relaxed);
+    bytes_sent.fetch_add(length, std::memory_order_relaxed);
+  } else {
+    dropped.fetch_add(1, std::memory_order_relaxed);
+    if (peer_state* p = peer(to)) {
+      // The buffer stays untouched until inflight drops below: its header
+      // says what share of push-sum mass never arrived.
+      wire_header h;
+      std::memcpy(&h, buffers[static_cast<std::size_t>(entry)].ptr, sizeof h);
+      p->failed_weight.store(p->failed_weight.load(std::memory_order_relaxed) + h.weight, std::memory_order_relaxed);
+      if (status != UCS_ERR_CANCELED) {
+        int expected = UCS_OK;
+        p->why.compare_exchange_strong(expected, static_cast<int>(status), std::memory_order_relaxed);
+        p->dead.store(true, std::memory_order_release);
+      }
+    }
+  }
+  buffers[static_cast<std::size_t>(entry)].inflight.fetch_sub(1, std::memory_order_acq_rel);
+  if (peer_state* p = peer(to)) p->inflight.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+bool ucx_transport::impl::drain_sends() noexcept {
+  bool any = false;
+  for (;;) {
+    const std::size_t head = q_head.load(std::memory_order_relaxed);
+    if (head == q_tail.load(std::memory_order_acquire)) return any;
+    const send_op op = queue[head % queue_capacity];
+    q_head.store(head + 1, std::memory_order_release);
+    any = true;
+    peer_state* pp = peer(op.peer);
+    if (!pp) continue;  // post() only queues targets
+    auto& p = *pp;
+    if (p.dead.load(std::memory_order_acquire) || !p.ep) {
+      send_done(op.peer, op.entry, UCS_ERR_CANCELED, op.length);
+      continue;
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    rp.cb.send = &impl::on_send_done;
+    auto& ctx = p.ctx[static_cast<std::size_t>(op.entry)];
+    ctx.length = op.length;
+    rp.user_data = &ctx;
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(p.ep, am_id, op.data, sizeof(wire_header), op.data + sizeof(wire_header), op.length - sizeof(wire_header), &rp);
+    if (r == nullptr)
+      send_done(op.peer, op.entry, UCS_OK, op.length);
+    else if (UCS_PTR_IS_ERR(r))
+      send_done(op.peer, op.entry, UCS_PTR_STATUS(r), op.length);
+  }
+}
+
+ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*) {
+  auto* self = static_cast<impl*>(arg);
+  std::int32_t from = -1;
+  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+  if (peer_state* p = self->peer(from)) p->departed.store(true, std::memory_order_release);
+  return UCS_OK;
+}
+
+ucs_status_t ucx_transport::impl::on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
+                          const ucp_am_recv_param_t* param) {
+  return static_cast<impl*>(arg)->arrived(header, header_length, data, length, param->recv_attr);
+}
+
+ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header_length, void* data, std::size_t length, std::uint64_t attr) noexcept {
+  const bool rndv = attr & UCP_AM_RECV_ATTR_FLAG_RNDV;
+  const bool persistent = attr & UCP_AM_RECV_ATTR_FLAG_DATA;
+  wire_header h;
+  const int si = detail::accept_message(header, header_length, length, source_of, setup.message_bytes, setup.layout_fingerprint, h);
+  if (si < 0) {
+    dropped.fetch_add(1, std::memory_order_relaxed);  // foreign or corrupt: never trust a length from the wire
+    return UCS_OK;
+  }
+  auto& src = sources[static_cast<std::size_t>(si)];
+  if (src.count == 0 && !rndv && slot_free(src)) {
+    land(src, pending{h, data, length, false}, false);
+    return UCS_OK;
+  }
+  if (!rndv && !persistent) {  // UCX will reuse the buffer: cannot keep it
+    dropped.fetch_add(1, std::memory_order_relaxed);
+    discarded[static_cast<std::size_t>(si)].fetch_add(1, std::memory_order_release);
+    return UCS_OK;
+  }
+  if (src.count == src.backlog.size()) {  // keep the newest
+    auto& old = src.backlog[src.head];
+    ucp_am_data_release(worker, old.data);
+    src.head = (src.head + 1) % src.backlog.size();
+    --src.count;
+    dropped.fetch_add(1, std::memory_order_relaxed);
+    discarded[static_cast<std::size_t>(si)].fetch_add(1, std::memory_order_release);
+  }
+  src.backlog[(src.head + src.count) % src.backlog.size()] = pending{h, data, length, rndv};
+  ++src.count;
+  return UCS_INPROGRESS;
+}
+
+void ucx_transport::impl::land(source_state& src, const pending& m, bool owned) noexcept {
+  auto& rc = src.recv[src.write % src.recv.size()];
+  auto& slot = *rc.slot;
+  slot.state.store(inbox::writing, std::memory_order_relaxed);
+  std::memcpy(slot.data, &m.h, sizeof m.h);
+  slot.bytes = sizeof m.h + m.length;
+  ++src.write;
+  if (!m.rndv) {
+    std::memcpy(slot.data + sizeof m.h, m.data, m.length);
+    if (owned) ucp_am_data_release(worker, m.data);
+    landed(slot, m.length);
+    return;
+  }
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.recv_am = &impl::on_recv_done;
+  rp.user_data = &rc;
+  ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker, m.data, slot.data + sizeof m.h, m.length, &rp);
+  if (r == nullptr) {
+    landed(slot, m.length);
+  } else if (UCS_PTR_IS_ERR(r)) {
+    failed(slot);
+  } else {
+    rc.request = r;
+  }
+}
+
+void ucx_transport::impl::landed(inbox::slot& slot, std::size_t length) noexcept {
+  bytes_received.fetch_add(sizeof(wire_header) + length, std::memory_order_relaxed);
+  messages_received.fetch_add(1, std::memory_order_relaxed);
+  slot.state.store(inbox::full, std::memory_order_release);
+}
+
+void ucx_transport::impl::failed(inbox::slot& slot) noexcept {
+  dropped.fetch_add(1, std::memory_order_relaxed);
+  slot.bytes = 0;
+  slot.state.store(inbox::full, std::memory_order_release);
+}
+
+void ucx_transport::impl::on_recv_done(void* request, ucs_status_t status, std::size_t length, void* user) {
+  auto* rc = static_cast<recv_ctx*>(user);
+  rc->request = nullptr;
+  if (status == UCS_OK)
+    rc->owner->landed(*rc->slot, length);
+  else
+    rc->owner->failed(*rc->slot);
+  ucp_request_free(request);
+}
+
+bool ucx_transport::impl::land_backlog() noexcept {
+  bool any = false;
+  for (auto& src : sources)
+    while (src.count > 0 && slot_free(src)) {
+      const pending m = src.backlog[src.head];
+      src.head = (src.head + 1) % src.backlog.size();
+      --src.count;
+      land(src, m, true);
+      any = true;
+    }
+  return any;
+}
+
+void ucx_transport::impl::close_dead() noexcept {
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (p.ep && !p.closing && p.dead.load(std::memory_order_acquire)) {
+      p.closing = true;
+      // Once per peer, outside the step path: who failed, where, and what happens now.
+      if (!p.departed.load(std::memory_order_acquire))
+        std::fprintf(stderr,
+                   "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
+                   "without it\n",
+                   self_name.c_str(), p.name.c_str(), p.why.load(std::memory_order_relaxed) == UCS_OK ? "declared dead" : status_text(static_cast<ucs_status_t>(p.why.load(std::memory_order_relaxed))).c_str());
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
+      if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // completes inside UCX
+      p.ep = nullptr;
+    }
+  }
+}
+
+bool ucx_transport::impl::transfer_under_way() const noexcept {
+  for (const auto& b : buffers)
+    if (b.inflight.load(std::memory_order_relaxed) > 0) return true;
+  for (const auto& src : sources) {
+    if (src.count > 0) return true;
+    for (const auto& rc : src.recv)
+      if (rc.request) return true;
+  }
+  return false;
+}
+
+void ucx_transport::impl::run() noexcept {
+  using clock = std::chrono::steady_clock;
+  pollfd fds[2] = {{wake_fd, POLLIN, 0}, {worker_fd, POLLIN, 0}};
+  const nfds_t nfds = worker_fd >= 0 ? 2 : 1;
+  // Not for very large messages: two 16 MiB+ transfers in flight already
+  // saturate memory, and polling then only steals the training's core.
+  const double spin_us = setup.message_bytes >= (std::size_t{16} << 20) ? 0.0 : opt.spin_us;
+  const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(spin_us));
+  auto last_work = clock::now();
+  while (!stop.load(std::memory_order_acquire)) {
+    bool work = drain_sends();
+    work = land_backlog() || work;
+    close_dead();
+    while (ucp_worker_progress(worker) != 0) work = true;
+    if (work) {
+      last_work = clock::now();
+      continue;
+    }
+    // Mid-transfer, poll instead of sleeping: each rendezvous step (RTS, RTR,
+    // data, ATS) and each freed slot would otherwise cost a sleep and a
+    // wake-up — tens of µs on a busy core, per message.
+    if (spin.count() > 0 && clock::now() - last_work < spin && transfer_under_way()) {
+      std::this_thread::yield();
+      continue;
+    }
+    if (worker_fd >= 0) {
+      const ucs_status_t s = ucp_worker_arm(worker);
+      if (s == UCS_ERR_BUSY) continue;
+    }
+    if (q_head.load(std::memory_order_acquire) != q_tail.load(std::memory_order_acquire)) continue;
+    // While a transfer is under way, wake often so that a missed wake-up
+    // costs 50 µs rather than 10 ms. Idle, sleep long (keepalive still runs).
+    const timespec busy_wait{0, 50'000};
+    const timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
+    ::ppoll(fds, nfds, transfer_under_way() ? &busy_wait : &idle_wait, nullptr);
+    if (fds[0].revents & POLLIN) {
+      std::uint64_t v;
+      [[maybe_unused]] auto n = ::read(wake_fd, &v, sizeof v);
+    }
+  }
+  shutdown_ucx();
+}
+
+}  // namespace gossip
