@@ -1,81 +1,15 @@
 #pragma once
-// Bodies of gossip::engine (included by engine.hpp).
+// Bodies of gossip::engine (included by engine.hpp): construction, the step,
+// merging, failures and finish. engine_settings-inl.hpp reads the config;
+// engine_codec-inl.hpp encodes and decodes the compressed streams.
 #include <algorithm>
 #include <limits>
 
 #include "gossip/engine.hpp"
+#include "gossip/engine_codec-inl.hpp"
+#include "gossip/engine_settings-inl.hpp"
 
 namespace gossip {
-
-inline engine_settings engine_settings::from(const options& o) {
-  // Integers are checked before they are narrowed, so 2^32 + 2 is refused rather than read as 2.
-  const auto in_range = [&](std::string_view key, std::int64_t lo, std::int64_t hi, std::string_view expected) {
-    const std::int64_t v = o.integer(key);
-    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(), key, expected, v));
-    return v;
-  };
-  // A deadline is steady_clock::now() + timeout in nanoseconds: bounded so that it cannot overflow.
-  constexpr double max_timeout_s = 365.0 * 24 * 3600;
-  engine_settings s;
-  s.timeout = std::chrono::duration<double>(o.real("timeout_s"));
-  s.send_buffers = static_cast<int>(in_range("send_buffers", 1, 16, "in 1..16"));
-  s.trace_path = o.string("trace");
-  s.trace_capacity = static_cast<std::size_t>(in_range("trace_capacity", 0, std::numeric_limits<std::int64_t>::max(), ">= 0"));
-  s.trace_skips_every = static_cast<int>(in_range("trace_skips_every", 1, std::numeric_limits<int>::max(), ">= 1"));
-  s.stats_path = o.string("stats");
-  s.finish_rounds =
-      static_cast<int>(in_range("finish_rounds", -1, std::numeric_limits<int>::max(), ">= 0, or -1 for automatic"));
-  s.wait_when_busy = o.boolean("wait_when_busy");
-  s.max_lead = static_cast<std::uint64_t>(in_range("max_lead", 0, std::int64_t{1} << 40, ">= 0 (0: off)"));
-  const std::string momentum = o.string("momentum");
-  if (momentum != "quasi-global" && momentum != "local")
-    throw config_error(fmt::format("{}: key 'momentum' must be \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
-  s.quasi_global_momentum = momentum == "quasi-global";
-  const double beta = o.real("momentum_beta");
-  if (!(beta >= 0 && beta < 1))
-    throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));
-  s.momentum_beta = static_cast<float>(beta);
-  const std::string merge = o.string("momentum_merge");
-  if (merge == "auto")
-    s.momentum_merge = engine_settings::merge_momentum::automatic;
-  else if (merge == "full")
-    s.momentum_merge = engine_settings::merge_momentum::full;
-  else if (merge == "spread")
-    s.momentum_merge = engine_settings::merge_momentum::spread;
-  else
-    throw config_error(fmt::format("{}: key 'momentum_merge' must be \"auto\", \"full\" or \"spread\", got \"{}\"", o.where(), merge));
-  if (!(s.timeout.count() > 0))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
-  if (!(s.timeout.count() <= max_timeout_s))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be at most {} seconds (a year), got {}", o.where(), max_timeout_s,
-                                   s.timeout.count()));
-  return s;
-}
-
-inline engine_spec engine_spec::from(const config& cfg) {
-  engine_spec s;
-  s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
-  s.topology = cfg.topology;
-  s.protocol = cfg.protocol;
-  s.codec = cfg.codec;
-  const gossip::codec c = make_codec(cfg.codec);  // an unknown name or key is refused here, with the file and key
-  if (c.compresses() && cfg.transport.name == "switch")
-    throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
-                                   "compressed messages; set [codec] name = \"none\"",
-                                   cfg.codec.opts.where(), cfg.codec.name));
-  // The switch protocol's mode follows the policy unless the config names one.
-  if (s.protocol.name == "switch-aggregate") {
-    const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
-    const bool staggered = staggered_policy(cfg.policy);
-    if (staggered && requested == "sync")
-      throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "
-                                     "use mode = \"async\" or \"auto\", or stagger = false", s.protocol.opts.where()));
-    s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name, staggered));
-  }
-  s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
-  s.config_fingerprint = cfg.fingerprint();
-  return s;
-}
 
 inline engine::engine(const model_view& model, int rank, int world, engine_spec spec, any_transport transport)
     : m_rank(rank), m_world(world), m_policy(std::move(spec.policy)), m_settings(std::move(spec.settings)),
@@ -626,100 +560,6 @@ inline bool engine::buffer_busy(int i) noexcept {
   for (std::size_t k = 0; k < m_stream_slots; ++k)
     if (m_transport.busy(buffer(i) + k * m_message_bytes)) return true;
   return false;
-}
-
-// One message per target, each C(x − x̂) against the x̂ that target holds
-// (a stream's first message is the model in fp32). A post that fails leaves
-// the stream's x̂ ahead of the target's, so its next message is full again.
-inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes,
-                                          std::uint64_t& raw) {
-  const double share = m_protocol.on_send(targets, m_topology.self_weight());
-  const std::uint64_t raw_message = sizeof(wire_header) + m_elements * sizeof(float);
-  std::uint32_t sent_to = 0;
-  for (std::size_t k = 0; k < targets.size(); ++k) {
-    const int to = targets[k].rank;
-    const int si = m_out_index[static_cast<std::size_t>(to)];
-    GOSSIP_ASSERT(si >= 0, "engine (rank {}): rank {} is not among the topology's destinations", m_rank, to);
-    const auto stream = static_cast<std::size_t>(si);
-    std::byte* msg_buf = buf + k * m_message_bytes;
-    std::byte* out = msg_buf + sizeof(wire_header);
-    float* hat = m_out_hat.data() + stream * m_elements;
-    const bool absolute = !m_out_primed[stream];
-    codec_payload ph;
-    ph.tensors = static_cast<std::uint32_t>(m_slots.size());
-    ph.elements = m_elements;
-    std::memcpy(out, &ph, sizeof ph);
-    std::size_t at = sizeof ph;
-    // Positions (randomk) and samples (topk) differ per stream and send.
-    const std::uint64_t seed = (static_cast<std::uint64_t>(m_rank) << 40) ^ (static_cast<std::uint64_t>(to) << 20) ^ (m_round * 0x9e3779b97f4a7c15ull);
-    for (std::size_t i = 0; i < m_slots.size(); ++i) {
-      const auto& s = m_slots[i];
-      const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i);
-      m_segment_bytes[i] = b;
-      at += b;
-    }
-    wire_header h;
-    h.sender = m_rank;
-    h.step = t;
-    h.weight = share;
-    h.flags = 1;  // codec payload
-    h.payload_bytes = at;
-    h.layout_fingerprint = m_layout_fingerprint;
-    std::memcpy(msg_buf, &h, sizeof h);
-    const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
-    m_last_message_bytes = msg.size();
-    auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
-    if (m_transport.post(to, msg, t) == post_status::ok) {
-      m_out_primed[stream] = 1;
-      bytes += msg.size();
-      raw += raw_message;
-      ++sent_to;
-      ps.bytes_sent += msg.size();
-      ps.bytes_raw += raw_message;
-      ++ps.messages_sent;
-      for (std::size_t i = 0; i < m_slots.size(); ++i) {
-        m_stats.tensors[i].bytes_sent += m_segment_bytes[i];
-        m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float);
-      }
-      if (m_protocol.type() == protocol::kind::push_sum) {
-        ps.weight_sent += share;
-        ps.weight_unconfirmed += share;
-        ps.last_weight_sent = share;
-      }
-    } else {
-      m_out_primed[stream] = 0;
-      m_protocol.refund(share);  // the share never left: keep push-sum mass
-      ++ps.dropped;
-      ++m_stats.dropped;
-    }
-  }
-  return sent_to;
-}
-
-// Each message updates this rank's x̂ of its sender, which is then merged in
-// place of the sender's model. Checked before use: a malformed message is
-// refused with the sender named. Two messages of one sender in one collect
-// both merge its latest x̂.
-inline void engine::decode_inbound(std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) {
-    auto& m = m_received[i];
-    const int si = m_inbox.index_of(m.sender);
-    if (si < 0)
-      throw transport_error(fmt::format("rank {}: received a message from rank {}, which is not among its sources", m_rank, m.sender));
-    const auto source = static_cast<std::size_t>(si);
-    const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
-    m_received_bytes[i] = sizeof(wire_header) + payload.size();
-    float* hat = m_in_hat.data() + source * m_elements;
-    const decode_status st = decode_payload(payload, m_counts, hat, m_in_primed[source] != 0);
-    if (!st.ok())
-      throw transport_error(fmt::format("rank {}: refused the message rank {} sent at step {} ({} payload bytes, codec '{}'): {} (tensor '{}'); "
-                                        "give every rank the same libgossip and [codec] settings",
-                                        m_rank, m.sender, m.step, payload.size(), m_codec.name(), st.problem,
-                                        m_tensor_names[std::min(st.tensor, m_tensor_names.size() - 1)]));
-    m_in_primed[source] = 1;
-    m.data = hat;
-    m.elements = m_elements;
-  }
 }
 
 inline std::size_t engine::poll() {

@@ -1,0 +1,106 @@
+#pragma once
+// The engine's compressed streams: one x̂ per outgoing stream and per source,
+// messages C(x − x̂) encoded into the send buffer, received ones decoded into
+// the sender's x̂ (included by engine-inl.hpp).
+#include <algorithm>
+#include <cstring>
+
+#include "gossip/engine.hpp"
+
+namespace gossip {
+
+// One message per target, each C(x − x̂) against the x̂ that target holds
+// (a stream's first message is the model in fp32). A post that fails leaves
+// the stream's x̂ ahead of the target's, so its next message is full again.
+inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes,
+                                          std::uint64_t& raw) {
+  const double share = m_protocol.on_send(targets, m_topology.self_weight());
+  const std::uint64_t raw_message = sizeof(wire_header) + m_elements * sizeof(float);
+  std::uint32_t sent_to = 0;
+  for (std::size_t k = 0; k < targets.size(); ++k) {
+    const int to = targets[k].rank;
+    const int si = m_out_index[static_cast<std::size_t>(to)];
+    GOSSIP_ASSERT(si >= 0, "engine (rank {}): rank {} is not among the topology's destinations", m_rank, to);
+    const auto stream = static_cast<std::size_t>(si);
+    std::byte* msg_buf = buf + k * m_message_bytes;
+    std::byte* out = msg_buf + sizeof(wire_header);
+    float* hat = m_out_hat.data() + stream * m_elements;
+    const bool absolute = !m_out_primed[stream];
+    codec_payload ph;
+    ph.tensors = static_cast<std::uint32_t>(m_slots.size());
+    ph.elements = m_elements;
+    std::memcpy(out, &ph, sizeof ph);
+    std::size_t at = sizeof ph;
+    // Positions (randomk) and samples (topk) differ per stream and send.
+    const std::uint64_t seed = (static_cast<std::uint64_t>(m_rank) << 40) ^ (static_cast<std::uint64_t>(to) << 20) ^ (m_round * 0x9e3779b97f4a7c15ull);
+    for (std::size_t i = 0; i < m_slots.size(); ++i) {
+      const auto& s = m_slots[i];
+      const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i);
+      m_segment_bytes[i] = b;
+      at += b;
+    }
+    wire_header h;
+    h.sender = m_rank;
+    h.step = t;
+    h.weight = share;
+    h.flags = 1;  // codec payload
+    h.payload_bytes = at;
+    h.layout_fingerprint = m_layout_fingerprint;
+    std::memcpy(msg_buf, &h, sizeof h);
+    const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
+    m_last_message_bytes = msg.size();
+    auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
+    if (m_transport.post(to, msg, t) == post_status::ok) {
+      m_out_primed[stream] = 1;
+      bytes += msg.size();
+      raw += raw_message;
+      ++sent_to;
+      ps.bytes_sent += msg.size();
+      ps.bytes_raw += raw_message;
+      ++ps.messages_sent;
+      for (std::size_t i = 0; i < m_slots.size(); ++i) {
+        m_stats.tensors[i].bytes_sent += m_segment_bytes[i];
+        m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float);
+      }
+      if (m_protocol.type() == protocol::kind::push_sum) {
+        ps.weight_sent += share;
+        ps.weight_unconfirmed += share;
+        ps.last_weight_sent = share;
+      }
+    } else {
+      m_out_primed[stream] = 0;
+      m_protocol.refund(share);  // the share never left: keep push-sum mass
+      ++ps.dropped;
+      ++m_stats.dropped;
+    }
+  }
+  return sent_to;
+}
+
+// Each message updates this rank's x̂ of its sender, which is then merged in
+// place of the sender's model. Checked before use: a malformed message is
+// refused with the sender named. Two messages of one sender in one collect
+// both merge its latest x̂.
+inline void engine::decode_inbound(std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    auto& m = m_received[i];
+    const int si = m_inbox.index_of(m.sender);
+    if (si < 0)
+      throw transport_error(fmt::format("rank {}: received a message from rank {}, which is not among its sources", m_rank, m.sender));
+    const auto source = static_cast<std::size_t>(si);
+    const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
+    m_received_bytes[i] = sizeof(wire_header) + payload.size();
+    float* hat = m_in_hat.data() + source * m_elements;
+    const decode_status st = decode_payload(payload, m_counts, hat, m_in_primed[source] != 0);
+    if (!st.ok())
+      throw transport_error(fmt::format("rank {}: refused the message rank {} sent at step {} ({} payload bytes, codec '{}'): {} (tensor '{}'); "
+                                        "give every rank the same libgossip and [codec] settings",
+                                        m_rank, m.sender, m.step, payload.size(), m_codec.name(), st.problem,
+                                        m_tensor_names[std::min(st.tensor, m_tensor_names.size() - 1)]));
+    m_in_primed[source] = 1;
+    m.data = hat;
+    m.elements = m_elements;
+  }
+}
+
+}  // namespace gossip
