@@ -8,6 +8,8 @@
 #                                 "FAIL: NAME crashed (SIGSEGV)", "... exited
 #                                 with status 1 before it was stopped", ... and
 #                                 returns 1.
+#   gsw_stop_logged PID NAME LOG  gsw_stop, and on failure the last lines of
+#                                 LOG (the switch's output).
 #
 # PID may be timeout(1) around the switch (timeout passes SIGINT on, and dies
 # of the switch's signal when the switch does) or `ip netns exec` that became it.
@@ -54,5 +56,12 @@ gsw_stop() {  # PID NAME [SECONDS]
   rc=$?
   [[ $rc == 0 ]] && return 0
   echo "FAIL: $name $(gsw_exit_text "$rc") when stopped"
+  return 1
+}
+
+gsw_stop_logged() {  # PID NAME LOG
+  gsw_stop "$1" "$2" && return 0
+  echo "-- $2 log, last lines:"
+  tail -15 "$3"
   return 1
 }

@@ -48,15 +48,9 @@ kill_switch() {
 # stop_switch NAME LOG: fails (and shows the log) unless the switch exits cleanly.
 stop_switch() {
   [[ -n $SW ]] || return 0
-  local rc=0
-  gsw_stop "$SW" "$1" || rc=1
+  local pid=$SW
   SW=
-  if [[ $rc != 0 ]]; then
-    fail=1
-    echo "-- $1 log, last lines:"
-    tail -15 "$2"
-  fi
-  return $rc
+  gsw_stop_logged "$pid" "$1" "$2" || { fail=1; return 1; }
 }
 cleanup() {
   kill_switch

@@ -43,15 +43,9 @@ start_switch() {  # $1: drop fraction
   echo "FAIL: gossip-switch did not start:"; cat "$TMP/switch-$1.log"; exit 1
 }
 stop_switch() {  # $1: drop fraction. Fails (and shows the log) unless the switch exits cleanly.
-  local rc=0
-  gsw_stop "$SW" "gossip-switch (drop $1)" || rc=1
+  local pid=$SW
   SW=
-  if [[ $rc != 0 ]]; then
-    fail=1
-    echo "-- gossip-switch log (drop $1), last lines:"
-    tail -15 "$TMP/switch-$1.log"
-  fi
-  return $rc
+  gsw_stop_logged "$pid" "gossip-switch (drop $1)" "$TMP/switch-$1.log" || { fail=1; return 1; }
 }
 bench() {
   # A switch that died fails every later run after its timeout; stop_switch says how it ended.

@@ -4,31 +4,29 @@
 //   fashion_mnist_cuda --config examples/01_fashion_mnist/fashion_mnist.toml
 //   fashion_mnist_cuda --policy periodic --workers 2 --epochs 1 --set train.train_limit=4000
 //
-// The same config as examples/01_fashion_mnist ([policy], [topology],
-// [protocol], [transport], [engine], [train]) and the same model: workers are
-// threads over the loopback transport, each with its own CUDA stream and cuBLAS
-// handle on the current GPU. Parameters, gradients and activations stay in
-// device memory; the engine measures drift and snapshots with its CUDA kernels
-// on the worker's stream and stages sends through pinned host buffers. The
-// average model is evaluated on the host at each epoch end (the CPU MLP of
-// examples/common reads the same parameter layout).
+// The same config, training loop and report as examples/01_fashion_mnist
+// (examples/common/trainer.hpp) and the same model; only where the model lives
+// differs. Workers are threads over the loopback transport, each with its own
+// CUDA stream and cuBLAS handle on the current GPU. Parameters, gradients,
+// momentum and activations stay in device memory; the engine measures drift
+// and snapshots with its CUDA kernels on the worker's stream and stages sends
+// through pinned host buffers. Models are evaluated on the host at each epoch
+// end (the CPU MLP of examples/common reads the same parameter layout).
 //
 // Without a usable GPU it prints why and exits with status 77.
-#include <barrier>
-#include <cstdio>
-#include <fstream>
+#include <cstring>
 #include <memory>
-#include <random>
-#include <ranges>
-#include <thread>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
 
-#include <CLI/CLI.hpp>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "common/trainer.hpp"
+#include "common/fashion_mnist_app.hpp"
 #include "gossip/cuda.hpp"
 #include "gossip_build_config.hpp"
 #include "kernels.hpp"
@@ -162,215 +160,127 @@ class gpu_mlp {
   std::vector<std::unique_ptr<device_array<float>>> m_act, m_delta;
 };
 
-run_report train_gpu(const config& cfg, const train_settings& s, const datasets& data,
-                     const std::function<void(const epoch_record&)>& on_epoch) {
-  const int world = s.workers;
-  if (cfg.transport.name != "loopback")
-    throw config_error(fmt::format("{} [transport]: name '{}' is not available in this example; it runs its workers as threads over "
-                                   "'loopback'", cfg.source, cfg.transport.name));
-  const auto link_opts = cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
-  loopback_fabric fabric(world, {.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
-  const engine_spec base = engine_spec::from(cfg);
-  if (s.average_every > 0 || s.outer_lr != 1.0 || s.outer_momentum != 0.0)
-    throw config_error(fmt::format("{} [train]: local SGD and the outer optimizer (average_every, outer_lr, outer_momentum) are not "
-                                   "available in this example; use examples/01_fashion_mnist",
-                                   cfg.source));
-  const auto shards = data::partition(data.train, world, s.partition, s.seed, s.partition_opts());
-  const int steps_per_epoch = examples::detail::steps_per_epoch(cfg, s, shards);
-  const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
-  const mlp_config arch{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch};
-  const std::size_t features = data.train.features();
+/// One worker's model for the common training loop (see mlp_factory): the
+/// MLP in device memory on a stream of its own, fed from pinned host buffers,
+/// evaluated on the host.
+class gpu_net {
+ public:
+  static constexpr bool on_device = true;
 
-  run_report report;
-  report.epochs.resize(static_cast<std::size_t>(s.epochs));
-  std::vector<engine_stats> final_stats(static_cast<std::size_t>(world));
-  std::vector<std::vector<float>> params(static_cast<std::size_t>(world));
-  std::vector<double> weights(static_cast<std::size_t>(world)), local_acc(static_cast<std::size_t>(world)),
-      epoch_loss(static_cast<std::size_t>(world));
-  std::vector<engine_stats> snapshot(static_cast<std::size_t>(world));
-  double train_seconds = 0;
-  auto phase_start = std::chrono::steady_clock::now();
-  const auto wall_start = phase_start;
-  std::barrier sync(world);
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
-  int device = 0;
-  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
-
-  auto worker = [&](int r) {
-    const auto ri = static_cast<std::size_t>(r);
-    try {
-      cuda_check(cudaSetDevice(device), "cudaSetDevice");
-      cudaStream_t stream = nullptr;
-      cuda_check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-      struct stream_guard {
-        cudaStream_t s;
-        ~stream_guard() { cudaStreamDestroy(s); }
-      } guard{stream};
-      mlp host(arch);
-      host.init(s.seed);  // a common initial model on every worker
-      gpu_mlp net(host, s.batch, stream);
-      model_view view;
-      net.register_tensors(view);
-      view.on_device(cuda::device(stream));
-      engine eng(view, r, world, engine_spec(base), fabric.endpoint(r));
-      sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum),
-                       .weight_decay = static_cast<float>(s.weight_decay)};
-      lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
-      batch_stream batches(shards[ri], s.seed * 1000003u + static_cast<std::uint64_t>(r));
-      std::vector<std::uint32_t> idx(static_cast<std::size_t>(s.batch));
-      pinned_array<float> xb(static_cast<std::size_t>(s.batch) * features), loss(static_cast<std::size_t>(s.batch));
-      pinned_array<std::uint8_t> yb(static_cast<std::size_t>(s.batch));
-      device_array<float> dx(static_cast<std::size_t>(s.batch) * features);
-      device_array<std::uint8_t> dy(static_cast<std::size_t>(s.batch));
-      cudaEvent_t loss_ready = nullptr;
-      cuda_check(cudaEventCreateWithFlags(&loss_ready, cudaEventDisableTiming), "cudaEventCreate");
-      std::int64_t t = 0;
-      for (int epoch = 0; epoch < s.epochs; ++epoch) {
-        batches.new_epoch();
-        double loss_sum = 0;
-        for (int b = 0; b < steps_per_epoch; ++b, ++t) {
-          // The previous step's uploads finished: engine.step() returned after its passes on this stream.
-          batches.next(idx);
-          data::gather(data.train, idx, xb.data(), yb.data());
-          cuda_check(cudaMemcpyAsync(dx.data(), xb.data(), dx.size() * sizeof(float), cudaMemcpyHostToDevice, stream), "upload batch");
-          cuda_check(cudaMemcpyAsync(dy.data(), yb.data(), dy.size(), cudaMemcpyHostToDevice, stream), "upload labels");
-          opt.lr = sched.at(t, total_steps);
-          net.train_step(dx.data(), dy.data(), s.batch, opt);
-          cuda_check(cudaMemcpyAsync(loss.data(), net.loss(), static_cast<std::size_t>(s.batch) * sizeof(float), cudaMemcpyDeviceToHost,
-                                     stream),
-                     "download loss");
-          cuda_check(cudaEventRecord(loss_ready, stream), "cudaEventRecord");
-          // The engine orders its drift pass after the update on the same stream; the
-          // loss is read after it, when the step has waited for the stream anyway.
-          eng.step({.lr = opt.lr});
-          cuda_check(cudaEventSynchronize(loss_ready), "cudaEventSynchronize");
-          double l = 0;
-          for (int j = 0; j < s.batch; ++j) l += loss.data()[j];
-          loss_sum += l / s.batch;
-        }
-        epoch_loss[ri] = loss_sum / steps_per_epoch;
-        net.download(params[ri]);
-        weights[ri] = eng.weight();
-        snapshot[ri] = eng.stats();
-        sync.arrive_and_wait();
-        if (r == 0) train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
-        local_acc[ri] = host.accuracy_of(params[ri], data.test.images.data(), data.test.labels.data(), data.test.size());
-        sync.arrive_and_wait();
-        if (r == 0) {
-          const auto avg = push_sum_average(
-              std::views::iota(0, world), [&](int j) -> const std::vector<float>& { return params[static_cast<std::size_t>(j)]; },
-              [&](int j) { return weights[static_cast<std::size_t>(j)]; });
-          epoch_record rec;
-          rec.epoch = epoch + 1;
-          rec.accuracy = host.accuracy_of(avg, data.test.images.data(), data.test.labels.data(), data.test.size());
-          for (int j = 0; j < world; ++j) {
-            const auto& st = snapshot[static_cast<std::size_t>(j)];
-            rec.train_loss += epoch_loss[static_cast<std::size_t>(j)] / world;
-            rec.local_accuracy_mean += local_acc[static_cast<std::size_t>(j)] / world;
-            rec.bytes_sent += st.bytes_sent;
-            rec.messages += st.messages_sent;
-            rec.sends += st.sends;
-          }
-          rec.train_seconds = train_seconds;
-          report.epochs[static_cast<std::size_t>(epoch)] = rec;
-          if (on_epoch) on_epoch(rec);
-          phase_start = std::chrono::steady_clock::now();
-        }
-        sync.arrive_and_wait();
-      }
-      eng.finish(0);
-      final_stats[ri] = eng.stats();
-      cudaEventDestroy(loss_ready);
-    } catch (...) {
-      errors[ri] = std::current_exception();
-      sync.arrive_and_drop();
-    }
-  };
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back(worker, r);
-  for (auto& th : threads) th.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-
-  const auto& last = report.epochs.back();
-  report.complete = true;
-  report.accuracy = last.accuracy;
-  report.local_accuracy_mean = last.local_accuracy_mean;
-  report.train_seconds = train_seconds;
-  report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
-  for (const auto& st : final_stats) {
-    report.rank_stats.push_back(st.to_json(-1));
-    report.bytes_sent += st.bytes_sent;
-    report.messages += st.messages_sent;
-    report.sends += st.sends;
-    report.steps += st.steps;
+  gpu_net(const mlp_config& arch, std::uint64_t seed, int device)
+      : m_host(arch), m_features(static_cast<std::size_t>(arch.inputs)), m_stream(device), m_x(static_cast<std::size_t>(arch.max_batch) * static_cast<std::size_t>(arch.inputs)),
+        m_y(static_cast<std::size_t>(arch.max_batch)), m_loss(static_cast<std::size_t>(arch.max_batch)),
+        m_dx(static_cast<std::size_t>(arch.max_batch) * static_cast<std::size_t>(arch.inputs)), m_dy(static_cast<std::size_t>(arch.max_batch)) {
+    m_host.init(seed);  // a common initial model on every worker
+    m_net = std::make_unique<gpu_mlp>(m_host, arch.max_batch, m_stream.s);
   }
-  return report;
-}
+
+  void register_tensors(model_view& view) {
+    m_net->register_tensors(view);
+    view.on_device(cuda::device(m_stream.s));
+  }
+
+  /// One step on a host batch: uploaded through pinned memory, trained on the
+  /// stream; returns the mean loss once the stream has it.
+  float train_batch(const float* x, const std::uint8_t* y, int batch, sgd_momentum& opt) {
+    const auto b = static_cast<std::size_t>(batch);
+    // The previous step's uploads are done: train_batch waited for the stream.
+    std::memcpy(m_x.data(), x, b * m_features * sizeof(float));
+    std::memcpy(m_y.data(), y, b);
+    cuda_check(cudaMemcpyAsync(m_dx.data(), m_x.data(), b * m_features * sizeof(float), cudaMemcpyHostToDevice, m_stream.s), "upload batch");
+    cuda_check(cudaMemcpyAsync(m_dy.data(), m_y.data(), b, cudaMemcpyHostToDevice, m_stream.s), "upload labels");
+    m_net->train_step(m_dx.data(), m_dy.data(), batch, opt);
+    cuda_check(cudaMemcpyAsync(m_loss.data(), m_net->loss(), b * sizeof(float), cudaMemcpyDeviceToHost, m_stream.s), "download loss");
+    cuda_check(cudaStreamSynchronize(m_stream.s), "cudaStreamSynchronize");
+    double l = 0;
+    for (std::size_t j = 0; j < b; ++j) l += m_loss.data()[j];
+    return static_cast<float>(l / batch);
+  }
+
+  void download(std::vector<float>& out) { m_net->download(out); }
+
+  double accuracy(const float* x, const std::uint8_t* y, std::size_t n) {
+    download(m_eval);
+    return m_host.accuracy_of(m_eval, x, y, n);
+  }
+  double accuracy_of(std::span<const float> params, const float* x, const std::uint8_t* y, std::size_t n) const {
+    return m_host.accuracy_of(params, x, y, n);
+  }
+
+ private:
+  /// This worker's stream, on `device` (made current for the worker's thread).
+  struct stream_owner {
+    cudaStream_t s = nullptr;
+    explicit stream_owner(int device) {
+      cuda_check(cudaSetDevice(device), "cudaSetDevice");
+      cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    }
+    stream_owner(const stream_owner&) = delete;
+    stream_owner& operator=(const stream_owner&) = delete;
+    ~stream_owner() { cudaStreamDestroy(s); }
+  };
+
+  mlp m_host;
+  std::size_t m_features;
+  stream_owner m_stream;  // outlives the buffers and the cuBLAS handle bound to it
+  pinned_array<float> m_x;
+  pinned_array<std::uint8_t> m_y;
+  pinned_array<float> m_loss;
+  device_array<float> m_dx;
+  device_array<std::uint8_t> m_dy;
+  std::unique_ptr<gpu_mlp> m_net;
+  std::vector<float> m_eval;
+};
+
+/// The common loop's factory for gpu_net, on the GPU that was current when it was made.
+struct gpu_factory {
+  int device = 0;
+
+  gpu_net operator()(const train_settings& s, const datasets& data) const {
+    return gpu_net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch},
+                   s.seed, device);
+  }
+
+  /// What this example does not do on the GPU.
+  void check(const config& cfg, const train_settings& s) const {
+    if (cfg.transport.name != "loopback")
+      throw config_error(fmt::format("{} [transport]: name '{}' is not available in this example; it runs its workers as threads sharing "
+                                     "one GPU over 'loopback'",
+                                     cfg.source, cfg.transport.name));
+    if (s.average_every > 0 || s.outer_lr != 1.0 || s.outer_momentum != 0.0 || s.probe_every > 0)
+      throw config_error(fmt::format("{} [train]: local SGD, the outer optimizer and probes (average_every, outer_lr, outer_momentum, "
+                                     "probe_every) read host parameters and are not available in this example; use examples/01_fashion_mnist",
+                                     cfg.source));
+  }
+};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Train an MLP on Fashion-MNIST on the GPU across workers that gossip only when their model drifted."};
-  std::string config_path, policy, topology, protocol, json_path;
-  int workers = 0, epochs = 0;
-  app.add_option("-c,--config", config_path, "TOML file with [policy], [topology], [protocol], [transport], [engine], [train]")->check(CLI::ExistingFile);
-  app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")");
-  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")");
-  app.add_option("--protocol", protocol, "override [protocol] name (push-sum or pairwise on the GPU)");
-  app.add_option("-n,--workers", workers, "override [train] workers (threads sharing the GPU)")->check(CLI::Range(1, 64));
-  app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
-  app.add_option("--json", json_path, "write the run report as JSON here");
-  std::vector<std::string> overrides;
-  app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set train.train_limit=5000");
-  std::string help_settings;
-  for (const auto& s : train_option_specs()) help_settings += fmt::format("  {:<20} {:<10} {}\n", s.key, to_string(s.default_value), s.help);
-  app.footer("[train] settings (key, default, meaning):\n" + help_settings);
-  CLI11_PARSE(app, argc, argv);
-
-  if (const auto why = cuda::unavailable_reason(); !why.empty()) {
-    fmt::print(stderr,
-               "fashion_mnist_cuda: no usable CUDA GPU here ({}).\n"
-               "This example trains on the GPU; examples/01_fashion_mnist (fashion_mnist) trains the same model on the CPU.\n",
-               why);
-    return 77;
-  }
-  try {
-    // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
-    const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
-    config cfg = config_path.empty() ? config(own_sections) : config::load(config_path, own_sections);
-    if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
-    if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
-    if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);
-    if (workers) cfg.apply_override(fmt::format("train.workers={}", workers));
-    if (epochs) cfg.apply_override(fmt::format("train.epochs={}", epochs));
-    for (const auto& o : overrides) cfg.apply_override(o);
-    const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
-    cudaDeviceProp prop{};
-    int dev = 0;
-    cuda_check(cudaGetDevice(&dev), "cudaGetDevice");
-    cuda_check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
-    fmt::print("libgossip {} — Fashion-MNIST on {} (GPU {}), {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION,
-               prop.name, dev, settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
-    const auto data = datasets::load(settings);
-    print_epoch_header();
-    const auto report = train_gpu(cfg, settings, data, print_epoch);
-    print_done(report);
-    if (!json_path.empty()) {
-      nlohmann::json j;
-      j["device"] = prop.name;
-      j["accuracy"] = report.accuracy;
-      j["local_accuracy_mean"] = report.local_accuracy_mean;
-      j["bytes_sent"] = report.bytes_sent;
-      j["messages"] = report.messages;
-      j["train_seconds"] = report.train_seconds;
-      j["ranks"] = nlohmann::json::array();
-      for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
-      std::ofstream(json_path) << j.dump(2) << '\n';
+  gpu_factory factory;
+  std::string device_name;
+  app_hooks hooks;
+  hooks.ready = [&](std::string& title) -> std::optional<int> {
+    if (const auto why = cuda::unavailable_reason(); !why.empty()) {
+      fmt::print(stderr,
+                 "fashion_mnist_cuda: no usable CUDA GPU here ({}).\n"
+                 "This example trains on the GPU; examples/01_fashion_mnist (fashion_mnist) trains the same model on the CPU.\n",
+                 why);
+      return 77;
     }
-  } catch (const gossip::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
-  }
-  return 0;
+    try {
+      cudaDeviceProp prop{};
+      cuda_check(cudaGetDevice(&factory.device), "cudaGetDevice");
+      cuda_check(cudaGetDeviceProperties(&prop, factory.device), "cudaGetDeviceProperties");
+      device_name = prop.name;
+    } catch (const gossip::error& e) {
+      fmt::print(stderr, "error: {}\n", e.what());
+      return 1;
+    }
+    title = fmt::format("{} on {} (GPU {})", title, device_name, factory.device);
+    return std::nullopt;
+  };
+  hooks.annotate = [&](nlohmann::json& j) { j["device"] = device_name; };
+  return fashion_mnist_main(argc, argv, "Train an MLP on Fashion-MNIST on the GPU across workers that gossip only when their model drifted.",
+                            "Fashion-MNIST", factory, hooks);
 }

@@ -1,10 +1,13 @@
 #pragma once
 // The command line and the report of the Fashion-MNIST examples: options,
 // config, per-epoch table, final line and --json. examples/01_fashion_mnist
-// (MLP) and examples/03_libtorch_cnn (libtorch CNN) differ only in the model.
+// (MLP), examples/02_fashion_mnist_cuda (the MLP on the GPU) and
+// examples/03_libtorch_cnn (libtorch CNN) differ only in the model.
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -16,10 +19,20 @@
 
 namespace gossip::examples {
 
+/// What an example may add to fashion_mnist_main.
+struct app_hooks {
+  /// Called once the command line is read: a value ends the program with it
+  /// (e.g. 77 where there is no GPU); it may complete the title.
+  std::function<std::optional<int>(std::string& title)> ready;
+  /// Adds keys to the --json report.
+  std::function<void(nlohmann::json&)> annotate;
+};
+
 /// main() of a Fashion-MNIST example training the models `make_net` makes
 /// (see mlp_factory); `title` names the run in its first line.
 template <class MakeNet = mlp_factory>
-int fashion_mnist_main(int argc, char** argv, const std::string& description, const std::string& title, const MakeNet& make_net = {}) {
+int fashion_mnist_main(int argc, char** argv, const std::string& description, std::string title, const MakeNet& make_net = {},
+                       const app_hooks& hooks = {}) {
   CLI::App app{description};
   std::string config_path, policy, topology, protocol, partition, json_path;
   int workers = 0, epochs = 0;
@@ -41,6 +54,8 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, co
   for (const auto& s : train_option_specs()) help_settings += fmt::format("  {:<20} {:<10} {}\n", s.key, to_string(s.default_value), s.help);
   app.footer("[train] settings (key, default, meaning):\n" + help_settings);
   CLI11_PARSE(app, argc, argv);
+  if (hooks.ready)
+    if (const auto code = hooks.ready(title)) return *code;
 
   try {
     // gossip-run --config passes the file as GOSSIP_CONFIG.
@@ -64,18 +79,10 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, co
       fmt::print("libgossip {} — {}, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title,
                settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
     const auto data = datasets::load(settings);
-    if (!quiet)
-      fmt::print("{:>5} {:>10} {:>12} {:>12} {:>14} {:>10} {:>9}\n", "epoch", "loss", "avg-model", "local-mean", "bytes", "sends", "train-s");
-    const auto report = train(cfg, settings, data, [](const epoch_record& e) {
-      fmt::print("{:>5} {:>10.4f} {:>11.2f}% {:>11.2f}% {:>14} {:>10} {:>9.1f}\n", e.epoch, e.train_loss, 100 * e.accuracy,
-                 100 * e.local_accuracy_mean, e.bytes_sent, e.sends, e.train_seconds);
-      std::fflush(stdout);
-    }, make_net);
+    if (!quiet) print_epoch_header();
+    const auto report = train(cfg, settings, data, print_epoch, make_net);
     if (!report.complete) return 0;  // another rank (process mode) reports
-    fmt::print("done: accuracy {:.2f}% (average model), {:.2f}% (mean of local models), {:.1f} MB sent in {} messages, "
-               "{} of {} steps sent, {:.1f} s training\n",
-               100 * report.accuracy, 100 * report.local_accuracy_mean, report.bytes_sent / 1e6, report.messages, report.sends,
-               report.steps, report.train_seconds);
+    print_done(report);
     for (const auto& d : report.dead)
       fmt::print("dead: rank {} (host {}), last model at epoch {}: {}\n", d.rank, d.host, d.last_epoch, d.reason);
     if (!report.dead.empty())
@@ -83,6 +90,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, co
                  report.survivors, settings.workers, report.lost_weight, settings.workers, report.lost_weight_estimate);
     if (!json_path.empty()) {
       nlohmann::json j;
+      if (hooks.annotate) hooks.annotate(j);
       j["accuracy"] = report.accuracy;
       j["local_accuracy_mean"] = report.local_accuracy_mean;
       j["bytes_sent"] = report.bytes_sent;

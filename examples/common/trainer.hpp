@@ -200,11 +200,18 @@ inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
   return j;
 }
 
-/// Makes each worker's model: the MLP of [train] hidden. Another model (e.g.
-/// examples/03_libtorch_cnn) comes with a factory of its own whose product has
-/// the MLP's training interface: params() (one contiguous span), tensors(),
-/// register_tensors(view), train_batch(x, y, batch, sgd_momentum&),
-/// accuracy(x, y, n) and accuracy_of(params, x, y, n).
+/// Makes each worker's model: the MLP of [train] hidden. Another model comes
+/// with a factory of its own whose product has the MLP's training interface:
+/// register_tensors(view), train_batch(x, y, batch, sgd_momentum&) (host
+/// batch in, mean loss out), accuracy(x, y, n) and accuracy_of(params, x, y, n)
+/// on host test data, and either
+///   - host parameters: params() (one contiguous span) and tensors(), whose
+///     momentum is opt.velocity (examples/03_libtorch_cnn), or
+///   - device parameters: `static constexpr bool on_device = true` and
+///     download(std::vector<float>&); the model keeps its own momentum
+///     (examples/02_fashion_mnist_cuda).
+/// A factory may also refuse settings it cannot train with: check(cfg, s),
+/// called once before any worker starts, throws config_error.
 struct mlp_factory {
   mlp operator()(const train_settings& s, const datasets& data) const {
     mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
@@ -212,6 +219,19 @@ struct mlp_factory {
     return net;
   }
 };
+
+/// True for a model whose parameters live in device memory (see mlp_factory).
+template <class Net>
+inline constexpr bool on_device_v = requires { requires Net::on_device; };
+
+/// The parameters of `net` in host memory, into `out`.
+template <class Net>
+void host_params(Net& net, std::vector<float>& out) {
+  if constexpr (on_device_v<Net>)
+    net.download(out);
+  else
+    out.assign(net.params().begin(), net.params().end());
+}
 
 /// One rank's training loop. Rank 0 evaluates the average model at each
 /// epoch boundary and fills the report.
@@ -222,16 +242,26 @@ void train_rank(int r, int world, const engine_spec& base, any_transport transpo
   const auto ri = static_cast<std::size_t>(r);
   const std::int64_t total_steps = static_cast<std::int64_t>(steps_per_epoch) * s.epochs;
   auto net = make_net(s, data);
+  using net_type = decltype(net);
   sgd_momentum opt{.lr = static_cast<float>(s.lr), .momentum = static_cast<float>(s.momentum), .weight_decay = static_cast<float>(s.weight_decay)};
-  opt.velocity.assign(net.params().size(), 0.0f);
   model_view view;
   net.register_tensors(view);
-  // The engine may make the momentum quasi-global ([engine] momentum).
-  for (const auto& t : net.tensors()) view.momentum(t.name, std::span<float>(opt.velocity).subspan(t.offset, t.count));
+  if constexpr (!on_device_v<net_type>) {
+    opt.velocity.assign(net.params().size(), 0.0f);
+    // The engine may make the momentum quasi-global ([engine] momentum).
+    for (const auto& t : net.tensors()) view.momentum(t.name, std::span<float>(opt.velocity).subspan(t.offset, t.count));
+  }
   engine eng(view, r, world, base, std::move(transport));
   const int average_every = s.average_every, rounds = s.rounds_per_average();
+  // The outer optimizer and the probes read and write host parameters (a device model's factory refuses them in check()).
   outer_optimizer outer{.lr = static_cast<float>(s.outer_lr), .momentum = static_cast<float>(s.outer_momentum)};
-  if (outer.active()) outer.start(net.params());
+  const auto outer_start = [&] {
+    if constexpr (!on_device_v<net_type>) outer.start(net.params());
+  };
+  const auto outer_step = [&] {
+    if constexpr (!on_device_v<net_type>) outer.step(net.params());
+  };
+  if (outer.active()) outer_start();
   lr_schedule sched{.type = s.schedule, .base = static_cast<float>(s.lr), .warmup_steps = s.warmup_steps};
   batch_stream batches(shards[ri], s.seed * 1000003u + static_cast<std::uint64_t>(r));
   std::vector<std::uint32_t> idx(static_cast<std::size_t>(s.batch));
@@ -254,12 +284,13 @@ void train_rank(int r, int world, const engine_spec& base, any_transport transpo
       if (average_every > 0 && (t + 1) % average_every == 0) {
         // An averaging point: the rounds of averaging_schedule, no local update in between.
         for (int k = 0; k < rounds; ++k) eng.step({.lr = opt.lr, .loss = loss});
-        if (outer.active()) outer.step(net.params());
+        if (outer.active()) outer_step();
       } else if (average_every == 0 && outer.active() && res.merged > 0) {
-        outer.step(net.params());  // gossip: an outer step at each merge
+        outer_step();  // gossip: an outer step at each merge
       }
-      if (s.probe_every > 0 && (t + 1) % s.probe_every == 0)
-        exchange.probe(r, t + 1, {net.params(), eng.weight(), eng.consensus(), opt.lr, eng.stats().sends}, report.timeline);
+      if constexpr (!on_device_v<net_type>)
+        if (s.probe_every > 0 && (t + 1) % s.probe_every == 0)
+          exchange.probe(r, t + 1, {net.params(), eng.weight(), eng.consensus(), opt.lr, eng.stats().sends}, report.timeline);
     }
     train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - phase_start).count();
     const bool last = epoch + 1 == s.epochs;
@@ -269,8 +300,9 @@ void train_rank(int r, int world, const engine_spec& base, any_transport transpo
     mine.local_accuracy = net.accuracy(data.test.images.data(), data.test.labels.data(), data.test.size());
     mine.weight = eng.weight();
     mine.bytes_sent = st.bytes_sent, mine.messages = st.messages_sent, mine.sends = st.sends, mine.steps = st.steps;
-    mine.params.assign(net.params().begin(), net.params().end());
+    host_params(net, mine.params);
     if (last) mine.stats_json = st.to_json(-1);
+    const std::size_t mine_size = mine.params.size();
     mine.dead = st.dead_peers;
     mine.lost_weight = st.lost_weight;
     auto all = exchange.gather(r, epoch, std::move(mine), [&] {
@@ -279,7 +311,7 @@ void train_rank(int r, int world, const engine_spec& base, any_transport transpo
     });
     if (r != 0) continue;
     // A worker thread that failed left its slot empty (its error is rethrown after the join).
-    std::erase_if(all, [&](const rank_epoch& e) { return e.params.size() != net.params().size(); });
+    std::erase_if(all, [&](const rank_epoch& e) { return e.params.size() != mine_size; });
     if (all.empty()) continue;
     const double live = static_cast<double>(all.size());
     const auto avg = push_sum_average(all, [](const rank_epoch& e) -> const std::vector<float>& { return e.params; },
@@ -367,6 +399,7 @@ inline bool runs_as_processes(const config& cfg) { return cfg.transport.name == 
 template <class MakeNet = mlp_factory>
 run_report train(const config& cfg, const train_settings& s, const datasets& data,
                  const std::function<void(const epoch_record&)>& on_epoch = {}, const MakeNet& make_net = {}) {
+  if constexpr (requires { make_net.check(cfg, s); }) make_net.check(cfg, s);
   const engine_spec base = detail::engine_spec_for(cfg, s);
   run_report report;
   const auto wall_start = std::chrono::steady_clock::now();
