@@ -43,8 +43,12 @@ def main():
         # still on the wire lets one rank send far more than the other, and
         # push-sum then hands it almost all the weight (measured: 0.002 vs
         # 1.998), so the average follows that rank's data instead of both.
+        # max_lead: with equal sends, a rank that runs steps ahead of the other
+        # halves its weight at each send before the other's share arrives
+        # (measured without it: 0.000 vs 2.000 in some runs, and the bias
+        # then lands anywhere in 0.3 … 0.65); 2 steps bounds that.
         eng = gossip.Engine(model.named_parameters(), optimizer=opt,
-                            config={"policy": {"name": "periodic", "every": 2}, "engine": {"wait_when_busy": True}})
+                            config={"policy": {"name": "periodic", "every": 2}, "engine": {"wait_when_busy": True, "max_lead": 2}})
         buffers = [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
         data = torch.Generator().manual_seed(rank)
         for _ in range(steps):
