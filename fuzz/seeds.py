@@ -128,6 +128,29 @@ put("ucx_header", "small", wire(4, 16))
 put("ucx_header", "unknown-sender", wire(3, 16))
 put("ucx_header", "too-long", wire(2, 4100))
 
+# codec: byte 0 bit 0 picks the mode (fuzz_codec.cpp). Mode 0: payloads for
+# tensors of 120 and 7 values (bit 1: primed); mode 1: a codec pick and the
+# floats of two models.
+def segment(kind, body, param=0, flags=0, index_mode=0):
+    size = (16 + len(body) + 7) // 8 * 8
+    return struct.pack("<BBHIQ", kind, index_mode, flags, param, size) + body + bytes(size - 16 - len(body))
+
+
+def payload(*segments):
+    return struct.pack("<IIQ", 0x43445347, 2, 127) + b"".join(segments)
+
+
+f32 = lambda n, v=0.25: struct.pack("<%df" % n, *[v * (i % 5 - 2) for i in range(n)])
+put("codec", "fp32", b"\0" + payload(segment(0, f32(120)), segment(0, f32(7))))
+put("codec", "fp16-reset", b"\0" + payload(segment(1, struct.pack("<120e", *[0.5] * 120), flags=1), segment(1, struct.pack("<7e", *[1.0] * 7), flags=1)))
+put("codec", "int8", b"\2" + payload(segment(2, struct.pack("<8f", *[0.01] * 8) + bytes(range(120)), param=16),
+                                      segment(2, struct.pack("<f", 0.1) + bytes(7), param=16)))
+put("codec", "topk-gaps", b"\2" + payload(segment(3, f32(3) + bytes([4, 50, 60]), param=3, index_mode=1), segment(0, f32(7))))
+put("codec", "randomk-bitmap", b"\2" + payload(segment(4, f32(2) + bytes([1] + [0] * 13 + [0x80]), param=2), segment(0, f32(7))))
+put("codec", "lowrank", b"\2" + payload(segment(5, struct.pack("<II", 10, 12) + f32(44), param=2), segment(1, struct.pack("<7e", *[1.0] * 7))))
+for pick in range(6):
+    put("codec", "round-trip-%d" % pick, bytes([1, pick]) + f32(127, 0.5) + f32(127, 0.75))
+
 # idx: a 16-bit length of the images file, the images file, the labels file.
 def idx_pair(n, rows, cols, gz=False):
     images = struct.pack(">IIII", 0x803, n, rows, cols) + bytes((i * 37) % 256 for i in range(n * rows * cols))

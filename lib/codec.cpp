@@ -112,12 +112,15 @@ struct int8_block {
 };
 int8_block int8_scale(std::uint32_t top) noexcept {
   float amax = std::bit_cast<float>(top);
-  if (!std::isfinite(amax)) amax = 0;  // a non-finite change is not sent; it stays in the residual
-  return {amax / 127.0f, amax > 0 ? 127.0f / amax : 0.0f};
+  // A non-finite change is not sent, nor one so small that 127 / max overflows
+  // (subnormal): both stay in the residual, and inv 0 keeps NaN out of the int conversion.
+  const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+  if (!std::isfinite(amax) || !std::isfinite(inv)) return {0.0f, 0.0f};
+  return {amax / 127.0f, inv};
 }
 void int8_quantize_scalar(const float* xb, float* hb, std::size_t m, int8_block s, std::int8_t* qb) noexcept {
   for (std::size_t i = 0; i < m; ++i) {
-    const float v = (xb[i] - hb[i]) * s.inv;
+    const float v = s.inv == 0 ? 0.0f : (xb[i] - hb[i]) * s.inv;
     const float r = std::clamp(v + (v >= 0 ? 0.5f : -0.5f), -127.0f, 127.0f);
     const auto c = static_cast<std::int8_t>(static_cast<int>(r));
     qb[i] = c;
@@ -269,6 +272,23 @@ std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32
 
 decode_status fail(const char* what) noexcept { return decode_status{what, 0}; }
 
+// Bytes of a segment's body (header excluded, unpadded) under a dense kind.
+std::size_t dense_body_bytes(codec_kind k, std::size_t n, std::size_t block) noexcept {
+  switch (k) {
+    case codec_kind::fp16: return n * 2;
+    case codec_kind::int8: return (n + block - 1) / block * 4 + n;
+    default: return n * sizeof(float);
+  }
+}
+std::size_t lowrank_segment_bytes(std::size_t rows, std::size_t cols, std::size_t r) noexcept {
+  return pad8(sizeof(codec_segment) + 2 * sizeof(std::uint32_t) + r * (rows + cols) * sizeof(float));
+}
+// Starting directions of a power iteration: uniform in [−1, 1).
+void seed_directions(float* q, std::size_t n, std::uint64_t seed) noexcept {
+  std::uint64_t s = seed ^ 0x6a09e667f3bcc909ull;
+  for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1p-52 - 1.0);
+}
+
 }  // namespace
 
 std::string_view to_string(codec_kind k) noexcept {
@@ -278,12 +298,32 @@ std::string_view to_string(codec_kind k) noexcept {
     case codec_kind::int8: return "int8";
     case codec_kind::topk: return "topk";
     case codec_kind::randomk: return "randomk";
+    case codec_kind::lowrank: return "lowrank";
   }
   return "?";
 }
 
 codec::codec(codec_settings s, std::string name) : m_settings(s), m_name(name.empty() ? std::string(to_string(s.kind)) : std::move(name)) {
   GOSSIP_ASSERT(m_settings.block > 0, "codec block size must be positive");
+  GOSSIP_ASSERT(m_settings.rank > 0, "codec rank must be positive");
+  GOSSIP_ASSERT(m_settings.fallback == codec_kind::none || m_settings.fallback == codec_kind::fp16 || m_settings.fallback == codec_kind::int8,
+                "a lowrank codec falls back to none, fp16 or int8");
+}
+
+codec_kind codec::kind_for(std::size_t count, std::size_t rows) const noexcept {
+  if (count < m_settings.min_elements) return codec_kind::none;
+  if (m_settings.kind != codec_kind::lowrank) return m_settings.kind;
+  const codec_kind fb = m_settings.fallback;
+  if (rows == 0 || count % rows != 0) return fb;
+  const std::size_t cols = count / rows, r = m_settings.rank;
+  if (r > std::min(rows, cols)) return fb;
+  // Factored only where P and Qᵀ are smaller than what the fallback sends.
+  if (lowrank_segment_bytes(rows, cols, r) >= pad8(sizeof(codec_segment) + dense_body_bytes(fb, count, m_settings.block))) return fb;
+  return codec_kind::lowrank;
+}
+
+std::size_t codec::state_floats(std::size_t count, std::size_t rows) const noexcept {
+  return kind_for(count, rows) == codec_kind::lowrank ? m_settings.rank * (count / rows) : 0;
 }
 
 std::size_t codec::kept(std::size_t count) const noexcept {
@@ -297,6 +337,7 @@ std::size_t codec::segment_capacity(std::size_t count) const noexcept {
   switch (kind_for(count)) {
     case codec_kind::none: return full;
     case codec_kind::fp16: return full;
+    case codec_kind::lowrank: return full;  // smaller than its fallback by construction
     case codec_kind::int8: return std::max(full, pad8(sizeof(codec_segment) + (count + m_settings.block - 1) / m_settings.block * 4 + count));
     case codec_kind::topk:
     case codec_kind::randomk: return std::max(full, pad8(sizeof(codec_segment) + kept(count) * sizeof(float) + (count + 7) / 8));
@@ -310,7 +351,7 @@ std::size_t codec::payload_capacity(std::span<const std::size_t> counts) const n
   return b;
 }
 
-void codec::prepare(std::size_t max_count) {
+void codec::prepare(std::size_t max_count, std::size_t max_side) {
   if (max_count > std::numeric_limits<std::uint32_t>::max())
     throw config_error(fmt::format("codec '{}': a tensor of {} values is too large (at most 2^32 − 1 per tensor)", m_name, max_count));
   if (m_settings.kind == codec_kind::topk) {
@@ -318,12 +359,110 @@ void codec::prepare(std::size_t max_count) {
     m_indices.resize(max_count + 1);
   } else if (m_settings.kind == codec_kind::randomk) {
     m_indices.resize(kept(max_count) + 1);
+  } else if (m_settings.kind == codec_kind::lowrank && max_count > 0) {
+    m_factors.resize(m_settings.rank * (max_side == any_side ? max_count + 1 : max_side));
   }
 }
 
-std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed) noexcept {
+void lowrank_apply(const float* p, const float* q, std::size_t rows, std::size_t cols, std::size_t r, float* hat) noexcept {
+  for (std::size_t i = 0; i < rows; ++i) {
+    const float* pi = p + i * r;
+    float* hi = hat + i * cols;
+    for (std::size_t j = 0; j < cols; ++j) {
+      const float* qj = q + j * r;
+      float v = 0;
+      for (std::size_t k = 0; k < r; ++k) v += pi[k] * qj[k];
+      hi[j] += v;
+    }
+  }
+}
+
+// One warm-started power-iteration step on M = x − x̂ (rows × cols):
+// P = M·Q, orthonormalized; Q = Mᵀ·P; send P and Q (Q rather than Qᵀ: both
+// are read row by row), x̂ += P·Qᵀ, and keep Q to start the next send from.
+// The products accumulate in double; what is sent, and applied on both
+// sides, is their fp32 rounding.
+std::size_t codec::encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
+                                  float* state) noexcept {
+  const std::size_t r = m_settings.rank;
+  double* P = m_factors.data();
+  double* Q = P + rows * r;
+  std::fill(P, P + (rows + cols) * r, 0.0);
+  for (std::size_t i = 0; i < rows; ++i) {
+    const float *xi = x + i * cols, *hi = hat + i * cols;
+    double* pi = P + i * r;
+    for (std::size_t j = 0; j < cols; ++j) {
+      const double d = static_cast<double>(xi[j] - hi[j]);
+      const float* qj = state + j * r;
+      for (std::size_t k = 0; k < r; ++k) pi[k] += d * static_cast<double>(qj[k]);
+    }
+  }
+  // Gram–Schmidt, twice over (one pass loses orthogonality on nearly
+  // dependent columns); a column that does not stand out of the others is dropped.
+  for (std::size_t k = 0; k < r; ++k) {
+    double before = 0;
+    for (std::size_t i = 0; i < rows; ++i) before += P[i * r + k] * P[i * r + k];
+    for (int pass = 0; pass < 2; ++pass)
+      for (std::size_t l = 0; l < k; ++l) {
+        double dot = 0;
+        for (std::size_t i = 0; i < rows; ++i) dot += P[i * r + l] * P[i * r + k];
+        for (std::size_t i = 0; i < rows; ++i) P[i * r + k] -= dot * P[i * r + l];
+      }
+    double norm = 0;
+    for (std::size_t i = 0; i < rows; ++i) norm += P[i * r + k] * P[i * r + k];
+    const double scale = norm > 1e-8 * before && std::isfinite(norm) ? 1.0 / std::sqrt(norm) : 0.0;
+    for (std::size_t i = 0; i < rows; ++i) P[i * r + k] *= scale;
+  }
+  bool finite = true;
+  for (std::size_t i = 0; i < rows; ++i) {
+    const float *xi = x + i * cols, *hi = hat + i * cols;
+    const double* pi = P + i * r;
+    for (std::size_t j = 0; j < cols; ++j) {
+      const double d = static_cast<double>(xi[j] - hi[j]);
+      double* qj = Q + j * r;
+      for (std::size_t k = 0; k < r; ++k) qj[k] += d * pi[k];
+    }
+  }
+  for (std::size_t j = 0; j < cols * r; ++j) finite = finite && std::isfinite(static_cast<float>(Q[j]));
+  // A non-finite change is not sent (it stays in x − x̂): the factors go out as zeros.
+  if (!finite) std::fill(P, P + (rows + cols) * r, 0.0);
+
   codec_segment sg;
-  codec_kind kind = n == 0 ? codec_kind::none : kind_for(n);
+  sg.kind = static_cast<std::uint8_t>(codec_kind::lowrank);
+  sg.param = static_cast<std::uint32_t>(r);
+  const std::uint32_t shape[2] = {static_cast<std::uint32_t>(rows), static_cast<std::uint32_t>(cols)};
+  std::byte* body = out + sizeof sg;
+  std::memcpy(body, shape, sizeof shape);
+  auto* pf = reinterpret_cast<float*>(body + sizeof shape);
+  float* qf = pf + rows * r;
+  for (std::size_t i = 0; i < (rows + cols) * r; ++i) pf[i] = static_cast<float>(P[i]);
+  lowrank_apply(pf, qf, rows, cols, r, hat);
+  // Q starts the next send; a direction that vanished (no change along it) starts again at random.
+  std::memcpy(state, qf, cols * r * sizeof(float));
+  std::uint64_t s = seed;
+  for (std::size_t k = 0; k < r; ++k) {
+    bool zero = true;
+    for (std::size_t j = 0; j < cols && zero; ++j) zero = state[j * r + k] == 0.0f;
+    if (zero)
+      for (std::size_t j = 0; j < cols; ++j) state[j * r + k] = static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1p-52 - 1.0);
+  }
+  const std::size_t used = sizeof sg + sizeof shape + (rows + cols) * r * sizeof(float);
+  sg.bytes = pad8(used);
+  std::memset(out + used, 0, sg.bytes - used);
+  std::memcpy(out, &sg, sizeof sg);
+  return sg.bytes;
+}
+
+std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed, std::size_t rows,
+                          float* state) noexcept {
+  codec_segment sg;
+  codec_kind kind = n == 0 ? codec_kind::none : kind_for(n, rows);
+  // No state to warm-start from, or no scratch prepared for this shape: the fallback.
+  if (kind == codec_kind::lowrank && (state == nullptr || m_factors.size() < m_settings.rank * (rows + n / rows))) kind = m_settings.fallback;
+  if (kind == codec_kind::lowrank) {
+    if (!absolute) return encode_lowrank(x, hat, rows, n / rows, out, seed, state);
+    seed_directions(state, state_floats(n, rows), seed);  // the first message is x in fp32; the next starts from random directions
+  }
   if (absolute && (kind == codec_kind::fp16 || kind == codec_kind::int8)) {
     std::fill(hat, hat + n, 0.0f);  // both sides start this stream's x̂ from zero
     sg.flags = codec_segment::reset;
@@ -368,14 +507,16 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       // A threshold from a sample of |x − x̂| (no sort of the tensor): aimed at
       // about 1.15 k values, then trimmed to k exactly below.
       const std::size_t samples = std::min(n, std::max<std::size_t>(4096, static_cast<std::size_t>(256.0 / m_settings.ratio)));
+      // A NaN change counts as none (it is never selected below, and would break nth_element's ordering).
+      auto magnitude = [&](std::size_t i) {
+        const float a = std::fabs(x[i] - hat[i]);
+        return a == a ? a : 0.0f;
+      };
       if (samples == n) {
-        for (std::size_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i] - hat[i]);
+        for (std::size_t i = 0; i < n; ++i) mag[i] = magnitude(i);
       } else {
         std::uint64_t s = seed;
-        for (std::size_t j = 0; j < samples; ++j) {
-          const std::size_t i = below(s, n);
-          mag[j] = std::fabs(x[i] - hat[i]);
-        }
+        for (std::size_t j = 0; j < samples; ++j) mag[j] = magnitude(below(s, n));
       }
       const auto above = std::min(samples, static_cast<std::size_t>(std::ceil(1.15 * static_cast<double>(k) * static_cast<double>(samples) / static_cast<double>(n))));
       const std::size_t nth = samples - std::max<std::size_t>(above, 1);
@@ -401,6 +542,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       }
       return write_sparse(x, hat, {cand, c}, n, out, kind);
     }
+    case codec_kind::lowrank: break;  // encoded above
   }
   sg.bytes = pad8(used);
   std::memset(out + used, 0, sg.bytes - used);
@@ -421,6 +563,22 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
   if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
   if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
   switch (kind) {
+    case codec_kind::lowrank: {
+      const std::size_t r = sg.param;
+      std::uint32_t shape[2];
+      if (room < sizeof shape) return fail("a lowrank segment's shape is truncated");
+      std::memcpy(shape, body, sizeof shape);
+      const std::size_t rows = shape[0], cols = shape[1];
+      if (r == 0 || rows == 0 || cols == 0) return fail("a lowrank segment has rank, rows or cols 0");
+      if (rows * cols != n) return fail("a lowrank segment's shape does not match the tensor");
+      if (r > std::min(rows, cols)) return fail("a lowrank segment's rank exceeds its shape");
+      if (sg.bytes != lowrank_segment_bytes(rows, cols, r)) return fail("a lowrank segment's size does not match its shape and rank");
+      const auto* p = reinterpret_cast<const float*>(body + sizeof shape);
+      for (std::size_t i = 0; i < (rows + cols) * r; ++i)
+        if (!std::isfinite(p[i])) return fail("a lowrank segment has a non-finite factor");
+      lowrank_apply(p, p + rows * r, rows, cols, r, hat);
+      return {};
+    }
     case codec_kind::none:
       if (sg.bytes != pad8(sizeof sg + n * sizeof(float))) return fail("an fp32 segment's size does not match the tensor");
       std::memcpy(hat, body, n * sizeof(float));
@@ -529,6 +687,12 @@ codec_registry_t& codec_registry() {
       s.min_elements = static_cast<std::size_t>(m);
       return s;
     };
+    auto block = [](const options& o) {
+      const auto b = o.integer("block");
+      if (b < 1 || b > (std::int64_t{1} << 24))
+        throw config_error(fmt::format("{}: key 'block' must be in 1..16777216, got {}", o.where("block"), b));
+      return static_cast<std::size_t>(b);
+    };
     auto ratio = [](const options& o) {
       const double r = o.real("ratio");
       if (!(r > 0 && r <= 1)) throw config_error(fmt::format("{}: key 'ratio' must be in (0, 1], got {}", o.where("ratio"), r));
@@ -539,12 +703,9 @@ codec_registry_t& codec_registry() {
            [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
     c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",
            {{"block", std::int64_t{256}, "values per scale"}, min_elements},
-           [base](const options& o) {
+           [base, block](const options& o) {
              auto s = base(o, codec_kind::int8);
-             const auto b = o.integer("block");
-             if (b < 1 || b > (std::int64_t{1} << 24))
-               throw config_error(fmt::format("{}: key 'block' must be in 1..16777216, got {}", o.where("block"), b));
-             s.block = static_cast<std::size_t>(b);
+             s.block = block(o);
              return codec(s);
            }});
     c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
@@ -561,6 +722,25 @@ codec_registry_t& codec_registry() {
              auto s = base(o, codec_kind::randomk);
              s.ratio = ratio(o);
              s.seed = static_cast<std::uint64_t>(o.integer("seed"));
+             return codec(s);
+           }});
+    c.add({"lowrank", "each matrix's change as rank-r factors P·Qᵀ (PowerSGD, warm-started); other tensors by the fallback",
+           {{"rank", std::int64_t{4}, "rank of each matrix's change"},
+            {"fallback", std::string("fp16"), "codec for 1-D tensors and matrices too small to gain: none, fp16 or int8"},
+            {"block", std::int64_t{256}, "values per scale, when the fallback is int8"},
+            min_elements},
+           [base, block](const options& o) {
+             auto s = base(o, codec_kind::lowrank);
+             const auto rk = o.integer("rank");
+             if (rk < 1 || rk > 256) throw config_error(fmt::format("{}: key 'rank' must be in 1..256, got {}", o.where("rank"), rk));
+             s.rank = static_cast<std::size_t>(rk);
+             const auto& fb = o.string("fallback");
+             if (fb == "none") s.fallback = codec_kind::none;
+             else if (fb == "fp16") s.fallback = codec_kind::fp16;
+             else if (fb == "int8") s.fallback = codec_kind::int8;
+             else
+               throw config_error(fmt::format("{}: key 'fallback' must be \"none\", \"fp16\" or \"int8\", got \"{}\"", o.where("fallback"), fb));
+             s.block = block(o);
              return codec(s);
            }});
     return c;

@@ -222,6 +222,11 @@ class py_engine {
       r.data_ptr = r.tensor.attr("data_ptr");
       r.address = address_of(r.data_ptr);
       view.add(r.name, {reinterpret_cast<float*>(r.address), n});
+      // A weight (dim >= 2) is a matrix of size(0) rows, for codecs that factor them (lowrank).
+      if (r.tensor.attr("dim")().cast<int>() >= 2 && n > 0) {
+        const auto rows = r.tensor.attr("size")(0).cast<std::size_t>();
+        view.matrix(r.name, rows, n / rows);
+      }
       m_tensors.push_back(std::move(r));
     }
     if (m_tensors.empty()) throw py::value_error("gossip.Engine: no parameters were given (model.named_parameters() was empty or consumed)");

@@ -47,9 +47,10 @@ struct buffer {
 
 // Encodes x against hat (sender side) and decodes into a copy of the old hat
 // (receiver side); checks both sides agree bit for bit. Returns the segment's bytes.
-std::size_t round_trip(codec& c, const std::vector<float>& x, std::vector<float>& hat, std::vector<float>& receiver, std::uint64_t seed = 7) {
+std::size_t round_trip(codec& c, const std::vector<float>& x, std::vector<float>& hat, std::vector<float>& receiver, std::uint64_t seed = 7,
+                       std::size_t rows = 0, float* state = nullptr) {
   buffer out(c.segment_capacity(x.size()));
-  const std::size_t bytes = c.encode(x.data(), hat.data(), x.size(), out.data(), false, seed);
+  const std::size_t bytes = c.encode(x.data(), hat.data(), x.size(), out.data(), false, seed, rows, state);
   REQUIRE(bytes <= c.segment_capacity(x.size()));
   const auto st = decode_segment({out.data(), bytes}, receiver.data(), x.size(), true);
   REQUIRE(st.ok());
@@ -149,6 +150,98 @@ TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within 
       if (std::string(name) == "topk") CHECK(h == x);
       if (std::string(name) == "int8") CHECK(bytes < n * 2);
     }
+  }
+}
+
+TEST_CASE("lowrank: factors a matrix's change, warm-started, with a fallback for what it cannot factor") {
+  const std::size_t rows = 96, cols = 80, n = rows * cols;
+  auto c = make("lowrank", {{"rank", std::int64_t{4}}});
+  c.prepare(n, rows + cols);
+  CHECK(c.kind_for(n, rows) == codec_kind::lowrank);
+  CHECK(c.state_floats(n, rows) == 4 * cols);
+  CHECK(c.kind_for(n) == codec_kind::fp16);          // not declared a matrix
+  CHECK(c.kind_for(n, 7) == codec_kind::fp16);       // rows do not divide it
+  CHECK(c.kind_for(12, 3) == codec_kind::fp16);      // rank 4 > 3 rows
+  CHECK(c.kind_for(64, 8) == codec_kind::fp16);      // 4·(8+8) factors are not smaller than 64 fp16 values
+  CHECK(make("lowrank", {{"fallback", std::string("int8")}}).kind_for(n) == codec_kind::int8);
+  CHECK(make("lowrank", {{"min_elements", std::int64_t{100000}}}).kind_for(n, rows) == codec_kind::none);
+
+  const auto hat0 = normal(n, 2, 0.5f);
+  std::vector<float> state(c.state_floats(n, rows));
+  buffer first(c.segment_capacity(n));
+  {  // a stream's first message: x in fp32, and random starting directions
+    std::vector<float> hat(n), recv(n, 1.0f);
+    const auto bytes = c.encode(hat0.data(), hat.data(), n, first.data(), true, 3, rows, state.data());
+    CHECK(bytes == 16 + 4 * n);
+    REQUIRE(decode_segment({first.data(), bytes}, recv.data(), n, false).ok());
+    CHECK(recv == hat0);
+    CHECK(std::count(state.begin(), state.end(), 0.0f) == 0);
+  }
+
+  SUBCASE("a change of rank ≤ r arrives in one message, in r·(rows + cols) floats") {
+    std::vector<float> x = hat0;
+    const auto a = normal(rows * 2, 5), b = normal(cols * 2, 6);
+    for (std::size_t i = 0; i < rows; ++i)
+      for (std::size_t j = 0; j < cols; ++j) x[i * cols + j] += a[i] * b[j] + a[rows + i] * b[cols + j];
+    auto hat = hat0, recv = hat0;
+    const auto bytes = round_trip(c, x, hat, recv, 9, rows, state.data());
+    CHECK(bytes == 16 + 8 + 4 * 4 * (rows + cols));
+    double err = 0, norm = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      err += (static_cast<double>(x[i]) - hat[i]) * (static_cast<double>(x[i]) - hat[i]);
+      norm += (static_cast<double>(x[i]) - hat0[i]) * (static_cast<double>(x[i]) - hat0[i]);
+    }
+    CHECK(std::sqrt(err / norm) < 1e-5);
+  }
+  SUBCASE("a full-rank change: each message takes the residual's leading directions; error feedback delivers it all") {
+    const auto x = normal(n, 8);
+    auto hat = hat0, recv = hat0;
+    double prev = INFINITY;
+    for (int round = 0; round < 40; ++round) {
+      round_trip(c, x, hat, recv, static_cast<std::uint64_t>(round), rows, state.data());
+      double err = 0;
+      for (std::size_t i = 0; i < n; ++i) err += (static_cast<double>(x[i]) - hat[i]) * (static_cast<double>(x[i]) - hat[i]);
+      CHECK(err <= prev * (1 + 1e-6));  // the residual never grows
+      prev = err;
+    }
+    double norm = 0;
+    for (std::size_t i = 0; i < n; ++i) norm += static_cast<double>(x[i]) * x[i];
+    CHECK(std::sqrt(prev / norm) < 1e-3);  // 40 · 4 directions ≥ 80 columns
+  }
+  SUBCASE("no change sends zero factors and leaves x̂ alone; a non-finite change is not sent") {
+    auto hat = hat0, recv = hat0;
+    round_trip(c, hat0, hat, recv, 1, rows, state.data());
+    CHECK(hat == hat0);
+    auto x = normal(n, 4);
+    x[17] = std::nanf("");
+    round_trip(c, x, hat, recv, 2, rows, state.data());
+    CHECK(hat == hat0);
+    CHECK(std::count(state.begin(), state.end(), 0.0f) == 0);  // directions start again
+  }
+  SUBCASE("malformed lowrank segments are refused") {
+    auto hat = hat0;
+    const auto x = normal(n, 10);
+    buffer out(c.segment_capacity(n));
+    const auto bytes = c.encode(x.data(), hat.data(), n, out.data(), false, 1, rows, state.data());
+    const std::vector<std::byte> good(out.data(), out.data() + bytes);
+    auto refused = [&](std::size_t offset, auto value, const char* what) {
+      std::vector<std::byte> bad = good;
+      std::memcpy(bad.data() + offset, &value, sizeof value);
+      auto recv = hat0;
+      const auto st = decode_segment(bad, recv.data(), n, true);
+      REQUIRE_FALSE(st.ok());
+      CHECK(std::string(st.problem).find(what) != std::string::npos);
+    };
+    refused(4, std::uint32_t{0}, "rank, rows or cols 0");
+    refused(16, std::uint32_t{0}, "rank, rows or cols 0");
+    refused(16, std::uint32_t{rows + 1}, "shape does not match");
+    refused(16, std::uint32_t{1}, "shape does not match");
+    refused(4, std::uint32_t{81}, "rank exceeds");
+    refused(4, std::uint32_t{5}, "size does not match");
+    refused(24 + 4 * 10, std::nanf(""), "non-finite factor");
+    auto recv = hat0;
+    CHECK(std::string(decode_segment(good, recv.data(), n, false).problem).find("first full message") != std::string::npos);
+    CHECK_FALSE(decode_segment({good.data(), 20}, recv.data(), n, true).ok());
   }
 }
 
@@ -281,6 +374,14 @@ TEST_CASE("codec config: names and keys are checked, settings are listed, the sw
   }
   CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"topk\"\nratio = 0\n", "run.toml")), config_error);
   CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"int8\"\nblock = 0\n", "run.toml")), config_error);
+  CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"lowrank\"\nrank = 0\n", "run.toml")), config_error);
+  try {
+    (void)engine_spec::from(config::parse("[codec]\nname = \"lowrank\"\nfallback = \"topk\"\n", "run.toml"));
+    FAIL("expected a config error");
+  } catch (const config_error& e) {
+    CHECK(std::string(e.what()).find("'fallback' must be") != std::string::npos);
+  }
+  CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"lowrank\"\nrank = 2\nfallback = \"int8\"\n")).codec).settings().rank == 2);
 
   config c;
   c.apply_override("codec.name=int8");
@@ -314,7 +415,7 @@ static_assert(gossip::policy<coin_policy>);
 }  // namespace
 
 TEST_CASE("push-sum mass is exact under every codec and random skipped sends; the models still reach consensus; no allocation") {
-  for (const char* name : {"none", "fp16", "int8", "topk", "randomk"}) {
+  for (const char* name : {"none", "fp16", "int8", "topk", "randomk", "lowrank"}) {
     INFO("codec ", std::string(name));
     const int world = 8;
     loopback_fabric fabric(world);
@@ -325,6 +426,7 @@ TEST_CASE("push-sum mass is exact under every codec and random skipped sends; th
     std::vector<float> mean(1037 + 13, 0.0f);
     run_ranks(world, [&](int r) {
       toy_model m({1037, 13}, static_cast<std::uint64_t>(r + 1));
+      m.view.matrix("t0", 17, 61);  // factored by lowrank; t1 goes by its fallback
       auto spec = spec_of(any_policy(coin_policy{static_cast<std::uint64_t>(r + 1)}, "coin"), "exponential");
       spec.codec.name = name;
       if (std::string(name) == "topk" || std::string(name) == "randomk") spec.codec.opts.set("ratio", 0.2);

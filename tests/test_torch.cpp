@@ -29,6 +29,8 @@ TEST_CASE("torch_model views every parameter in place, by its torch name") {
     DOCTEST_CHECK(view[i].name == names[i]);
     DOCTEST_CHECK(view[i].data == params[names[i]].data_ptr<float>());
     DOCTEST_CHECK(view[i].count == static_cast<std::size_t>(params[names[i]].numel()));
+    // Weights are declared size(0) × the rest, for codecs that factor matrices; biases are not.
+    DOCTEST_CHECK(view[i].rows == (i % 2 == 0 ? static_cast<std::size_t>(params[names[i]].size(0)) : 0));
   }
   gossip::model_view prefixed;
   gossip::add_parameters(prefixed, net, "student.");

@@ -9,7 +9,9 @@
 // updates its own x̂. Bandwidth counts the fp32 model bytes (4 per value), so
 // it compares directly with memcpy of the model. Before any speed is
 // reported, each run checks that sender and receiver x̂ agree bit for bit and
-// that the reconstruction error is within the codec's bound.
+// that the reconstruction error is within the codec's bound. lowrank sees the
+// model as one matrix of --rows rows, warm-started as in a running stream
+// (its check: the residual does not grow; its cost grows with --rank).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -65,6 +67,13 @@ void check(const std::string& name, const std::vector<float>& x, const std::vect
         if (std::fabs(x[i] - sender[i]) > amax / 254.0f * 1.001f + 1e-6f)
           throw gossip::error(fmt::format("codec int8: value {} off by more than max/254 of its block", i));
     }
+  } else if (name == "lowrank") {
+    double before = 0, after = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      before += (static_cast<double>(x[i]) - base[i]) * (static_cast<double>(x[i]) - base[i]);
+      after += (static_cast<double>(x[i]) - sender[i]) * (static_cast<double>(x[i]) - sender[i]);
+    }
+    if (!(after <= before)) throw gossip::error("codec lowrank: the residual grew after one message");
   } else {
     for (std::size_t i = 0; i < n; ++i)
       if (sender[i] != base[i] && sender[i] != base[i] + (x[i] - base[i]))
@@ -80,9 +89,12 @@ int main(int argc, char** argv) {
   int repeats = 7;
   std::string out_dir;
   double ratio = 0.01;
+  std::int64_t rank = 4, rows = 1024;
   app.add_option("--sizes", sizes_mib, "model sizes in MiB (fp32)");
   app.add_option("--repeats", repeats, "timed repeats per size and codec (after one warm-up)")->check(CLI::Range(1, 1000));
   app.add_option("--ratio", ratio, "topk/randomk ratio")->check(CLI::Range(1e-6, 1.0));
+  app.add_option("--rank", rank, "lowrank rank")->check(CLI::Range(1, 256));
+  app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--out", out_dir, "write DIR/codec.json");
   CLI11_PARSE(app, argc, argv);
 
@@ -91,9 +103,10 @@ int main(int argc, char** argv) {
     gossip::component_config cfg;
   };
   std::vector<codec_case> cases;
-  for (const char* n : {"fp16", "int8", "topk", "randomk"}) {
+  for (const char* n : {"fp16", "int8", "topk", "randomk", "lowrank"}) {
     gossip::component_config c{n, gossip::options("bench [codec]")};
     if (std::string(n) == "topk" || std::string(n) == "randomk") c.opts.set("ratio", ratio);
+    if (std::string(n) == "lowrank") c.opts.set("rank", rank);
     cases.push_back({n, c});
   }
 
@@ -111,12 +124,18 @@ int main(int argc, char** argv) {
       x[i] = base[i] + 0.01f * dist(g);
     }
     std::vector<float> sender(n), receiver(n), copy(n);
+    const auto matrix_rows = static_cast<std::size_t>(rows);
+    if (n % matrix_rows != 0) throw gossip::error(fmt::format("--rows {} does not divide a model of {} values ({} MiB)", rows, n, mib));
     for (auto& cc : cases) {
       auto c = gossip::make_codec(cc.cfg);
-      c.prepare(n);
+      const std::size_t mrows = cc.name == "lowrank" ? matrix_rows : 0;
+      c.prepare(n, mrows ? mrows + n / mrows : gossip::codec::any_side);
       const std::size_t cap = c.segment_capacity(n);
       std::vector<std::uint64_t> wire((cap + 7) / 8);
       auto* out = reinterpret_cast<std::byte*>(wire.data());
+      // A running stream's state: its first (absolute) message seeded it.
+      std::vector<float> state(c.state_floats(n, mrows));
+      (void)c.encode(x.data(), copy.data(), n, out, true, 1, mrows, state.data());
       std::vector<double> enc_s, dec_s, codec_gbps, memcpy_gbps, vs;
       double best_codec = INFINITY, best_memcpy = INFINITY;
       std::size_t bytes = 0;
@@ -124,7 +143,7 @@ int main(int argc, char** argv) {
         std::memcpy(sender.data(), base.data(), n * sizeof(float));
         std::memcpy(receiver.data(), base.data(), n * sizeof(float));
         const auto t0 = clock_type::now();
-        bytes = c.encode(x.data(), sender.data(), n, out, false, static_cast<std::uint64_t>(r + 2));
+        bytes = c.encode(x.data(), sender.data(), n, out, false, static_cast<std::uint64_t>(r + 2), mrows, state.data());
         const auto t1 = clock_type::now();
         const auto st = gossip::decode_segment({out, bytes}, receiver.data(), n, true);
         const auto t2 = clock_type::now();
@@ -156,9 +175,10 @@ int main(int argc, char** argv) {
       auto js = [](const sample_stats& s) { return nlohmann::json{{"mean", s.mean}, {"sd", s.sd}, {"min", s.min}, {"max", s.max}}; };
       results.push_back({{"mib", mib},
                          {"codec", cc.name},
-                         {"options", cc.name == "int8" ? nlohmann::json{{"block", c.settings().block}}
-                                     : cc.name == "fp16" ? nlohmann::json::object()
-                                                         : nlohmann::json{{"ratio", c.settings().ratio}}},
+                         {"options", cc.name == "int8"      ? nlohmann::json{{"block", c.settings().block}}
+                                     : cc.name == "fp16"    ? nlohmann::json::object()
+                                     : cc.name == "lowrank" ? nlohmann::json{{"rank", c.settings().rank}, {"rows", mrows}}
+                                                            : nlohmann::json{{"ratio", c.settings().ratio}}},
                          {"encode_s", js(es)},
                          {"decode_s", js(ds)},
                          {"codec_gbps", js(cs)},

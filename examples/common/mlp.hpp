@@ -46,6 +46,7 @@ struct tensor_slice {
   std::string name;        ///< "fc1.weight", "fc1.bias", "fc2.weight", ...
   std::size_t offset = 0;  ///< in floats from params().data()
   std::size_t count = 0;   ///< floats
+  std::size_t rows = 0;    ///< a weight: rows of it as a row-major matrix (in; out columns); 0 for a bias
 };
 
 struct mlp_config {
@@ -213,17 +214,22 @@ class mlp {
     std::vector<tensor_slice> out;
     for (std::size_t l = 0; l < m_layers.size(); ++l) {
       const auto& L = m_layers[l];
-      out.push_back({fmt::format("fc{}.weight", l + 1), L.w_off, L.b_off - L.w_off});
+      out.push_back({fmt::format("fc{}.weight", l + 1), L.w_off, L.b_off - L.w_off, static_cast<std::size_t>(L.in)});
       out.push_back({fmt::format("fc{}.bias", l + 1), L.b_off, static_cast<std::size_t>(L.out)});
     }
     return out;
   }
 
   /// Adds every tensor to something with add(name, std::span<float>), e.g.
-  /// gossip::model_view. The spans stay valid as long as this mlp lives.
+  /// gossip::model_view, and declares the weights' shapes where the view
+  /// takes them (matrix(name, rows, cols)). The spans stay valid as long as this mlp lives.
   template <class View>
   View& register_tensors(View& view) {
-    for (auto& t : tensors()) view.add(t.name, params().subspan(t.offset, t.count));
+    for (auto& t : tensors()) {
+      view.add(t.name, params().subspan(t.offset, t.count));
+      if constexpr (requires { view.matrix(t.name, t.rows, t.count); })
+        if (t.rows) view.matrix(t.name, t.rows, t.count / t.rows);
+    }
     return view;
   }
 

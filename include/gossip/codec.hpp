@@ -9,6 +9,11 @@
 ///     name = "topk"
 ///     ratio = 0.01       # fraction of values kept per tensor
 ///
+///     [codec]
+///     name = "lowrank"
+///     rank = 4           # rank of each matrix's change
+///     fallback = "fp16"  # for 1-D tensors and matrices too small to gain
+///
 /// With a codec other than "none" the engine keeps, per outgoing stream
 /// (sender → target), the model x̂ the target holds of this sender, and sends
 /// C(x − x̂); both sides add exactly the decoded message to their x̂, so they
@@ -17,7 +22,8 @@
 /// EF21 (Richtárik et al. 2021), one per stream. A stream's first message
 /// starts x̂ from nothing, so ranks need not share an initial model: a dense
 /// codec (fp16, int8) encodes x − 0, a sparse one (topk, randomk) sends the
-/// tensor in fp32 (a fraction of it would leave x̂ mostly zero). The receiver merges its x̂ of the sender in
+/// tensor in fp32 (a fraction of it would leave x̂ mostly zero), as does
+/// lowrank. The receiver merges its x̂ of the sender in
 /// place of the sender's model; the push-sum weight travels uncompressed in
 /// the wire header.
 ///
@@ -25,6 +31,15 @@
 /// in layout order; each segment is a codec_segment header and its bytes,
 /// padded to 8. decode_payload() checks every size and index before it reads,
 /// and reports what is wrong instead of reading past the end.
+///
+/// lowrank (PowerSGD, Vogels et al. 2019) sends a rows × cols change M as
+/// P (rows × r, orthonormal columns) and Qᵀ (r × cols) with M ≈ P·Qᵀ: one
+/// power-iteration step per send, warm-started from the Q the stream sent
+/// last (`state`, kept by the caller per stream). A tensor is a matrix when
+/// the model view declares its shape (model_view::matrix); others, and
+/// matrices whose factors would not be smaller than the fallback's bytes, use
+/// the fallback codec. Both sides rebuild x̂ with the same routine
+/// (lowrank_apply) from the same fp32 factors, so their x̂ stay bit-identical.
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -38,8 +53,8 @@
 
 namespace gossip {
 
-enum class codec_kind : std::uint8_t { none = 0, fp16 = 1, int8 = 2, topk = 3, randomk = 4 };
-constexpr std::size_t codec_kind_count = 5;
+enum class codec_kind : std::uint8_t { none = 0, fp16 = 1, int8 = 2, topk = 3, randomk = 4, lowrank = 5 };
+constexpr std::size_t codec_kind_count = 6;
 std::string_view to_string(codec_kind k) noexcept;
 
 /// Payload header. `magic` also tells a codec payload from a raw fp32 model.
@@ -55,7 +70,8 @@ static_assert(sizeof(codec_payload) == 16);
 /// replace x̂ (a sparse codec's first message on a stream, or a tensor below
 /// min_elements). Any other kind: a change added to x̂, after setting x̂ to
 /// zero when `flags` has `reset` (a dense codec's first message). `param`:
-/// int8 block size, or the number of values a sparse segment keeps. `bytes`:
+/// int8 block size, the number of values a sparse segment keeps, or a lowrank
+/// segment's rank (its body: u32 rows, u32 cols, P, Qᵀ in fp32). `bytes`:
 /// the whole segment.
 struct codec_segment {
   static constexpr std::uint16_t reset = 1;
@@ -73,6 +89,8 @@ struct codec_settings {
   double ratio = 0.01;             ///< topk/randomk: fraction of values kept
   std::size_t min_elements = 0;    ///< tensors with fewer values are sent in fp32
   std::uint64_t seed = 1;          ///< randomk: seed of the kept positions (with rank and round)
+  std::size_t rank = 4;            ///< lowrank: rank of each matrix's change
+  codec_kind fallback = codec_kind::fp16;  ///< lowrank: none, fp16 or int8, for what is not a matrix worth factoring
 };
 
 /// One codec with its preallocated scratch. Not thread-safe; one per engine.
@@ -85,10 +103,12 @@ class codec {
   const std::string& name() const noexcept { return m_name; }
   /// False for "none": the engine then ships the model exactly as without a codec.
   bool compresses() const noexcept { return m_settings.kind != codec_kind::none; }
-  /// The kind used for a tensor of `count` values (none below min_elements).
-  codec_kind kind_for(std::size_t count) const noexcept {
-    return count < m_settings.min_elements ? codec_kind::none : m_settings.kind;
-  }
+  /// The kind used for a tensor of `count` values, `rows` of them when it is
+  /// a matrix (0: not one): none below min_elements; lowrank's fallback for
+  /// what it cannot factor with fewer bytes.
+  codec_kind kind_for(std::size_t count, std::size_t rows = 0) const noexcept;
+  /// Floats of per-stream state encode() keeps for such a tensor (lowrank: Qᵀ, rank × cols).
+  std::size_t state_floats(std::size_t count, std::size_t rows = 0) const noexcept;
   /// Values a sparse codec keeps of `count`.
   std::size_t kept(std::size_t count) const noexcept;
 
@@ -97,23 +117,37 @@ class codec {
   /// Most bytes of a payload for tensors of these sizes, payload header included.
   std::size_t payload_capacity(std::span<const std::size_t> counts) const noexcept;
 
-  /// Allocates scratch for tensors of up to `max_count` values (the step path then allocates nothing).
-  void prepare(std::size_t max_count);
+  /// Allocates scratch for tensors of up to `max_count` values, and matrices
+  /// of up to `max_side` rows + cols (by default as many as max_count
+  /// allows); the step path then allocates nothing.
+  static constexpr std::size_t any_side = static_cast<std::size_t>(-1);
+  void prepare(std::size_t max_count, std::size_t max_side = any_side);
 
   /// Encodes one tensor as a segment at `out` (8-byte aligned, segment_capacity
   /// bytes free): C(x − x̂), and x̂ += exactly what a receiver decodes. A tensor
   /// below min_elements: x in fp32, and x̂ ← x. `absolute` (a stream's first
   /// message): x̂ starts from zero for a dense codec, x in fp32 for the others.
-  /// `seed` varies per stream and send (randomk positions, topk sampling).
+  /// `seed` varies per stream and send (randomk positions, topk sampling,
+  /// lowrank's starting directions). `rows`: as for kind_for(); `state`:
+  /// state_floats() floats this stream keeps between calls (lowrank).
   /// Returns the segment's bytes.
-  std::size_t encode(const float* x, float* hat, std::size_t count, std::byte* out, bool absolute, std::uint64_t seed) noexcept;
+  std::size_t encode(const float* x, float* hat, std::size_t count, std::byte* out, bool absolute, std::uint64_t seed, std::size_t rows = 0,
+                     float* state = nullptr) noexcept;
 
  private:
   codec_settings m_settings;
   std::string m_name = "none";
   std::vector<float> m_sample;           // topk: sampled magnitudes
   std::vector<std::uint32_t> m_indices;  // topk/randomk: kept positions
+  std::vector<double> m_factors;         // lowrank: P and Qᵀ while they are computed
+
+  std::size_t encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
+                             float* state) noexcept;
 };
+
+/// hat (rows × cols, row-major) += P·Qᵀ, P rows × r and Qᵀ r × cols, both
+/// row-major: the one routine both ends of a lowrank stream use.
+void lowrank_apply(const float* p, const float* qt, std::size_t rows, std::size_t cols, std::size_t r, float* hat) noexcept;
 
 /// What decode_payload() found wrong; ok() when nothing.
 struct decode_status {
@@ -133,7 +167,7 @@ struct decode_status {
 [[nodiscard]] decode_status decode_segment(std::span<const std::byte> segment, float* hat, std::size_t count, bool primed) noexcept;
 
 using codec_registry_t = registry<codec>;
-/// Codecs by config name: none, fp16, int8, topk, randomk.
+/// Codecs by config name: none, fp16, int8, topk, randomk, lowrank.
 codec_registry_t& codec_registry();
 
 /// Builds the codec a [codec] section names; an unknown name is a

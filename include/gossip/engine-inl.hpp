@@ -35,6 +35,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       throw config_error(fmt::format("engine (rank {}): tensor '{}' registered a momentum buffer, but quasi-global momentum is available for "
                                      "host models only; set [engine] momentum = \"local\" or do not register it", rank, t.name));
     m_tensor_names.push_back(t.name);
+    m_rows.push_back(t.rows);
     m_elements += t.count;
   }
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
@@ -55,12 +56,17 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_layout_fingerprint = fingerprint(layout);
   m_message_bytes = sizeof(wire_header) + m_elements * sizeof(float);
   if (m_codec.compresses()) {
-    std::size_t largest = 0;
-    for (const auto& s : m_slots) {
-      m_counts.push_back(s.count);
-      largest = std::max(largest, s.count);
+    std::size_t largest = 0, side = 0;
+    for (std::size_t i = 0; i < m_slots.size(); ++i) {
+      const std::size_t n = m_slots[i].count;
+      m_counts.push_back(n);
+      largest = std::max(largest, n);
+      m_state_offset.push_back(m_state_floats);
+      const std::size_t state = m_codec.state_floats(n, m_rows[i]);
+      if (state) side = std::max(side, m_rows[i] + n / m_rows[i]);
+      m_state_floats += state;
     }
-    m_codec.prepare(largest);
+    m_codec.prepare(largest, side);
     m_message_bytes = std::max(m_message_bytes, sizeof(wire_header) + m_codec.payload_capacity(m_counts));
     // One message per target: each stream encodes against its own x̂.
     m_stream_slots = std::max<std::size_t>(1, m_topology.destinations().size());
@@ -109,6 +115,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     for (std::size_t k = 0; k < dests.size(); ++k) m_out_index[static_cast<std::size_t>(dests[k])] = static_cast<int>(k);
     m_out_hat.assign(dests.size() * m_elements, 0.0f);
     m_out_primed.assign(dests.size(), 0);
+    m_out_state.assign(dests.size() * m_state_floats, 0.0f);
     m_in_hat.assign(m_topology.sources().size() * m_elements, 0.0f);
     m_in_primed.assign(m_topology.sources().size(), 0);
     m_segment_bytes.assign(m_slots.size(), 0);

@@ -193,6 +193,10 @@ class engine {
   std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
   std::vector<char> m_out_primed, m_in_primed;  // the stream's first (full) message went through
   std::vector<std::size_t> m_counts;            // tensor sizes, layout order
+  std::vector<std::size_t> m_rows;              // per tensor: rows of a declared matrix, else 0
+  std::vector<std::size_t> m_state_offset;      // per tensor: its codec state in a stream's share of m_out_state
+  std::size_t m_state_floats = 0;               // codec state per outgoing stream (lowrank: Q of each matrix)
+  std::vector<float> m_out_state;
   std::vector<std::uint64_t> m_segment_bytes;   // per tensor: encoded bytes of the message being sent
   std::vector<std::uint64_t> m_received_bytes;  // per collected message: its wire bytes
   std::uint64_t m_last_message_bytes = 0;

@@ -26,6 +26,7 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     std::byte* out = msg_buf + sizeof(wire_header);
     float* hat = m_out_hat.data() + stream * m_elements;
     const bool absolute = !m_out_primed[stream];
+    float* state = m_out_state.data() + stream * m_state_floats;
     codec_payload ph;
     ph.tensors = static_cast<std::uint32_t>(m_slots.size());
     ph.elements = m_elements;
@@ -35,7 +36,7 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     const std::uint64_t seed = (static_cast<std::uint64_t>(m_rank) << 40) ^ (static_cast<std::uint64_t>(to) << 20) ^ (m_round * 0x9e3779b97f4a7c15ull);
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
-      const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i);
+      const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i, m_rows[i], state + m_state_offset[i]);
       m_segment_bytes[i] = b;
       at += b;
     }

@@ -54,6 +54,9 @@ struct tensor_view {
   /// The optimizer's heavy-ball momentum buffer for this tensor (same count),
   /// when the training loop lets the engine make it quasi-global; else null.
   float* momentum = nullptr;
+  /// Rows when the tensor is a row-major matrix of count / rows columns (see
+  /// model_view::matrix), which the lowrank codec factors; 0 when not declared.
+  std::size_t rows = 0;
 
   std::size_t bytes() const noexcept { return count * dtype_size(dtype); }
   std::span<float> f32() const noexcept { return {static_cast<float*>(data), count}; }
@@ -101,14 +104,24 @@ class model_view {
   ///
   ///     model.add("fc1.weight", w1).momentum("fc1.weight", v1);
   model_view& momentum(std::string_view name, std::span<float> buffer) {
-    for (auto& t : m_tensors)
-      if (t.name == name) {
-        if (buffer.size() != t.count)
-          throw error(fmt::format("model_view: momentum buffer of tensor '{}' has {} elements but the tensor has {}", name, buffer.size(), t.count));
-        t.momentum = buffer.data();
-        return *this;
-      }
-    throw error(fmt::format("model_view: momentum buffer for '{}', but no tensor has that name; add the tensor first", name));
+    auto& t = named(name, "momentum buffer");
+    if (buffer.size() != t.count)
+      throw error(fmt::format("model_view: momentum buffer of tensor '{}' has {} elements but the tensor has {}", name, buffer.size(), t.count));
+    t.momentum = buffer.data();
+    return *this;
+  }
+
+  /// Declares tensor `name` a row-major rows × cols matrix (a weight, or a
+  /// convolution kernel as out_channels × the rest), so that codecs that
+  /// factor matrices (lowrank) can; other tensors are sent whole by them.
+  ///
+  ///     model.add("fc1.weight", w1).matrix("fc1.weight", 128, 784);
+  model_view& matrix(std::string_view name, std::size_t rows, std::size_t cols) {
+    auto& t = named(name, "matrix shape");
+    if (rows == 0 || cols == 0 || rows * cols != t.count)
+      throw error(fmt::format("model_view: tensor '{}' has {} elements, not a {} x {} matrix", name, t.count, rows, cols));
+    t.rows = rows;
+    return *this;
   }
 
   /// The backend for tensors added with memory_kind::cuda, and through it the
@@ -145,6 +158,12 @@ class model_view {
   }
 
  private:
+  tensor_view& named(std::string_view name, std::string_view what) {
+    for (auto& t : m_tensors)
+      if (t.name == name) return t;
+    throw error(fmt::format("model_view: {} for '{}', but no tensor has that name; add the tensor first", what, name));
+  }
+
   std::vector<tensor_view> m_tensors;
   std::shared_ptr<const device_backend> m_device;
 };

@@ -44,6 +44,8 @@ inline model_view& add_parameters(model_view& view, const torch::nn::Module& mod
     const std::string name = prefix + item.key();
     detail::check_torch_tensor(fmt::format("parameter '{}'", name), t);
     view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
+    // A weight (dim ≥ 2) is a matrix of size(0) rows, for codecs that factor them.
+    if (t.dim() >= 2 && t.numel() > 0) view.matrix(name, static_cast<std::size_t>(t.size(0)), static_cast<std::size_t>(t.numel() / t.size(0)));
   }
   return view;
 }

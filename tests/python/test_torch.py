@@ -241,6 +241,15 @@ def test_one_rank_step_and_stats(one_rank):
         eng.step(lr=0.1)
 
 
+def test_lowrank_codec_takes_conv_and_linear_weights(one_rank):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    cfg = {"policy": {"name": "periodic", "every": 1}, "codec": {"name": "lowrank", "rank": 2}}
+    with gossip.Engine(model.named_parameters(), config=cfg) as eng:
+        for _ in range(3):
+            eng.step(lr=0.1)
+    assert eng.stats()["codec"] == "lowrank"
+
+
 def test_policies_lists_components():
     names = [p["name"] for p in gossip.policies()]
     assert {"consensus", "periodic", "drift", "never"} <= set(names)
@@ -249,5 +258,5 @@ def test_policies_lists_components():
     c = gossip.components()
     assert {"exponential", "ring"} <= {t["name"] for t in c["topology"]}
     assert "push-sum" in {p["name"] for p in c["protocol"]}
-    assert {"none", "int8", "topk"} <= {k["name"] for k in c["codec"]}
+    assert {"none", "int8", "topk", "lowrank"} <= {k["name"] for k in c["codec"]}
     assert "timeout_s" in {o["key"] for o in c["engine"]}
