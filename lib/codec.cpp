@@ -10,6 +10,7 @@
 #include <Eigen/Core>
 #include <fmt/format.h>
 
+#include "codec_detail.hpp"
 #include "did_you_mean.hpp"
 #include "gossip/error.hpp"
 
@@ -24,14 +25,9 @@ namespace {
 
 constexpr float fp16_max = 65504.0f;
 
-constexpr std::size_t pad8(std::size_t n) noexcept { return (n + 7) / 8 * 8; }
+using detail::pad8;
+using detail::splitmix;
 
-std::uint64_t splitmix(std::uint64_t& s) noexcept {
-  std::uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 // Uniform in [0, n) (Lemire's multiply-shift; the tiny bias does not matter here).
 std::size_t below(std::uint64_t& s, std::size_t n) noexcept {
   return static_cast<std::size_t>((static_cast<unsigned __int128>(splitmix(s)) * n) >> 64);
@@ -270,7 +266,7 @@ std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32
   return sg.bytes;
 }
 
-decode_status fail(const char* what) noexcept { return decode_status{what, 0}; }
+using detail::fail;
 
 // Bytes of a segment's body (header excluded, unpadded) under a dense kind.
 std::size_t dense_body_bytes(codec_kind k, std::size_t n, std::size_t block) noexcept {
@@ -279,14 +275,6 @@ std::size_t dense_body_bytes(codec_kind k, std::size_t n, std::size_t block) noe
     case codec_kind::int8: return (n + block - 1) / block * 4 + n;
     default: return n * sizeof(float);
   }
-}
-std::size_t lowrank_segment_bytes(std::size_t rows, std::size_t cols, std::size_t r) noexcept {
-  return pad8(sizeof(codec_segment) + 2 * sizeof(std::uint32_t) + r * (rows + cols) * sizeof(float));
-}
-// Starting directions of a power iteration: uniform in [−1, 1).
-void seed_directions(float* q, std::size_t n, std::uint64_t seed) noexcept {
-  std::uint64_t s = seed ^ 0x6a09e667f3bcc909ull;
-  for (std::size_t i = 0; i < n; ++i) q[i] = static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1p-52 - 1.0);
 }
 
 }  // namespace
@@ -318,7 +306,7 @@ codec_kind codec::kind_for(std::size_t count, std::size_t rows) const noexcept {
   const std::size_t cols = count / rows, r = m_settings.rank;
   if (r > std::min(rows, cols)) return fb;
   // Factored only where P and Qᵀ are smaller than what the fallback sends.
-  if (lowrank_segment_bytes(rows, cols, r) >= pad8(sizeof(codec_segment) + dense_body_bytes(fb, count, m_settings.block))) return fb;
+  if (detail::lowrank_segment_bytes(rows, cols, r) >= pad8(sizeof(codec_segment) + dense_body_bytes(fb, count, m_settings.block))) return fb;
   return codec_kind::lowrank;
 }
 
@@ -364,95 +352,6 @@ void codec::prepare(std::size_t max_count, std::size_t max_side) {
   }
 }
 
-void lowrank_apply(const float* p, const float* q, std::size_t rows, std::size_t cols, std::size_t r, float* hat) noexcept {
-  for (std::size_t i = 0; i < rows; ++i) {
-    const float* pi = p + i * r;
-    float* hi = hat + i * cols;
-    for (std::size_t j = 0; j < cols; ++j) {
-      const float* qj = q + j * r;
-      float v = 0;
-      for (std::size_t k = 0; k < r; ++k) v += pi[k] * qj[k];
-      hi[j] += v;
-    }
-  }
-}
-
-// One warm-started power-iteration step on M = x − x̂ (rows × cols):
-// P = M·Q, orthonormalized; Q = Mᵀ·P; send P and Q (Q rather than Qᵀ: both
-// are read row by row), x̂ += P·Qᵀ, and keep Q to start the next send from.
-// The products accumulate in double; what is sent, and applied on both
-// sides, is their fp32 rounding.
-std::size_t codec::encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
-                                  float* state) noexcept {
-  const std::size_t r = m_settings.rank;
-  double* P = m_factors.data();
-  double* Q = P + rows * r;
-  std::fill(P, P + (rows + cols) * r, 0.0);
-  for (std::size_t i = 0; i < rows; ++i) {
-    const float *xi = x + i * cols, *hi = hat + i * cols;
-    double* pi = P + i * r;
-    for (std::size_t j = 0; j < cols; ++j) {
-      const double d = static_cast<double>(xi[j] - hi[j]);
-      const float* qj = state + j * r;
-      for (std::size_t k = 0; k < r; ++k) pi[k] += d * static_cast<double>(qj[k]);
-    }
-  }
-  // Gram–Schmidt, twice over (one pass loses orthogonality on nearly
-  // dependent columns); a column that does not stand out of the others is dropped.
-  for (std::size_t k = 0; k < r; ++k) {
-    double before = 0;
-    for (std::size_t i = 0; i < rows; ++i) before += P[i * r + k] * P[i * r + k];
-    for (int pass = 0; pass < 2; ++pass)
-      for (std::size_t l = 0; l < k; ++l) {
-        double dot = 0;
-        for (std::size_t i = 0; i < rows; ++i) dot += P[i * r + l] * P[i * r + k];
-        for (std::size_t i = 0; i < rows; ++i) P[i * r + k] -= dot * P[i * r + l];
-      }
-    double norm = 0;
-    for (std::size_t i = 0; i < rows; ++i) norm += P[i * r + k] * P[i * r + k];
-    const double scale = norm > 1e-8 * before && std::isfinite(norm) ? 1.0 / std::sqrt(norm) : 0.0;
-    for (std::size_t i = 0; i < rows; ++i) P[i * r + k] *= scale;
-  }
-  bool finite = true;
-  for (std::size_t i = 0; i < rows; ++i) {
-    const float *xi = x + i * cols, *hi = hat + i * cols;
-    const double* pi = P + i * r;
-    for (std::size_t j = 0; j < cols; ++j) {
-      const double d = static_cast<double>(xi[j] - hi[j]);
-      double* qj = Q + j * r;
-      for (std::size_t k = 0; k < r; ++k) qj[k] += d * pi[k];
-    }
-  }
-  for (std::size_t j = 0; j < cols * r; ++j) finite = finite && std::isfinite(static_cast<float>(Q[j]));
-  // A non-finite change is not sent (it stays in x − x̂): the factors go out as zeros.
-  if (!finite) std::fill(P, P + (rows + cols) * r, 0.0);
-
-  codec_segment sg;
-  sg.kind = static_cast<std::uint8_t>(codec_kind::lowrank);
-  sg.param = static_cast<std::uint32_t>(r);
-  const std::uint32_t shape[2] = {static_cast<std::uint32_t>(rows), static_cast<std::uint32_t>(cols)};
-  std::byte* body = out + sizeof sg;
-  std::memcpy(body, shape, sizeof shape);
-  auto* pf = reinterpret_cast<float*>(body + sizeof shape);
-  float* qf = pf + rows * r;
-  for (std::size_t i = 0; i < (rows + cols) * r; ++i) pf[i] = static_cast<float>(P[i]);
-  lowrank_apply(pf, qf, rows, cols, r, hat);
-  // Q starts the next send; a direction that vanished (no change along it) starts again at random.
-  std::memcpy(state, qf, cols * r * sizeof(float));
-  std::uint64_t s = seed;
-  for (std::size_t k = 0; k < r; ++k) {
-    bool zero = true;
-    for (std::size_t j = 0; j < cols && zero; ++j) zero = state[j * r + k] == 0.0f;
-    if (zero)
-      for (std::size_t j = 0; j < cols; ++j) state[j * r + k] = static_cast<float>(static_cast<double>(splitmix(s) >> 11) * 0x1p-52 - 1.0);
-  }
-  const std::size_t used = sizeof sg + sizeof shape + (rows + cols) * r * sizeof(float);
-  sg.bytes = pad8(used);
-  std::memset(out + used, 0, sg.bytes - used);
-  std::memcpy(out, &sg, sizeof sg);
-  return sg.bytes;
-}
-
 std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed, std::size_t rows,
                           float* state) noexcept {
   codec_segment sg;
@@ -461,7 +360,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
   if (kind == codec_kind::lowrank && (state == nullptr || m_factors.size() < m_settings.rank * (rows + n / rows))) kind = m_settings.fallback;
   if (kind == codec_kind::lowrank) {
     if (!absolute) return encode_lowrank(x, hat, rows, n / rows, out, seed, state);
-    seed_directions(state, state_floats(n, rows), seed);  // the first message is x in fp32; the next starts from random directions
+    detail::seed_directions(state, state_floats(n, rows), seed);  // the first message is x in fp32; the next starts from random directions
   }
   if (absolute && (kind == codec_kind::fp16 || kind == codec_kind::int8)) {
     std::fill(hat, hat + n, 0.0f);  // both sides start this stream's x̂ from zero
@@ -563,22 +462,7 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
   if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
   if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
   switch (kind) {
-    case codec_kind::lowrank: {
-      const std::size_t r = sg.param;
-      std::uint32_t shape[2];
-      if (room < sizeof shape) return fail("a lowrank segment's shape is truncated");
-      std::memcpy(shape, body, sizeof shape);
-      const std::size_t rows = shape[0], cols = shape[1];
-      if (r == 0 || rows == 0 || cols == 0) return fail("a lowrank segment has rank, rows or cols 0");
-      if (rows * cols != n) return fail("a lowrank segment's shape does not match the tensor");
-      if (r > std::min(rows, cols)) return fail("a lowrank segment's rank exceeds its shape");
-      if (sg.bytes != lowrank_segment_bytes(rows, cols, r)) return fail("a lowrank segment's size does not match its shape and rank");
-      const auto* p = reinterpret_cast<const float*>(body + sizeof shape);
-      for (std::size_t i = 0; i < (rows + cols) * r; ++i)
-        if (!std::isfinite(p[i])) return fail("a lowrank segment has a non-finite factor");
-      lowrank_apply(p, p + rows * r, rows, cols, r, hat);
-      return {};
-    }
+    case codec_kind::lowrank: return detail::decode_lowrank(sg, body, room, hat, n);
     case codec_kind::none:
       if (sg.bytes != pad8(sizeof sg + n * sizeof(float))) return fail("an fp32 segment's size does not match the tensor");
       std::memcpy(hat, body, n * sizeof(float));
