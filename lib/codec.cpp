@@ -305,7 +305,7 @@ codec_kind codec::kind_for(std::size_t count, std::size_t rows) const noexcept {
   if (rows == 0 || count % rows != 0) return fb;
   const std::size_t cols = count / rows, r = m_settings.rank;
   if (r > std::min(rows, cols)) return fb;
-  // Factored only where P and Qᵀ are smaller than what the fallback sends.
+  // Factored only where P and Q are smaller than what the fallback sends.
   if (detail::lowrank_segment_bytes(rows, cols, r) >= pad8(sizeof(codec_segment) + dense_body_bytes(fb, count, m_settings.block))) return fb;
   return codec_kind::lowrank;
 }

@@ -33,7 +33,7 @@
 /// and reports what is wrong instead of reading past the end.
 ///
 /// lowrank (PowerSGD, Vogels et al. 2019) sends a rows × cols change M as
-/// P (rows × r, orthonormal columns) and Qᵀ (r × cols) with M ≈ P·Qᵀ: one
+/// P (rows × r, orthonormal columns) and Q (cols × r) with M ≈ P·Qᵀ: one
 /// power-iteration step per send, warm-started from the Q the stream sent
 /// last (`state`, kept by the caller per stream). A tensor is a matrix when
 /// the model view declares its shape (model_view::matrix); others, and
@@ -71,7 +71,7 @@ static_assert(sizeof(codec_payload) == 16);
 /// min_elements). Any other kind: a change added to x̂, after setting x̂ to
 /// zero when `flags` has `reset` (a dense codec's first message). `param`:
 /// int8 block size, the number of values a sparse segment keeps, or a lowrank
-/// segment's rank (its body: u32 rows, u32 cols, P, Qᵀ in fp32). `bytes`:
+/// segment's rank (its body: u32 rows, u32 cols, then P and Q, row-major fp32). `bytes`:
 /// the whole segment.
 struct codec_segment {
   static constexpr std::uint16_t reset = 1;
@@ -107,7 +107,7 @@ class codec {
   /// a matrix (0: not one): none below min_elements; lowrank's fallback for
   /// what it cannot factor with fewer bytes.
   codec_kind kind_for(std::size_t count, std::size_t rows = 0) const noexcept;
-  /// Floats of per-stream state encode() keeps for such a tensor (lowrank: Qᵀ, rank × cols).
+  /// Floats of per-stream state encode() keeps for such a tensor (lowrank: Q, cols × rank).
   std::size_t state_floats(std::size_t count, std::size_t rows = 0) const noexcept;
   /// Values a sparse codec keeps of `count`.
   std::size_t kept(std::size_t count) const noexcept;
@@ -139,15 +139,15 @@ class codec {
   std::string m_name = "none";
   std::vector<float> m_sample;           // topk: sampled magnitudes
   std::vector<std::uint32_t> m_indices;  // topk/randomk: kept positions
-  std::vector<double> m_factors;         // lowrank: P and Qᵀ while they are computed
+  std::vector<double> m_factors;         // lowrank: P and Q while they are computed
 
   std::size_t encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
                              float* state) noexcept;
 };
 
-/// hat (rows × cols, row-major) += P·Qᵀ, P rows × r and Qᵀ r × cols, both
+/// hat (rows × cols, row-major) += P·Qᵀ, P rows × r and Q cols × r, both
 /// row-major: the one routine both ends of a lowrank stream use.
-void lowrank_apply(const float* p, const float* qt, std::size_t rows, std::size_t cols, std::size_t r, float* hat) noexcept;
+void lowrank_apply(const float* p, const float* q, std::size_t rows, std::size_t cols, std::size_t r, float* hat) noexcept;
 
 /// What decode_payload() found wrong; ok() when nothing.
 struct decode_status {
