@@ -92,8 +92,9 @@ const std::vector<option_spec>& engine_option_specs() {
       {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},
       {"wait_when_busy", false, "when the policy fires but every send buffer is still on the wire, wait (true) or skip the send (false)",
        "GOSSIP_WAIT_WHEN_BUSY"},
-      {"momentum", std::string("quasi-global"),
-       "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included) or local (left alone)",
+      {"momentum", std::string("auto"),
+       "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
+       "alone), or auto (quasi-global where ranks run in lockstep, as loopback threads; local over asynchronous transports such as UCX)",
        "GOSSIP_MOMENTUM"},
       {"max_lead", std::int64_t{0},
        "wait at a step while this rank is more than max_lead steps ahead of the newest step a peer's message carried (0: never; "

@@ -241,6 +241,8 @@ class py_engine {
     any_transport transport = make_transport(cfg, id, spec.settings.timeout);
     py::gil_scoped_release unlocked;  // connecting waits for peers
     m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
+    // [engine] momentum = auto keeps the buffers local over UCX: lr is then optional.
+    m_has_momentum = m_has_momentum && m_engine->stats().momentum == "quasi-global";
   }
 
   py_engine(const py_engine&) = delete;
@@ -504,8 +506,9 @@ PYBIND11_MODULE(gossip, m) {
 named_parameters: (name, tensor) pairs or a dict; contiguous float32 CPU tensors,
   used in place (no copy): update them in place (optimizer.step()).
 config: a TOML file path, a dict {section: {key: value}} in the same format, or None.
-optimizer: a torch.optim.SGD with momentum whose buffers become quasi-global
-  ([engine] momentum); leave it out to keep the optimizer's state local.
+optimizer: a torch.optim.SGD with momentum whose buffers may become quasi-global
+  ([engine] momentum: auto, the default, keeps them local over UCX between
+  processes; "quasi-global" forces it); leave it out to keep them local.
 app_sections: sections of the program's own that the config file may hold; a
   [train] workers key must equal the world size.
 Rank and world come from torchrun (RANK, WORLD_SIZE) or GOSSIP_RANK/GOSSIP_WORLD_SIZE;

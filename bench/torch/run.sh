@@ -4,7 +4,7 @@
 # network namespace behind a rate-limited veth link.
 #
 #   bash bench/torch/run.sh BUILD [--quick] [--rate MBIT] [--seeds N] [--out DIR] [--check-args]
-#                                 [--delay-ms MS] [--train-limit N] [--epochs N] [--momentum quasi-global|local]
+#                                 [--delay-ms MS] [--train-limit N] [--epochs N] [--momentum auto|quasi-global|local]
 #
 # Runs, each with the same CNN (examples/03_libtorch_cnn: two 5x5 conv layers,
 # 16 and 32 channels, fc 128, about 215k parameters) on iid shards of
@@ -36,8 +36,9 @@
 #
 # --quick: 12000 training samples, 2 epochs, 1 seed (about 10 minutes on 2
 # loaded cores); otherwise the full 60000, 2 epochs, 3 seeds. --momentum:
-# the gossip runs register SGD's momentum buffers with the engine
-# (quasi-global, the default, as README's script does) or keep them local. --check-args validates
+# the gossip runs pass SGD to the engine (optimizer=, as README's script
+# does) with [engine] momentum = auto (the default: local over UCX) or
+# quasi-global, or keep the optimizer to themselves (local). --check-args validates
 # the arguments and the build, prints the plan and exits (no root needed).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -45,7 +46,7 @@ HERE=$SRC/bench/torch
 usage() { sed -n '4,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=quasi-global
+QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto
 num() { [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" 'BEGIN{exit !(v > 0)}' || { echo "bench/torch: $1 takes a number > 0, not '$2'" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -56,7 +57,7 @@ while [[ $# -gt 0 ]]; do
     --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2"; DELAY=$2; shift 2 ;;
     --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --epochs takes an integer >= 1" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
-    --momentum) [[ $# -ge 2 && $2 =~ ^(quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
+    --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
     --check-args) CHECK=1; shift ;;
     -h|--help) usage ;;
     *) echo "bench/torch: unknown option $1" >&2; usage ;;

@@ -74,7 +74,7 @@ def tx_bytes(dev):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--method", required=True, choices=["ddp", "periodic", "default", "none"])
-    ap.add_argument("--momentum-mode", "--momentum", dest="momentum_mode", default="quasi-global", choices=["quasi-global", "local"])
+    ap.add_argument("--momentum-mode", "--momentum", dest="momentum_mode", default="auto", choices=["auto", "quasi-global", "local"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--train-limit", type=int, default=0)
@@ -111,8 +111,10 @@ def main():
     elif a.method in ("periodic", "default"):
         import gossip
         cfg = {"policy": {"name": "periodic", "every": 1}} if a.method == "periodic" else {}
-        if a.momentum_mode == "quasi-global":
-            # optimizer=: momentum buffers are quasi-global, as README's PyTorch script has it
+        if a.momentum_mode != "local":
+            # optimizer=, as README's PyTorch script has it: [engine] momentum decides (auto: local over UCX)
+            if a.momentum_mode == "quasi-global":
+                cfg["engine"] = {"momentum": "quasi-global"}
             eng = gossip.Engine(model.named_parameters(), optimizer=opt, config=cfg)
         else:
             eng = gossip.Engine(model.named_parameters(), config=cfg)

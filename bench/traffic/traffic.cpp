@@ -234,7 +234,7 @@ int main(int argc, char** argv) {
         r.wall_s = rep.train_seconds;
         if (!rep.timeline.empty()) r.timeline = examples::to_json(rep.timeline);
       }
-      r.momentum = v.momentum.empty() ? cfg.engine.has("momentum") ? cfg.engine.string("momentum") : "quasi-global (default)" : v.momentum;
+      r.momentum = v.momentum.empty() ? cfg.engine.has("momentum") ? cfg.engine.string("momentum") : "auto (default)" : v.momentum;
       fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>8.2f}% {:>8.2f}% {:>8.1f}\n", role, label.substr(0, 34), seed, r.bytes_sent, r.messages,
                  100 * r.accuracy, 100 * r.local_accuracy_mean, r.wall_s);
       std::fflush(stdout);

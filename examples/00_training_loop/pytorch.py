@@ -12,7 +12,7 @@ rank = int(os.environ["RANK"])
 torch.manual_seed(0)  # the same initial model on every rank
 model = torch.nn.Linear(16, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-# The model's tensors, used in place; SGD's momentum buffers become quasi-global.
+# The model's tensors, used in place; SGD's momentum buffers are registered ([engine] momentum).
 # config: a TOML file ("run.toml") or the same sections as a dict.
 eng = gossip.Engine(model.named_parameters(), optimizer=opt, config={"policy": {"name": "consensus"}})
 

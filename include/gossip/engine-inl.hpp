@@ -19,6 +19,11 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
+  const auto caps = m_transport.capabilities();
+  // momentum = auto: quasi-global where ranks run in lockstep, local over an
+  // asynchronous transport, and local for a device model (host models only).
+  using mm = engine_settings::momentum_mode;
+  const bool quasi_global = m_settings.momentum == mm::quasi_global || (m_settings.momentum == mm::automatic && caps.copies_on_post && !model.device());
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
@@ -30,10 +35,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      "a device model in device memory", rank, t.name, t.memory == memory_kind::host ? "host" : "device",
                                      model.device()->name()));
     m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
-    m_momentum.push_back(m_settings.quasi_global_momentum ? t.momentum : nullptr);
-    if (t.momentum && model.device())
+    m_momentum.push_back(quasi_global ? t.momentum : nullptr);
+    if (t.momentum && model.device() && quasi_global)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' registered a momentum buffer, but quasi-global momentum is available for "
-                                     "host models only; set [engine] momentum = \"local\" or do not register it", rank, t.name));
+                                     "host models only; set [engine] momentum = \"auto\" or \"local\", or do not register it", rank, t.name));
     m_tensor_names.push_back(t.name);
     m_rows.push_back(t.rows);
     m_elements += t.count;
@@ -73,7 +78,6 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   }
   m_message_bytes = (m_message_bytes + 63) / 64 * 64;
 
-  const auto caps = m_transport.capabilities();
   m_copies_on_post = caps.copies_on_post;
   const int buffers = m_copies_on_post ? 1 : m_settings.send_buffers;
   // Delta payloads keep x̂ in one more buffer after the send buffers. It starts

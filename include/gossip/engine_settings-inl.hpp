@@ -30,9 +30,14 @@ inline engine_settings engine_settings::from(const options& o) {
   s.wait_when_busy = o.boolean("wait_when_busy");
   s.max_lead = static_cast<std::uint64_t>(in_range("max_lead", 0, std::int64_t{1} << 40, ">= 0 (0: off)"));
   const std::string momentum = o.string("momentum");
-  if (momentum != "quasi-global" && momentum != "local")
-    throw config_error(fmt::format("{}: key 'momentum' must be \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
-  s.quasi_global_momentum = momentum == "quasi-global";
+  if (momentum == "auto")
+    s.momentum = engine_settings::momentum_mode::automatic;
+  else if (momentum == "quasi-global")
+    s.momentum = engine_settings::momentum_mode::quasi_global;
+  else if (momentum == "local")
+    s.momentum = engine_settings::momentum_mode::local;
+  else
+    throw config_error(fmt::format("{}: key 'momentum' must be \"auto\", \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
   const double beta = o.real("momentum_beta");
   if (!(beta >= 0 && beta < 1))
     throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));

@@ -131,8 +131,17 @@ def test_average_matches_plain_torch(world, tmp_path):
         assert s["weight"] == pytest.approx(r["weight"])
 
 
+def test_momentum_auto_stays_local_over_processes(tmp_path):
+    # [engine] momentum = "auto" (the default): quasi-global only where ranks run in lockstep.
+    status, out = torchrun(2, WORKER, "train", tmp_path, 60, "auto")
+    assert status == 0, out
+    for r in range(2):
+        s = torch.load(tmp_path / f"rank{r}.pt")["stats"]
+        assert (s["momentum"], s["transport"]) == ("local", "ucx")
+
+
 def test_training_with_quasi_global_momentum(tmp_path):
-    status, out = torchrun(2, WORKER, "train", tmp_path, 200)
+    status, out = torchrun(2, WORKER, "train", tmp_path, 200, "quasi-global")
     assert status == 0, out
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:

@@ -2,7 +2,9 @@
 #
 #   torch_worker.py average OUT_DIR STEPS   rank-seeded tensors, periodic gossip, no local updates;
 #                                           saves the final tensors, weight and stats to OUT_DIR/rank<R>.pt
-#   torch_worker.py train OUT_DIR STEPS     SGD with momentum on rank-shifted data (quasi-global momentum)
+#   torch_worker.py train OUT_DIR STEPS [MOMENTUM]
+#                                           SGD with momentum on rank-shifted data, optimizer= given and
+#                                           [engine] momentum = MOMENTUM (default quasi-global)
 #   torch_worker.py config PATH             builds an Engine from the config file PATH and exits
 import os
 import sys
@@ -48,7 +50,9 @@ def main():
         # (measured without it: 0.000 vs 2.000 in some runs, and the bias
         # then lands anywhere in 0.3 … 0.65); 2 steps bounds that.
         eng = gossip.Engine(model.named_parameters(), optimizer=opt,
-                            config={"policy": {"name": "periodic", "every": 2}, "engine": {"wait_when_busy": True, "max_lead": 2}})
+                            config={"policy": {"name": "periodic", "every": 2},
+                                    "engine": {"wait_when_busy": True, "max_lead": 2,
+                                               "momentum": sys.argv[4] if len(sys.argv) > 4 else "quasi-global"}})
         buffers = [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
         data = torch.Generator().manual_seed(rank)
         for _ in range(steps):
