@@ -266,6 +266,10 @@ TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-lo
   bad.set("momentum_merge", std::string("half"));
   CHECK_THROWS_WITH_AS(engine_settings::from(bad.resolved(engine_option_specs(), "test [engine]")),
                        "test [engine]: key 'momentum_merge' must be \"auto\", \"full\" or \"spread\", got \"half\"", config_error);
+  options wrong("test [engine]");
+  wrong.set("momentum", std::string("global"));
+  CHECK_THROWS_WITH_AS(engine_settings::from(wrong.resolved(engine_option_specs(), "test [engine]")),
+                       "test [engine]: key 'momentum' must be \"auto\", \"quasi-global\" or \"local\", got \"global\"", config_error);
 }
 
 TEST_CASE("model_view::momentum names the tensor it cannot match") {

@@ -2,7 +2,9 @@
 // engine_settings and engine_spec from a config: [engine] keys checked and
 // narrowed, the policy built through its registry, the codec checked against
 // the transport (included by engine-inl.hpp).
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <string_view>
 
 #include "gossip/engine.hpp"
@@ -29,28 +31,24 @@ inline engine_settings engine_settings::from(const options& o) {
       static_cast<int>(in_range("finish_rounds", -1, std::numeric_limits<int>::max(), ">= 0, or -1 for automatic"));
   s.wait_when_busy = o.boolean("wait_when_busy");
   s.max_lead = static_cast<std::uint64_t>(in_range("max_lead", 0, std::int64_t{1} << 40, ">= 0 (0: off)"));
-  const std::string momentum = o.string("momentum");
-  if (momentum == "auto")
-    s.momentum = engine_settings::momentum_mode::automatic;
-  else if (momentum == "quasi-global")
-    s.momentum = engine_settings::momentum_mode::quasi_global;
-  else if (momentum == "local")
-    s.momentum = engine_settings::momentum_mode::local;
-  else
-    throw config_error(fmt::format("{}: key 'momentum' must be \"auto\", \"quasi-global\" or \"local\", got \"{}\"", o.where(), momentum));
+  // A key that names one of three choices, or an error that lists them.
+  const auto choice = [&]<class E>(std::string_view key, const std::array<std::pair<std::string_view, E>, 3>& choices) {
+    const std::string v = o.string(key);
+    for (const auto& [name, value] : choices)
+      if (v == name) return value;
+    throw config_error(fmt::format("{}: key '{}' must be \"{}\", \"{}\" or \"{}\", got \"{}\"", o.where(), key, choices[0].first,
+                                   choices[1].first, choices[2].first, v));
+  };
+  using mode = engine_settings::momentum_mode;
+  s.momentum = choice("momentum", std::array<std::pair<std::string_view, mode>, 3>{
+                                      {{"auto", mode::automatic}, {"quasi-global", mode::quasi_global}, {"local", mode::local}}});
   const double beta = o.real("momentum_beta");
   if (!(beta >= 0 && beta < 1))
     throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));
   s.momentum_beta = static_cast<float>(beta);
-  const std::string merge = o.string("momentum_merge");
-  if (merge == "auto")
-    s.momentum_merge = engine_settings::merge_momentum::automatic;
-  else if (merge == "full")
-    s.momentum_merge = engine_settings::merge_momentum::full;
-  else if (merge == "spread")
-    s.momentum_merge = engine_settings::merge_momentum::spread;
-  else
-    throw config_error(fmt::format("{}: key 'momentum_merge' must be \"auto\", \"full\" or \"spread\", got \"{}\"", o.where(), merge));
+  using merge = engine_settings::merge_momentum;
+  s.momentum_merge = choice("momentum_merge", std::array<std::pair<std::string_view, merge>, 3>{
+                                                  {{"auto", merge::automatic}, {"full", merge::full}, {"spread", merge::spread}}});
   if (!(s.timeout.count() > 0))
     throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
   if (!(s.timeout.count() <= max_timeout_s))
