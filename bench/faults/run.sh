@@ -283,6 +283,9 @@ LOSS_MEASURED=null
 NETNS_OK=0
 if ! want loss-10pct; then
   :
+elif ! command -v nft >/dev/null && ! command -v iptables >/dev/null; then
+  echo "neither nft nor iptables is installed (apt-get install nftables)" >"$TMP/loss-10pct.why"
+  echo "  $(cat "$TMP/loss-10pct.why"); loss-10pct skipped"
 elif ip netns add "${NS_PREFIX}probe" 2>/dev/null; then
   ip netns del "${NS_PREFIX}probe"
   loss_setup 4
@@ -382,7 +385,8 @@ for name, bkey, world, killed in cases:
     runs = [load(f"{name}-s{s}") for s in S]
     if all(r["rc"] == "skip" for r in runs):
         why = ("not selected (--only)" if only and name not in only
-               else "cannot create network namespaces here" if name == "loss-10pct" else "gossip-switch-udp is not built or did not start")
+               else (open(f"{tmp}/loss-10pct.why").read().strip() if os.path.exists(f"{tmp}/loss-10pct.why")
+                     else "cannot create network namespaces here") if name == "loss-10pct" else "gossip-switch-udp is not built or did not start")
         rows.append(dict(name=name, ok=None, survivors_finished=None, hung=False, accuracy_delta_pt=None, accuracy_delta_sigma_pt=None,
                          lost_mass=None, detect_s=None, seeds=0, message=f"skipped: {why}"))
         continue
