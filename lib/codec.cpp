@@ -139,11 +139,25 @@ void int8_encode_scalar(const float* x, float* hat, std::size_t n, std::size_t b
 
 #ifdef GOSSIP_CODEC_F16C
 // The same arithmetic as the scalar code, eight values at a time (no FMA:
-// x̂ must come out as the receiver's q·scale + x̂, bit for bit).
+// x̂ must come out as the receiver's q·scale + x̂, bit for bit; these
+// functions must not be compiled with "fma" enabled, or GCC may contract the
+// multiply and add). Returns q as int32. No clamp: |d·inv| ≤ 127·(1 + 2^-23)
+// for a finite scale, which rounds to at most 127; with scale 0 (a NaN or
+// infinite change, v NaN) q comes out as −128 and adds −128·0 on both sides,
+// where the scalar code sends 0: either leaves x̂ as the receiver makes it.
+__attribute__((target("avx2"), always_inline)) inline __m256i int8_step(const float* xb, float* hb, __m256 inv, __m256 scale) noexcept {
+  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  const __m256 h = _mm256_loadu_ps(hb);
+  const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xb), h), inv);
+  const __m256i c = _mm256_cvttps_epi32(_mm256_add_ps(v, _mm256_or_ps(half, _mm256_and_ps(v, sign))));
+  _mm256_storeu_ps(hb, _mm256_add_ps(h, _mm256_mul_ps(_mm256_cvtepi32_ps(c), scale)));
+  return c;
+}
 __attribute__((target("avx2"))) void int8_encode_avx2(const float* x, float* hat, std::size_t n, std::size_t block, float* scales,
                                                       std::int8_t* q) noexcept {
   const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  // packs work within 128-bit lanes: this puts the four groups of eight back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
     const std::size_t m = std::min(block, n - b0);
     const float* xb = x + b0;
@@ -154,25 +168,50 @@ __attribute__((target("avx2"))) void int8_encode_avx2(const float* x, float* hat
       const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xb + i), _mm256_loadu_ps(hb + i));
       vtop = _mm256_max_epu32(vtop, _mm256_and_si256(_mm256_castps_si256(d), abs_mask));
     }
-    alignas(32) std::uint32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), vtop);
-    std::uint32_t top = int8_top_scalar(xb + i, hb + i, m - i);
-    for (const auto l : lanes) top = std::max(top, l);
+    __m128i t4 = _mm_max_epu32(_mm256_castsi256_si128(vtop), _mm256_extracti128_si256(vtop, 1));
+    t4 = _mm_max_epu32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_max_epu32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    const std::uint32_t top = std::max(static_cast<std::uint32_t>(_mm_cvtsi128_si32(t4)), int8_top_scalar(xb + i, hb + i, m - i));
     const int8_block s = int8_scale(top);
     scales[k] = s.scale;
     const __m256 inv = _mm256_set1_ps(s.inv), scale = _mm256_set1_ps(s.scale);
     std::int8_t* qb = q + b0;
     i = 0;
+    // The second pass runs from L1; meanwhile it fetches the lines ahead, so
+    // that memory is not idle while a block is quantized.
+    const std::size_t last = n - b0 - 1, ahead = std::max<std::size_t>(block, 512);
+    for (; i + 32 <= m; i += 32) {  // 32 at a time: one 32-byte store of q
+      for (const std::size_t pf : {std::min(i + ahead, last), std::min(i + ahead + 16, last)}) {
+        _mm_prefetch(reinterpret_cast<const char*>(xb + pf), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(hb + pf), _MM_HINT_T0);
+      }
+      const __m256i c0 = int8_step(xb + i, hb + i, inv, scale), c1 = int8_step(xb + i + 8, hb + i + 8, inv, scale);
+      const __m256i c2 = int8_step(xb + i + 16, hb + i + 16, inv, scale), c3 = int8_step(xb + i + 24, hb + i + 24, inv, scale);
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm256_permutevar8x32_epi32(p, order));
+    }
     for (; i + 8 <= m; i += 8) {
-      const __m256 h = _mm256_loadu_ps(hb + i);
-      const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xb + i), h), inv);
-      const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, _mm256_or_ps(half, _mm256_and_ps(v, sign))), lo), hi);
-      const __m256i c = _mm256_cvttps_epi32(r);
+      const __m256i c = int8_step(xb + i, hb + i, inv, scale);
       const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(qb + i), _mm_packs_epi16(p16, p16));
-      _mm256_storeu_ps(hb + i, _mm256_add_ps(h, _mm256_mul_ps(_mm256_cvtepi32_ps(c), scale)));
     }
     int8_quantize_scalar(xb + i, hb + i, m - i, s, qb + i);
+  }
+}
+__attribute__((target("avx2"))) void int8_decode_avx2(const float* scales, const std::int8_t* q, float* hat, std::size_t n,
+                                                      std::size_t block) noexcept {
+  for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
+    const std::size_t m = std::min(block, n - b0);
+    const float s = scales[k];
+    const __m256 scale = _mm256_set1_ps(s);
+    const std::int8_t* qb = q + b0;
+    float* hb = hat + b0;
+    std::size_t i = 0;
+    for (; i + 8 <= m; i += 8) {
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + i))));
+      _mm256_storeu_ps(hb + i, _mm256_add_ps(_mm256_loadu_ps(hb + i), _mm256_mul_ps(v, scale)));
+    }
+    for (; i < m; ++i) hb[i] += static_cast<float>(qb[i]) * s;
   }
 }
 
@@ -216,6 +255,9 @@ std::size_t select(const float* x, const float* hat, std::size_t n, float thresh
   return c;
 }
 void int8_decode(const float* scales, const std::int8_t* q, float* hat, std::size_t n, std::size_t block) noexcept {
+#ifdef GOSSIP_CODEC_F16C
+  if (have_f16c) return int8_decode_avx2(scales, q, hat, n, block);
+#endif
   for (std::size_t b0 = 0, k = 0; b0 < n; b0 += block, ++k) {
     const std::size_t m = std::min(block, n - b0);
     const float scale = scales[k];
