@@ -39,6 +39,36 @@ std::size_t varint_bytes(std::uint64_t v) noexcept {
   return b;
 }
 
+// The r-th largest (1 ≤ r ≤ count) of v, non-negative and not NaN: the value
+// std::nth_element with std::greater would put at v[r − 1]; v is reordered.
+// Ordering the whole sample was a large part of topk's time; instead a pivot
+// a little below the answer, from a subsample of 1024, leaves only the values
+// at or above it (all of the largest ones, ties included) to be ordered.
+float kth_largest(float* v, std::size_t count, std::size_t r) noexcept {
+  constexpr std::size_t sub = 1024;
+  if (count > 4 * sub && r < count / 8) {
+    float pick[sub];
+    const std::size_t stride = count / sub;
+    for (std::size_t j = 0; j < sub; ++j) pick[j] = v[j * stride];
+    // Aimed at twice the expected rank in the subsample, plus a margin: too
+    // high a pivot (rarely) only costs the full ordering below.
+    const std::size_t rank = std::min(sub, 2 * (r * sub / count) + 16);
+    std::nth_element(pick, pick + (rank - 1), pick + sub, std::greater<>());
+    const float pivot = pick[rank - 1];
+    std::size_t at_least = 0;
+    for (std::size_t i = 0; i < count; ++i) at_least += v[i] >= pivot ? 1 : 0;
+    if (at_least >= r) {
+      std::size_t m = 0;
+      for (std::size_t i = 0; i < count; ++i)  // m ≤ i
+        if (v[i] >= pivot) v[m++] = v[i];
+      std::nth_element(v, v + (r - 1), v + m, std::greater<>());
+      return v[r - 1];
+    }
+  }
+  std::nth_element(v, v + (r - 1), v + count, std::greater<>());
+  return v[r - 1];
+}
+
 // fp16: the change x − x̂, clamped to the fp16 range (what does not fit stays
 // in the residual), rounded to nearest even; x̂ += the rounded value.
 void fp16_encode_scalar(const float* x, float* hat, std::size_t n, std::uint16_t* out) noexcept {
@@ -215,15 +245,35 @@ __attribute__((target("avx2"))) void int8_decode_avx2(const float* scales, const
   }
 }
 
-// topk: positions whose |x − x̂| reaches the threshold, eight compared at a time.
+// topk: positions whose |x − x̂| reaches the threshold, eight compared at a
+// time and written without a branch (a branch per group of eight mispredicts
+// at every group that holds one, which was most of this pass's time): the
+// group's positions are packed by a table permutation and all eight stored,
+// the count advanced by the matches. `out` needs room for n + 8.
+struct compress_table {
+  std::uint64_t perm[256];  // per mask: the set lanes' numbers, one per byte, in order
+  constexpr compress_table() : perm() {
+    for (unsigned mask = 0; mask < 256; ++mask) {
+      std::uint64_t p = 0;
+      for (unsigned lane = 0, at = 0; lane < 8; ++lane)
+        if (mask >> lane & 1) p |= std::uint64_t{lane} << (8 * at++);
+      perm[mask] = p;
+    }
+  }
+};
+constexpr compress_table compress{};
 __attribute__((target("avx2"))) std::size_t select_avx2(const float* x, const float* hat, std::size_t n, float threshold, bool strict,
                                                         std::uint32_t* out) noexcept {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), t = _mm256_set1_ps(threshold);
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256i pos = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   std::size_t c = 0, i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8, pos = _mm256_add_epi32(pos, eight)) {
     const __m256 a = _mm256_and_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(hat + i)), abs_mask);
-    auto mask = static_cast<unsigned>(_mm256_movemask_ps(strict ? _mm256_cmp_ps(a, t, _CMP_GT_OQ) : _mm256_cmp_ps(a, t, _CMP_GE_OQ)));
-    for (; mask; mask &= mask - 1) out[c++] = static_cast<std::uint32_t>(i + static_cast<std::size_t>(std::countr_zero(mask)));
+    const auto mask = static_cast<unsigned>(_mm256_movemask_ps(strict ? _mm256_cmp_ps(a, t, _CMP_GT_OQ) : _mm256_cmp_ps(a, t, _CMP_GE_OQ)));
+    const __m256i perm = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(compress.perm[mask])));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c), _mm256_permutevar8x32_epi32(pos, perm));
+    c += static_cast<std::size_t>(std::popcount(mask));
   }
   for (; i < n; ++i) {
     out[c] = static_cast<std::uint32_t>(i);
@@ -241,7 +291,7 @@ void int8_encode(const float* x, float* hat, std::size_t n, std::size_t block, f
   int8_encode_scalar(x, hat, n, block, scales, q);
 }
 
-// Positions with |x − x̂| ≥ threshold (> when strict), in increasing order; `out` has room for n + 1.
+// Positions with |x − x̂| ≥ threshold (> when strict), in increasing order; `out` has room for n + 8.
 std::size_t select(const float* x, const float* hat, std::size_t n, float threshold, bool strict, std::uint32_t* out) noexcept {
 #ifdef GOSSIP_CODEC_F16C
   if (have_f16c) return select_avx2(x, hat, n, threshold, strict, out);
@@ -386,7 +436,7 @@ void codec::prepare(std::size_t max_count, std::size_t max_side) {
     throw config_error(fmt::format("codec '{}': a tensor of {} values is too large (at most 2^32 − 1 per tensor)", m_name, max_count));
   if (m_settings.kind == codec_kind::topk) {
     m_sample.resize(max_count);
-    m_indices.resize(max_count + 1);
+    m_indices.resize(max_count + 8);  // select()'s room
   } else if (m_settings.kind == codec_kind::randomk) {
     m_indices.resize(kept(max_count) + 1);
   } else if (m_settings.kind == codec_kind::lowrank && max_count > 0) {
@@ -448,7 +498,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       // A threshold from a sample of |x − x̂| (no sort of the tensor): aimed at
       // about 1.15 k values, then trimmed to k exactly below.
       const std::size_t samples = std::min(n, std::max<std::size_t>(4096, static_cast<std::size_t>(256.0 / m_settings.ratio)));
-      // A NaN change counts as none (it is never selected below, and would break nth_element's ordering).
+      // A NaN change counts as none (it is never selected below, and would break the ordering).
       auto magnitude = [&](std::size_t i) {
         const float a = std::fabs(x[i] - hat[i]);
         return a == a ? a : 0.0f;
@@ -456,13 +506,21 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       if (samples == n) {
         for (std::size_t i = 0; i < n; ++i) mag[i] = magnitude(i);
       } else {
-        std::uint64_t s = seed;
-        for (std::size_t j = 0; j < samples; ++j) mag[j] = magnitude(below(s, n));
+        // One uniform position in each of `samples` equal strata (stratified:
+        // no worse an estimate than independent positions, and increasing, so
+        // the reads stream). Stratum starts in 32.32 fixed point; two 32-bit
+        // draws per splitmix.
+        const std::uint64_t step = (static_cast<std::uint64_t>(n) << 32) / samples;
+        std::uint64_t s = seed, at = 0, bits = 0;
+        for (std::size_t j = 0; j < samples; ++j, at += step) {
+          const std::uint64_t lo = at >> 32, width = ((at + step) >> 32) - lo;
+          if (j % 2 == 0) bits = splitmix(s);
+          const std::uint64_t u = j % 2 == 0 ? bits & 0xffffffffu : bits >> 32;
+          mag[j] = magnitude(static_cast<std::size_t>(lo + ((u * width) >> 32)));
+        }
       }
       const auto above = std::min(samples, static_cast<std::size_t>(std::ceil(1.15 * static_cast<double>(k) * static_cast<double>(samples) / static_cast<double>(n))));
-      const std::size_t nth = samples - std::max<std::size_t>(above, 1);
-      std::nth_element(mag, mag + nth, mag + samples);
-      threshold = mag[nth];
+      threshold = kth_largest(mag, samples, std::max<std::size_t>(above, 1));
       std::uint32_t* cand = m_indices.data();
       // A zero threshold keeps only non-zero changes.
       std::size_t c = select(x, hat, n, threshold, !(threshold > 0), cand);
@@ -470,8 +528,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         // The k-th largest magnitude among the candidates, then a stable
         // filter that keeps index order: larger ones, and ties up to k.
         for (std::size_t j = 0; j < c; ++j) mag[j] = std::fabs(x[cand[j]] - hat[cand[j]]);
-        std::nth_element(mag, mag + (k - 1), mag + c, std::greater<>());
-        const float kth = mag[k - 1];
+        const float kth = kth_largest(mag, c, k);
         std::size_t greater = 0;
         for (std::size_t j = 0; j < c; ++j) greater += std::fabs(x[cand[j]] - hat[cand[j]]) > kth ? 1 : 0;
         std::size_t ties = k - greater, w = 0;

@@ -114,6 +114,28 @@ TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within 
     // Gaps of about 100 positions: one or two bytes each, far below a bitmap of n/8.
     CHECK(bytes < 16 + 4 * k + 2 * k + 8);
   }
+  SUBCASE("topk on a tensor larger than its sample: the largest changes, k of them") {
+    const std::size_t m = 100003;  // > 25600 samples at ratio 0.01: a sampled threshold
+    const auto xl = normal(m, 7), hl0 = normal(m, 8, 0.5f);
+    auto c = make("topk", {{"ratio", 0.01}});
+    c.prepare(m);
+    auto hat = hl0, recv = hl0;
+    round_trip(c, xl, hat, recv);
+    std::size_t changed = 0;
+    float smallest_kept = INFINITY, largest_left = 0;
+    for (std::size_t i = 0; i < m; ++i) {
+      const float d = std::fabs(xl[i] - hl0[i]);
+      if (hat[i] != hl0[i]) {
+        ++changed;
+        CHECK(hat[i] == hl0[i] + (xl[i] - hl0[i]));
+        smallest_kept = std::min(smallest_kept, d);
+      } else {
+        largest_left = std::max(largest_left, d);
+      }
+    }
+    CHECK(changed == c.kept(m));
+    CHECK(smallest_kept >= largest_left);
+  }
   SUBCASE("topk at a large ratio uses a bitmap when that is smaller") {
     auto c = make("topk", {{"ratio", 0.5}});
     c.prepare(n);
