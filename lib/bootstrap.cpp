@@ -449,7 +449,18 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
       if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
     } else {
       bool found = false;
-      blob b = request('G', key, nullptr, deadline, found);
+      blob b;
+      try {
+        b = request('G', key, nullptr, deadline, found);
+      } catch (const timeout_error&) {
+        // Rank 0 answered this wait's earlier polls: what the wait ran out
+        // on is the key, not rank 0 (the last poll was still unanswered).
+        if (i == 0) throw;
+        throw timeout_error(fmt::format(
+            "timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}'; rank 0 answered {} polls, the last "
+            "one was still unanswered at the deadline)",
+            timeout.count(), waiting_for, where(), m_rank, key, i));
+      }
       if (found) return b;
     }
     if (clock::now() >= deadline)

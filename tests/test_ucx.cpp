@@ -313,6 +313,45 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     server.join();
     ::close(fd);
   }
+  SUBCASE("a rendezvous that answered earlier polls but not the last: the error names what was awaited") {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::listen(fd, 8) == 0);
+    std::atomic<bool> stop{false};
+    std::thread server([&] {
+      for (int answered = 0; !stop;) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        const int c = ::accept(fd, nullptr, nullptr);
+        if (c < 0) continue;
+        if (answered++ < 3) {  // "not there yet": magic, 'N', length 0
+          const char reply[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
+          [[maybe_unused]] auto n = ::write(c, reply, sizeof reply);
+        } else {
+          std::this_thread::sleep_for(1500ms);  // then a poll that is never answered
+        }
+        ::close(c);
+      }
+    });
+    bootstrap b(1, 2, "127.0.0.1", port, timeout);
+    try {
+      b.get("k", "rank 3's epoch model");
+      FAIL("get() returned");
+    } catch (const timeout_error& e) {
+      const std::string what = e.what();
+      CHECK_MESSAGE(what.find("waiting for rank 3's epoch model") != std::string::npos, what);
+      CHECK_MESSAGE(what.find("answered 3 polls") != std::string::npos, what);
+    }
+    stop = true;
+    server.join();
+    ::close(fd);
+  }
   SUBCASE("an address that does not resolve") {
     bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
     CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("no-such-host.invalid"), transport_error);
