@@ -266,6 +266,20 @@ TEST_CASE("bootstrap: rank and world size from the environment, in order of prec
   CHECK_THROWS_AS(bootstrap::from_env(), config_error);
 }
 
+// A listening TCP socket on 127.0.0.1:port: a stand-in for rank 0's rendezvous.
+int listen_loopback(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(fd, 8) == 0);
+  return fd;
+}
+
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
   const auto timeout = std::chrono::duration<double>(1.0);
@@ -278,15 +292,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     CHECK(clock_type::now() - t0 < 4s);
   }
   SUBCASE("a foreign server: transport_error saying it is not a rendezvous") {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(port);
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(::listen(fd, 8) == 0);
+    const int fd = listen_loopback(port);
     std::atomic<bool> silent{false}, stop{false};
     std::thread server([&] {
       while (!stop) {
@@ -314,15 +320,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     ::close(fd);
   }
   SUBCASE("a rendezvous that answered earlier polls but not the last: the error names what was awaited") {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(port);
-    const int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    REQUIRE(::listen(fd, 8) == 0);
+    const int fd = listen_loopback(port);
     std::atomic<bool> stop{false};
     std::thread server([&] {
       for (int answered = 0; !stop;) {
