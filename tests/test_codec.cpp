@@ -58,6 +58,25 @@ std::size_t round_trip(codec& c, const std::vector<float>& x, std::vector<float>
   return bytes;
 }
 
+// After a top-k round trip from hat0: exactly k positions changed, each by the
+// whole change x − hat0, and every kept change is at least as large as every one left.
+void check_top_k_kept(const std::vector<float>& x, const std::vector<float>& hat0, const std::vector<float>& hat, std::size_t k) {
+  std::size_t changed = 0;
+  float smallest_kept = INFINITY, largest_left = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float d = std::fabs(x[i] - hat0[i]);
+    if (hat[i] != hat0[i]) {
+      ++changed;
+      CHECK(hat[i] == hat0[i] + (x[i] - hat0[i]));
+      smallest_kept = std::min(smallest_kept, d);
+    } else {
+      largest_left = std::max(largest_left, d);
+    }
+  }
+  CHECK(changed == k);
+  CHECK(smallest_kept >= largest_left);
+}
+
 }  // namespace
 
 TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within each codec's error bound") {
@@ -97,20 +116,7 @@ TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within 
     const auto bytes = round_trip(c, x, hat, recv);
     const std::size_t k = c.kept(n);
     CHECK(k == 101);
-    std::size_t changed = 0;
-    float smallest_kept = INFINITY, largest_left = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      const float d = std::fabs(x[i] - hat0[i]);
-      if (hat[i] != hat0[i]) {
-        ++changed;
-        CHECK(hat[i] == hat0[i] + (x[i] - hat0[i]));
-        smallest_kept = std::min(smallest_kept, d);
-      } else {
-        largest_left = std::max(largest_left, d);
-      }
-    }
-    CHECK(changed == k);
-    CHECK(smallest_kept >= largest_left);
+    check_top_k_kept(x, hat0, hat, k);
     // Gaps of about 100 positions: one or two bytes each, far below a bitmap of n/8.
     CHECK(bytes < 16 + 4 * k + 2 * k + 8);
   }
@@ -121,20 +127,7 @@ TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within 
     c.prepare(m);
     auto hat = hl0, recv = hl0;
     round_trip(c, xl, hat, recv);
-    std::size_t changed = 0;
-    float smallest_kept = INFINITY, largest_left = 0;
-    for (std::size_t i = 0; i < m; ++i) {
-      const float d = std::fabs(xl[i] - hl0[i]);
-      if (hat[i] != hl0[i]) {
-        ++changed;
-        CHECK(hat[i] == hl0[i] + (xl[i] - hl0[i]));
-        smallest_kept = std::min(smallest_kept, d);
-      } else {
-        largest_left = std::max(largest_left, d);
-      }
-    }
-    CHECK(changed == c.kept(m));
-    CHECK(smallest_kept >= largest_left);
+    check_top_k_kept(xl, hl0, hat, c.kept(m));
   }
   SUBCASE("topk at a large ratio uses a bitmap when that is smaller") {
     auto c = make("topk", {{"ratio", 0.5}});
