@@ -94,7 +94,8 @@ const std::vector<option_spec>& engine_option_specs() {
        "GOSSIP_WAIT_WHEN_BUSY"},
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
-       "alone), or auto (quasi-global where ranks run in lockstep, as loopback threads; local over asynchronous transports such as UCX)",
+       "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "
+       "asynchronous exchanges: UCX, the switch's async aggregate)",
        "GOSSIP_MOMENTUM"},
       {"max_lead", std::int64_t{0},
        "wait at a step while this rank is more than max_lead steps ahead of the newest step a peer's message carried (0: never; "

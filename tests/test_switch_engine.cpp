@@ -286,6 +286,36 @@ TEST_CASE("async mode survives a switch restart: every member rejoins with what 
   }
 }
 
+TEST_CASE("momentum = auto through the switch: quasi-global for the sync all-reduce, local for the async aggregate") {
+  // Every member merges a sync all-reduce at the step after it posted (ranks
+  // in lockstep, as over loopback); async replies land at any point of a
+  // member's progress.
+  for (const bool sync : {true, false}) {
+    CAPTURE(sync);
+    const int world = 2;
+    const std::size_t n = 64;
+    gossip::sw::group_config g{.id = 1, .mode = sync ? gossip::sw::group_mode::sync : gossip::sw::group_mode::async, .members = world, .chunk = 64};
+    if (sync) g.slots = 16;
+    else g.elements = n;
+    udp_aggregator agg({g});
+    const auto cfg = switch_config(sync ? "periodic" : "drift", agg.port());
+    std::vector<std::string> reported(world);
+    gossip::test::run_ranks(world, [&](int r) {
+      std::vector<float> x(n, static_cast<float>(r)), v(n, 0.0f);
+      gossip::model_view view;
+      view.add("w", x).momentum("w", v);
+      gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
+      for (int s = 0; s < 4; ++s) {
+        for (auto& xi : x) xi -= 0.1f;
+        e.step({.lr = 0.1});
+      }
+      reported[static_cast<std::size_t>(r)] = e.stats().momentum;
+      e.finish(0);
+    });
+    for (int r = 0; r < world; ++r) CHECK(reported[static_cast<std::size_t>(r)] == (sync ? "quasi-global" : "local"));
+  }
+}
+
 TEST_CASE("switch transport refuses a config that does not pair with it") {
   auto cfg = switch_config("periodic", 47999);
   cfg.apply_override("protocol.name=\"push-sum\"");

@@ -20,10 +20,16 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
   const auto caps = m_transport.capabilities();
-  // momentum = auto: quasi-global where ranks run in lockstep, local over an
-  // asynchronous transport, and local for a device model (host models only).
+  m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
+  m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  // momentum = auto: quasi-global where ranks merge in lockstep — a transport
+  // that delivers at step boundaries (loopback), or the switch's sync
+  // all-reduce, which every member merges at the step after it posted — and
+  // local over an asynchronous exchange (UCX, the switch's async aggregate)
+  // and for a device model (host models only).
   using mm = engine_settings::momentum_mode;
-  const bool quasi_global = m_settings.momentum == mm::quasi_global || (m_settings.momentum == mm::automatic && caps.copies_on_post && !model.device());
+  const bool lockstep = caps.copies_on_post || (m_protocol.aggregated() && !m_protocol.sends_delta());
+  const bool quasi_global = m_settings.momentum == mm::quasi_global || (m_settings.momentum == mm::automatic && lockstep && !model.device());
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
@@ -43,8 +49,6 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     m_rows.push_back(t.rows);
     m_elements += t.count;
   }
-  m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
-  m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
   m_protocol.prepare(m_topology.sources(), m_elements);
   m_codec = make_codec(spec.codec);
   if (m_codec.compresses()) {

@@ -64,12 +64,14 @@ struct engine_settings {
   std::uint64_t max_lead = 0;
   /// What becomes of the momentum buffers a model registered (model_view::momentum):
   /// quasi_global rebuilds them from the model's displacement, gossip included
-  /// (Lin et al. 2021); local leaves them alone; automatic is quasi_global on
-  /// a transport that delivers at step boundaries (loopback: ranks in
-  /// lockstep) and local on an asynchronous one (UCX, switch), where merges
-  /// land at any point of a peer's progress and quasi-global momentum carried
-  /// their noise on: 4.8 points lower on label-skewed shards over UCX and
-  /// 3.0 lower in bench/torch (docs/non-iid.md, "Over processes").
+  /// (Lin et al. 2021); local leaves them alone; automatic is quasi_global
+  /// where ranks merge in lockstep — a transport that delivers at step
+  /// boundaries (loopback) or the switch's sync all-reduce, merged by every
+  /// member at the step after it posted — and local over an asynchronous
+  /// exchange (UCX, the switch's async aggregate), where merges land at any
+  /// point of a peer's progress and quasi-global momentum carried their noise
+  /// on: 4.8 points lower on label-skewed shards over UCX and 3.0 lower in
+  /// bench/torch (docs/non-iid.md, "Over processes").
   enum class momentum_mode { automatic, quasi_global, local };
   momentum_mode momentum = momentum_mode::automatic;
   float momentum_beta = 0.9f;
