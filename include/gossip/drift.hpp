@@ -89,11 +89,26 @@ inline void drift_prefetch_at(const float* p) noexcept {
 #endif
 }
 
-// Always inlined: left to itself gcc emits one out-of-line drift_pass for the
-// engine's step, whose loop measured ~10 % slower than the same source inlined
-// (bench/transport's step cost, 256K and 1M floats).
+// Pairwise sum of a line's packets (1, 2 or 4 of them).
+template <std::size_t count, typename packet>
+[[gnu::always_inline]] inline packet line_sum(const packet* v) noexcept {
+  namespace ei = Eigen::internal;
+  if constexpr (count == 1) return v[0];
+  else if constexpr (count == 2) return ei::padd(v[0], v[1]);
+  else {
+    static_assert(count % 2 == 0, "a line of an odd number of packets");
+    return ei::padd(line_sum<count / 2>(v), line_sum<count / 2>(v + count / 2));
+  }
+}
+
+// Never inlined: one compiled loop per instantiation, shared by the engine's
+// step and every caller of drift_pass in the program (the linker keeps one
+// copy). Inlined into each caller, the same source compiled to loops whose
+// speed differed by 10–20 % from one call site to another (the engine's step
+// against a caller's own pass, bench/transport's step cost at 64K–1M floats),
+// so a skipped step cost more than the pass it is made of.
 template <bool with_prev, bool with_qgm = false>
-[[gnu::always_inline]] inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {}) noexcept {
+[[gnu::noinline]] inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {}) noexcept {
   namespace ei = Eigen::internal;
   using packet = typename ei::packet_traits<float>::type;
   constexpr std::size_t width = static_cast<std::size_t>(ei::packet_traits<float>::size);
@@ -119,15 +134,18 @@ template <bool with_prev, bool with_qgm = false>
           drift_prefetch_at(ref + at + drift_prefetch);
           if constexpr (with_prev) drift_prefetch_at(prev + at + drift_prefetch);
         }
+        // The line's squares are summed as a tree and added to the stream's
+        // accumulator once: one dependent add per line, not one per packet.
+        packet dl[per_line], rl[per_line], sl[per_line];
         for (std::size_t p = 0; p < per_line; ++p) {
           const packet xv = ei::ploadu<packet>(x + at + p * width);
           const packet rv = ei::ploadu<packet>(ref + at + p * width);
           const packet d = ei::psub(xv, rv);
-          diff[k] = ei::pmadd(d, d, diff[k]);
-          refs[k] = ei::pmadd(rv, rv, refs[k]);
+          dl[p] = ei::pmul(d, d);
+          rl[p] = ei::pmul(rv, rv);
           if constexpr (with_prev) {
             const packet e = ei::psub(xv, ei::ploadu<packet>(prev + at + p * width));
-            step[k] = ei::pmadd(e, e, step[k]);
+            sl[p] = ei::pmul(e, e);
             ei::pstoreu(prev + at + p * width, xv);
             if constexpr (with_qgm) {
               const std::size_t i = at + p * width;
@@ -138,6 +156,9 @@ template <bool with_prev, bool with_qgm = false>
             }
           }
         }
+        diff[k] = ei::padd(diff[k], line_sum<per_line>(dl));
+        refs[k] = ei::padd(refs[k], line_sum<per_line>(rl));
+        if constexpr (with_prev) step[k] = ei::padd(step[k], line_sum<per_line>(sl));
       }
     }
     for (std::size_t k = 0; k < drift_streams; ++k) {
