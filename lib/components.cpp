@@ -64,7 +64,7 @@ protocol_registry_t& protocol_registry() {
              return protocol(protocol::kind::stale_copy, g, "stale-copy");
            }});
     p.add({"switch-aggregate", "through an aggregation switch: all-reduce (sync) or shared aggregate of deltas (async); transport 'switch'",
-           {{"mode", std::string("auto"), "sync, async, or auto (periodic policy: sync; others: async)"},
+           {{"mode", std::string("auto"), "sync, async, or auto (periodic and consensus: sync; others: async)"},
             {"gamma", 1.0, "step towards the group average (0 < gamma <= 1)"}},
            [](const options& o) {
              const double g = o.real("gamma");

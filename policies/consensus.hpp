@@ -38,12 +38,26 @@ namespace gossip::policies {
 ///   for almost nothing in the average model. Multiplying the drift by
 ///   w^balance makes a light rank wait and a heavy one hurry, which pulls the
 ///   weights back towards 1. For other protocols the weight stays 1.
-/// State (lr_max) lives in decide(), so decide() is not const.
+///
+/// Through an aggregator's sync all-reduce (signal::shared_schedule: every
+/// member must send at the same steps) the policy paces the group instead,
+/// from values every member shares: g, the group's root-mean-square relative
+/// drift at the last round (carried by the all-reduce), the τ steps that
+/// round came after, and the learning rate. Drift grows about linearly
+/// between rounds, so the next round comes when g·k/τ, k the steps since the
+/// last round, reaches the threshold at the current rate; at most 2τ steps
+/// after it (the interval at most doubles per round), and within
+/// min_interval and max_interval. Rounds start at step 0 and double their
+/// interval until the drift says otherwise. Every member computes the same
+/// steps as long as every member reports the same learning rate.
+/// State (lr_max, the last round's interval) lives in decide() and observe(),
+/// so neither is const.
 class consensus {
  public:
   static constexpr std::string_view config_name = "consensus";
   static constexpr std::string_view help =
-      "send when ‖x − x̂‖/‖x̂‖·w^balance > threshold·(lr/lr_max)^lr_exponent: consensus control with push-sum weights kept in balance";
+      "send when ‖x − x̂‖/‖x̂‖·w^balance > threshold·(lr/lr_max)^lr_exponent: consensus control with push-sum weights kept in balance; "
+      "through a switch's sync all-reduce, rounds paced alike on every member by the group's mean drift";
 
   /// It fires on ‖x − x̂‖: whatever keeps moving the model after a merge
   /// (quasi-global momentum carrying the merge on) soon makes it send, and the
@@ -65,9 +79,10 @@ class consensus {
   decision decide(const signal& s) noexcept {
     if (std::isfinite(s.lr) && s.lr > m_lr_max) m_lr_max = s.lr;
     if (max_interval > 0 && s.steps_since_send >= max_interval)
-      return decision::fire(reason::max_interval, static_cast<double>(s.steps_since_send), static_cast<double>(max_interval));
+      return fire_at(decision::fire(reason::max_interval, static_cast<double>(s.steps_since_send), static_cast<double>(max_interval)), s);
     if (s.steps_since_send < min_interval)
       return decision::skip(reason::min_interval, static_cast<double>(s.steps_since_send), static_cast<double>(min_interval));
+    if (s.shared_schedule) return decide_shared(s);
     const double w = s.weight > 0 ? s.weight : 0.0;
     const double value = s.relative_drift() * (balance == 0 ? 1.0 : std::pow(w, balance));
     const double t = threshold_at(s.lr);
@@ -75,8 +90,16 @@ class consensus {
     return decision::skip(reason::below_threshold, value, t);
   }
 
+  /// A round went out (shared schedule): its interval paces the next one.
+  void observe(const outcome& o) noexcept {
+    if (o.sent && m_pending_interval > 0) m_round_interval = m_pending_interval;
+    m_pending_interval = 0;
+  }
+
   /// Largest learning rate seen so far (0 before the first positive one).
   double lr_max() const noexcept { return m_lr_max; }
+  /// Shared schedule: the steps between the last two rounds (0 before a round).
+  std::uint64_t round_interval() const noexcept { return m_round_interval; }
 
   static std::vector<option_spec> specs() {
     return {
@@ -116,7 +139,26 @@ class consensus {
   }
 
  private:
+  decision fire_at(decision d, const signal& s) noexcept {
+    m_pending_interval = s.steps_since_send;
+    return d;
+  }
+
+  // Only values every member of the group shares; see the class comment.
+  decision decide_shared(const signal& s) noexcept {
+    const auto k = static_cast<double>(s.steps_since_send);
+    const double t = threshold_at(s.lr);
+    if (m_round_interval == 0) return fire_at(decision::fire(reason::period, k, 1), s);  // the first round
+    const auto tau = static_cast<double>(m_round_interval);
+    const double g = std::isfinite(s.group_drift_sq) && s.group_drift_sq > 0 ? std::sqrt(s.group_drift_sq) : 0.0;
+    const double value = g * k / tau;  // the group's drift now, extrapolated from the last round
+    if (value > t && 2 * k >= tau) return fire_at(decision::fire(reason::threshold, value, t), s);
+    if (k >= 2 * tau) return fire_at(decision::fire(reason::period, k, 2 * tau), s);
+    return decision::skip(reason::below_threshold, value, t);
+  }
+
   double m_lr_max = 0;
+  std::uint64_t m_round_interval = 0, m_pending_interval = 0;
 };
 static_assert(gossip::policy<consensus>);
 

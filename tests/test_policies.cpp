@@ -462,6 +462,55 @@ TEST_CASE("consensus: min_interval holds, max_interval fires") {
   CHECK(e.decisions[21].why == reason::max_interval);
 }
 
+TEST_CASE("consensus: with a shared schedule every member fires at the same steps, paced by the group's drift") {
+  // The group's drift grows by `rate` per step since the last round; the
+  // all-reduce reports it at the step after each round.
+  auto member = [](double rate, double own_drift, bool decay) {
+    gp::consensus c;
+    c.threshold = 0.1;
+    c.max_interval = 100;
+    sim e;
+    double group_sq = std::numeric_limits<double>::quiet_NaN();
+    std::uint64_t previous_since = 0;
+    e.run(c, 200, [&](gossip::signal& s) {
+      s.shared_schedule = true;
+      s.lr = decay && s.step >= 100 ? 0.001 : 0.1;
+      const double r = decay && s.step >= 100 ? rate / 100 : rate;
+      if (!e.fired.empty() && e.fired.back() + 1 == s.step) {  // the last round's reply: the drift it was posted with
+        const double d = r * static_cast<double>(previous_since);
+        group_sq = d * d;
+      }
+      s.group_drift_sq = group_sq;
+      s.diff_sq = own_drift * own_drift;  // a member's own drift plays no part
+      s.ref_sq = 1;
+      previous_since = s.steps_since_send;
+    });
+    return e;
+  };
+  const sim a = member(0.01, 0.0, false);
+  // Rounds from step 0, the interval doubling while the drift allows,
+  // then every 11 steps (0.01·11 > 0.1).
+  REQUIRE(a.fired.size() > 8);
+  CHECK(std::vector<std::uint64_t>(a.fired.begin(), a.fired.begin() + 7) == std::vector<std::uint64_t>{0, 2, 6, 14, 25, 36, 47});
+  CHECK(a.decisions[0].why == reason::period);
+  CHECK(a.decisions[25].why == reason::threshold);
+  // Members whose own drift differs decide alike.
+  CHECK(member(0.01, 5.0, false).fired == a.fired);
+  CHECK(member(0.01, 1e-9, false).fired == a.fired);
+  // A ten times faster drift: rounds every 2 steps at most (0.1·2 > 0.1), never
+  // sooner than half the last interval.
+  const sim fast = member(0.1, 0.0, false);
+  for (std::size_t i = 4; i < fast.fired.size(); ++i) CHECK(fast.fired[i] - fast.fired[i - 1] == 2);
+  // After a 100x decay (drift per step too) the threshold is 0.01 and the
+  // drift 0.0001 per step: the interval grows to 100 steps, doubling per round.
+  const sim d = member(0.01, 0.0, true);
+  std::vector<std::uint64_t> late;
+  for (auto t : d.fired)
+    if (t >= 100) late.push_back(t);
+  REQUIRE(late.size() >= 3);
+  for (std::size_t i = 1; i < late.size(); ++i) CHECK(late[i] - late[i - 1] == std::min<std::uint64_t>(2 * (late[i - 1] - (i >= 2 ? late[i - 2] : 91)), 100));
+}
+
 TEST_CASE("consensus: options") {
   const auto p = build<gp::consensus>(opts().set("threshold", 0.2).set("lr_exponent", 1.0).set("balance", 2.0).set("max_interval", std::int64_t{0}));
   CHECK(p.threshold == 0.2);

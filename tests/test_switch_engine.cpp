@@ -316,6 +316,55 @@ TEST_CASE("momentum = auto through the switch: quasi-global for the sync all-red
   }
 }
 
+TEST_CASE("consensus through the switch: sync all-reduce rounds at the same steps on every member, paced by the group's drift") {
+  // Each member pulls its model towards its own optimum (a skewed shard); the
+  // all-reduce carries each member's relative drift² at the round, so every
+  // member reads the same group mean and computes the same next round.
+  const int world = 3;
+  const std::size_t n = 500;
+  const int steps = 120;
+  udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = world, .chunk = 64, .slots = 16}});
+  auto cfg = switch_config("consensus", agg.port());
+  cfg.apply_override("policy.threshold=0.05");
+  CHECK(gossip::switch_mode("auto", "consensus") == "sync");
+  std::vector<std::vector<int>> rounds(world);
+  std::vector<std::vector<double>> drift_sq(world);  // each member's own relative drift² at its rounds
+  std::vector<double> group(world);
+  std::vector<std::vector<float>> finals(world);
+  gossip::test::run_ranks(world, [&](int r) {
+    std::vector<float> x(n, 1.0f);
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
+    for (int s = 0; s < steps; ++s) {
+      const double lr = s < 80 ? 0.02 : 0.002;
+      for (std::size_t i = 0; i < n; ++i) x[i] += static_cast<float>(lr) * (static_cast<float>(r + 1 + (i % 5)) - x[i]);
+      const auto res = e.step({.lr = lr});
+      if (res.sent) {
+        rounds[static_cast<std::size_t>(r)].push_back(s);
+        drift_sq[static_cast<std::size_t>(r)].push_back(res.relative_drift * res.relative_drift);
+      }
+    }
+    e.step({.lr = 0.002});  // merges the last round if it was at the last step
+    group[static_cast<std::size_t>(r)] = e.group_drift_sq();
+    e.finish(0);
+    finals[static_cast<std::size_t>(r)] = x;
+  });
+  for (int r = 1; r < world; ++r) CHECK(rounds[static_cast<std::size_t>(r)] == rounds[0]);
+  CAPTURE(fmt::format("{}", fmt::join(rounds[0], " ")));
+  CHECK(rounds[0].size() >= 6);
+  CHECK(rounds[0].size() <= static_cast<std::size_t>(steps) / 3);
+  CHECK(rounds[0].front() == 0);
+  // The group figure every member read is the mean of the members' drift² at the last round.
+  double mean = 0;
+  for (int r = 0; r < world; ++r) mean += drift_sq[static_cast<std::size_t>(r)].back() / world;
+  for (int r = 0; r < world; ++r) CHECK(group[static_cast<std::size_t>(r)] == doctest::Approx(mean).epsilon(1e-5));
+  // Rounds keep the members together, whose optima lie 1 and 2 apart.
+  for (int r = 1; r < world; ++r)
+    for (std::size_t i = 0; i < n; i += 7) CHECK(std::abs(finals[static_cast<std::size_t>(r)][i] - finals[0][i]) < 0.1f);
+  CHECK(agg.stats().dropped() == 0);
+}
+
 TEST_CASE("switch transport refuses a config that does not pair with it") {
   auto cfg = switch_config("periodic", 47999);
   cfg.apply_override("protocol.name=\"push-sum\"");
@@ -324,6 +373,7 @@ TEST_CASE("switch transport refuses a config that does not pair with it") {
   CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c2, 0, 1), doctest::Contains("2..64"), gossip::config_error);
   CHECK(gossip::switch_mode("auto", "periodic") == "sync");
   CHECK(gossip::switch_mode("auto", "drift-lr") == "async");
+  CHECK(gossip::switch_mode("auto", "consensus") == "sync");
   CHECK(gossip::switch_mode("sync", "drift") == "sync");
   CHECK(gossip::switch_mode("auto", "periodic", /*staggered=*/true) == "async");
 }

@@ -12,7 +12,9 @@
 #   switch-restart 4 workers (threads of one process) through the switch
 #                 transport and gossip-switch-udp (the switch's aggregation code
 #                 over kernel UDP, on 127.0.0.1): the switch is killed (-9) at
-#                 30 % and started again on the same port at once
+#                 30 % and started again on the same port at once. The async
+#                 aggregate (mode = "async"), whose members rejoin a restarted
+#                 switch; a sync all-reduce cut by a restart cannot complete
 # Every scenario runs with several seeds (--seeds N, the example's --seed:
 # initialisation, partition and batch order), each paired with a fault-free
 # run of the same world and seed (the loss run with the fault-free 4-rank run,
@@ -260,6 +262,7 @@ run_switch() {
   timeout -k 10 "$LIMIT_S" "$EXE" --config "$cfg" --seed "$SEED" --set transport.name=switch --set topology.name=switch \
     --set protocol.name=switch-aggregate --set transport.address=127.0.0.1 --set transport.port="$SW_PORT" \
     --set transport.sync_group=1 --set transport.async_group=2 --set transport.timeout_s=20 --set engine.timeout_s=30 \
+    --set transport.mode=async --set protocol.mode=async \
     --set "train.hidden=[$SW_HIDDEN]" --json "$o.json" >"$o.out" 2>"$o.err" &
   local tp=$! t_start; t_start=$(date +%s.%N)
   BG+=("$tp")

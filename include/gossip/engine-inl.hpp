@@ -28,7 +28,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // local over an asynchronous exchange (UCX, the switch's async aggregate)
   // and for a device model (host models only).
   using mm = engine_settings::momentum_mode;
-  const bool lockstep = caps.copies_on_post || (m_protocol.aggregated() && !m_protocol.sends_delta());
+  m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();
+  const bool lockstep = caps.copies_on_post || m_shared_schedule;
   const bool quasi_global = m_settings.momentum == mm::quasi_global || (m_settings.momentum == mm::automatic && lockstep && !model.device());
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
@@ -305,6 +306,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   sig.weight = m_protocol.weight();
   sig.rank = m_rank;
   sig.world = m_world;
+  sig.shared_schedule = m_shared_schedule;
+  sig.group_drift_sq = m_group_drift_sq;
   // The round counts this rank's sends, not its steps: a time-varying topology
   // then cycles through its peers whatever the sending pattern (with the step
   // index, a period that is a multiple of the cycle would always pick the
@@ -369,6 +372,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       h.sender = m_rank;
       h.step = t;
       h.weight = m_protocol.on_send(targets, m_topology.self_weight());
+      // A sync all-reduce averages this over the group: the shared pace (signal::group_drift_sq).
+      if (m_shared_schedule) h.weight = sig.ref_sq > 0 && std::isfinite(sig.diff_sq / sig.ref_sq) ? sig.diff_sq / sig.ref_sq : 0.0;
       h.payload_bytes = m_elements * sizeof(float);
       h.layout_fingerprint = m_layout_fingerprint;
       if (m_device)
@@ -548,6 +553,7 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
   if (n > 0) {
     if (m_codec.compresses()) decode_inbound(n);
     merge_received(n);
+    if (m_shared_schedule && std::isfinite(m_received[n - 1].weight)) m_group_drift_sq = m_received[n - 1].weight;
     if (m_merge_steps == 0) {  // the first merge since the last drift pass
       m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);
       m_last_merge_step = t;

@@ -147,6 +147,9 @@ class engine {
   const std::vector<trace_event>& trace() const noexcept { return m_trace; }
   /// The consensus-distance estimate policies see (signal::consensus); NaN until a model arrived.
   double consensus() const noexcept { return m_consensus; }
+  /// Through an aggregator's sync all-reduce: the group's mean relative drift²
+  /// at the last round (signal::group_drift_sq); NaN elsewhere or before it.
+  double group_drift_sq() const noexcept { return m_group_drift_sq; }
 
  private:
   step_result run_step(const step_info& info, bool forced);
@@ -218,6 +221,10 @@ class engine {
   // an exponential average over merges, weight consensus_smoothing on the newest.
   static constexpr double consensus_smoothing = 0.25;
   double m_consensus = std::numeric_limits<double>::quiet_NaN();
+  // An aggregator's sync all-reduce: every member sends at the same steps
+  // (signal::shared_schedule), and each reply carries the group's mean drift².
+  bool m_shared_schedule = false;
+  double m_group_drift_sq = std::numeric_limits<double>::quiet_NaN();
   std::uint64_t m_step = 0;
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;

@@ -22,7 +22,7 @@
 ///
 ///     [protocol]
 ///     name = "switch-aggregate"
-///     mode = "auto"   # periodic policy → sync, any other policy → async
+///     mode = "auto"   # periodic and consensus → sync, any other policy → async
 ///
 /// The merge runs only when something arrived: never an extra pass otherwise.
 #include <cstring>
@@ -195,15 +195,18 @@ class protocol {
 };
 
 /// The switch mode a `switch-aggregate` run uses: `requested` when it is
-/// "sync" or "async"; for "auto", sync for the periodic policy (every member
-/// sends at the same steps, so an all-reduce fits) and async for any other.
+/// "sync" or "async"; for "auto", sync for the policies whose members send at
+/// the same steps, so an all-reduce fits — periodic, and consensus, which
+/// paces the group from the all-reduce's own drift figure
+/// (signal::shared_schedule) — and async for any other.
 ///
 ///     switch_mode("auto", "drift") == "async"
+///     switch_mode("auto", "consensus") == "sync"
 /// A periodic policy with stagger = true sends at different steps on different
 /// members, which no all-reduce round fits: async.
 inline std::string switch_mode(std::string_view requested, std::string_view policy, bool staggered = false) {
   if (requested == "sync" || requested == "async") return std::string(requested);
-  return policy == "periodic" && !staggered ? "sync" : "async";
+  return (policy == "periodic" && !staggered) || policy == "consensus" ? "sync" : "async";
 }
 
 using protocol_registry_t = registry<protocol>;

@@ -33,6 +33,16 @@ struct signal {
   double consensus = std::numeric_limits<double>::quiet_NaN();
   double weight = 1;                   ///< push-sum weight (1 for other protocols)
   int rank = 0, world = 1;             ///< this rank and the number of ranks
+  /// True where every member must send at the same steps: an aggregator's sync
+  /// all-reduce (transport "switch", mode sync). A policy then decides from
+  /// what every member shares — step counts, lr, group_drift_sq — never from
+  /// its own drift. (A member that fires at another step makes the others
+  /// wait for it, bounded by the transport's timeout.)
+  bool shared_schedule = false;
+  /// With shared_schedule: the group's mean of ‖x_i − x̂_i‖²/‖x̂_i‖² at the
+  /// last round's post, carried by the all-reduce itself, so every member
+  /// reads the same value; NaN before the first round completed.
+  double group_drift_sq = std::numeric_limits<double>::quiet_NaN();
 
   double drift() const noexcept { return std::sqrt(diff_sq); }
   /// ‖x − x̂‖ / ‖x̂‖; infinite when x̂ is zero and x is not.

@@ -42,7 +42,10 @@ struct wire_header {
   std::int32_t sender = -1;
   std::uint32_t reserved = 0;
   std::uint64_t step = 0;
-  double weight = 0;                 ///< protocol weight (push-sum share, mixing weight)
+  /// Protocol weight (push-sum share, mixing weight). Through an aggregator in
+  /// sync mode: the member's relative drift² at the send, and in the reply the
+  /// group's mean of it (signal::group_drift_sq).
+  double weight = 0;
   std::uint64_t payload_bytes = 0;   ///< bytes after this header
   std::uint64_t layout_fingerprint = 0;
 };

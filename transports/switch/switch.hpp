@@ -4,7 +4,7 @@
 ///
 ///     # run.toml
 ///     [policy]
-///     name = "drift"              # adaptive → async mode; "periodic" → sync mode
+///     name = "drift"              # → async mode; "periodic" and "consensus" → sync mode
 ///     [topology]
 ///     name = "switch"
 ///     [protocol]
@@ -42,10 +42,15 @@
 /// lands there. collect() returns completed replies (sender −1: the switch).
 /// In sync mode collect(step) first waits (bounded) for the all-reduce posted
 /// at step − 1, so a periodic run mixes at the same steps on every rank; in
-/// async mode it never waits. Errors of the thread (a timeout naming the
+/// async mode it never waits. A sync round is two all-reduces: the model,
+/// then one value per member from its message header (the engine's relative
+/// drift² at the send), whose group mean the reply carries as its weight
+/// (signal::group_drift_sq: the pace a shared schedule follows). Errors of the thread (a timeout naming the
 /// switch and group) are rethrown by the next post() or collect().
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -74,7 +79,7 @@ inline const std::vector<option_spec>& switch_option_specs() {
       {"group", std::int64_t{1}, "aggregation group id (configured on the switch with members = world)", "GOSSIP_SWITCH_GROUP"},
       {"sync_group", std::int64_t{-1}, "group for sync mode (-1: group)"},
       {"async_group", std::int64_t{-1}, "group for async mode, configured with elements = the model's size (-1: group)"},
-      {"mode", std::string("auto"), "sync, async, or auto (periodic policy: sync; others: async)"},
+      {"mode", std::string("auto"), "sync, async, or auto (periodic and consensus: sync; others: async)"},
       {"chunk", std::int64_t{sw::default_chunk}, "float32 values per packet (the group's chunk)"},
       {"window", std::int64_t{128}, "packets in flight (sync: the group's slots)"},
       {"rto_ms", 5.0, "first retransmission timeout in milliseconds (doubles up to 200)"},
@@ -136,8 +141,10 @@ class switch_transport {
     if (st.cfg.sync && st.last_post_step >= 0 && static_cast<std::uint64_t>(st.last_post_step) + 1 == step) {
       const auto want = st.last_post_op;
       detail::wait_for([&] { return st.done.load(std::memory_order_acquire) >= want || st.failed.load(); }, st.timeout, [&] {
-        return fmt::format("the switch at {}:{} to finish the all-reduce of step {} (group {}, rank {} of {})", st.cfg.client.address,
-                           st.cfg.client.port, st.last_post_step, st.cfg.client.group, st.rank, st.world);
+        return fmt::format(
+            "the switch at {}:{} to finish the all-reduce of step {} (group {}, rank {} of {}); every member must post at the same "
+            "steps: the same period, or for consensus the same learning rate reported to step() on every member",
+            st.cfg.client.address, st.cfg.client.port, st.last_post_step, st.cfg.client.group, st.rank, st.world);
       });
     }
     st.rethrow();
@@ -148,7 +155,7 @@ class switch_transport {
       if (slot.state.load(std::memory_order_acquire) != inbox::full) break;
       wire_header h;
       std::memcpy(&h, slot.data, sizeof h);
-      out[n++] = received{-1, h.step, 1.0, reinterpret_cast<const float*>(slot.data + sizeof h), st.elements};
+      out[n++] = received{-1, h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof h), st.elements};
       st.to_release = op + 1;
     }
     return n;
@@ -265,17 +272,27 @@ class switch_transport {
           if (stop.load() && slot.state.load() != inbox::empty) return;
           auto* out = reinterpret_cast<float*>(slot.data + sizeof(wire_header));
           const std::span<const float> in(j.payload, elements);
+          double group_value = 1.0;
           if (cfg.sync) {
             client->allreduce(in, {out, elements});
             const float inv_n = 1.0f / static_cast<float>(world);
             for (std::size_t i = 0; i < elements; ++i) out[i] *= inv_n;
+            // Then the member's value from its header (the engine's drift² at
+            // this send), summed in a one-packet all-reduce of its own: every
+            // member gets the same bytes back, so the same group mean.
+            wire_header posted;
+            std::memcpy(&posted, j.buffer, sizeof posted);
+            const std::array<float, 1> lane{std::isfinite(posted.weight) ? static_cast<float>(posted.weight) : 0.0f};
+            std::array<float, 1> lane_sum{};
+            client->allreduce(lane, lane_sum);
+            group_value = static_cast<double>(lane_sum[0]) / static_cast<double>(world);
           } else {
             client->push_delta(in, {out, elements});
           }
           wire_header h;
           h.sender = -1;
           h.step = j.step;
-          h.weight = 1.0;
+          h.weight = group_value;
           h.payload_bytes = elements * sizeof(float);
           std::memcpy(slot.data, &h, sizeof h);
           slot.bytes = sizeof h + h.payload_bytes;
