@@ -504,11 +504,13 @@ TEST_CASE("consensus: with a shared schedule every member fires at the same step
   // After a 100x decay (drift per step too) the threshold is 0.01 and the
   // drift 0.0001 per step: the interval grows to 100 steps, doubling per round.
   const sim d = member(0.01, 0.0, true);
-  std::vector<std::uint64_t> late;
-  for (auto t : d.fired)
-    if (t >= 100) late.push_back(t);
-  REQUIRE(late.size() >= 3);
-  for (std::size_t i = 1; i < late.size(); ++i) CHECK(late[i] - late[i - 1] == std::min<std::uint64_t>(2 * (late[i - 1] - (i >= 2 ? late[i - 2] : 91)), 100));
+  // The last round before the decay, then every one after it.
+  const auto first_late = std::find_if(d.fired.begin(), d.fired.end(), [](auto t) { return t >= 100; });
+  REQUIRE(first_late != d.fired.begin());
+  const std::vector<std::uint64_t> rounds(first_late - 1, d.fired.end());
+  REQUIRE(rounds.size() >= 4);
+  for (std::size_t i = 2; i < rounds.size(); ++i)
+    CHECK(rounds[i] - rounds[i - 1] == std::min<std::uint64_t>(2 * (rounds[i - 1] - rounds[i - 2]), 100));
 }
 
 TEST_CASE("consensus: options") {

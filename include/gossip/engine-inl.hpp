@@ -373,7 +373,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       h.step = t;
       h.weight = m_protocol.on_send(targets, m_topology.self_weight());
       // A sync all-reduce averages this over the group: the shared pace (signal::group_drift_sq).
-      if (m_shared_schedule) h.weight = sig.ref_sq > 0 && std::isfinite(sig.diff_sq / sig.ref_sq) ? sig.diff_sq / sig.ref_sq : 0.0;
+      if (m_shared_schedule) h.weight = std::isfinite(result.relative_drift) ? result.relative_drift * result.relative_drift : 0.0;
       h.payload_bytes = m_elements * sizeof(float);
       h.layout_fingerprint = m_layout_fingerprint;
       if (m_device)
