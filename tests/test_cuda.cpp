@@ -30,7 +30,13 @@ struct device_floats {
   ~device_floats() { cudaFree(p); }
   device_floats(const device_floats&) = delete;
   device_floats& operator=(const device_floats&) = delete;
-  void upload(const std::vector<float>& h) { cuda_ok(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice)); }
+  // From pageable memory cudaMemcpy may return before its DMA lands, and the
+  // engines' streams are non-blocking (no implicit order with the legacy
+  // stream): wait for the device before a kernel on such a stream reads p.
+  void upload(const std::vector<float>& h) {
+    cuda_ok(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    cuda_ok(cudaDeviceSynchronize());
+  }
   std::vector<float> download() const {
     std::vector<float> h(n);
     cuda_ok(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));

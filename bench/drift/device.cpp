@@ -50,7 +50,10 @@ drift_run device_run(std::size_t n, const drift_bench_settings& s) {
     hx[i] = href[i] + 0.01f * u(g);
   }
   device_floats x(n), dst(n);
+  // cudaMemcpy from pageable memory may return before its DMA lands, and
+  // `stream` does not wait for the legacy stream: synchronize before kernels on it read x.
   check(cudaMemcpy(x.p, href.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   const auto backend = cuda::device(stream, {.transfer = "staged"});
   const tensor_slot slot{x.p, n, 0};
@@ -61,6 +64,7 @@ drift_run device_run(std::size_t n, const drift_bench_settings& s) {
   auto model = backend->make(setup);
   model->snapshot(model->send_storage() + sizeof(wire_header));  // x̂ ← ref
   check(cudaMemcpy(x.p, hx.data(), n * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   double want_diff = 0, want_ref = 0;
   for (std::size_t i = 0; i < n; ++i) {
