@@ -62,9 +62,9 @@ std::vector<float> random_floats(std::size_t n, std::uint64_t seed, float scale 
 
 bool close(double got, double want, double tol) { return std::abs(got - want) <= tol * std::max(std::abs(want), 1e-30); }
 
-// Tensors of awkward sizes, one of them starting one float past a 16-byte
-// boundary so the kernels' scalar path runs too.
-const std::vector<std::size_t> sizes = {1, 3, 4096, 4097, 100003, 128};
+// Tensors of awkward sizes (an empty one too), starting one float past a
+// 16-byte boundary so the kernels' scalar path runs too.
+const std::vector<std::size_t> sizes = {1, 3, 0, 4096, 4097, 100003, 128};
 
 }  // namespace
 
@@ -132,15 +132,29 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
       CHECK(close(got[t].ref_sq, want.ref_sq, sum_tolerance));
       want_step += want.step_sq;
     }
-    if (measure_step) {
+    if (measure_step)
       CHECK(close(step, want_step, sum_tolerance));
-      model->drift(got, step);  // x_{t-1} was updated by the pass: no step since
+    else
       CHECK(step == 0.0);
-    } else {
-      CHECK(step == 0.0);
-    }
+    // Again with x back at x̂: each tensor's block counter was re-armed by the
+    // first pass (else no block would write new sums), partials are added in
+    // block order, so Σx̂² repeats bit for bit; with x_{t-1} (= x1 since the
+    // first pass) the step is now Σ(x0 − x1)², the first pass's drift.
     std::copy(hx0.begin(), hx0.end(), padded.begin() + 1);
     x.upload(padded);
+    std::vector<tensor_drift> again(sizes.size());
+    double step_again = -1, drift_before = 0;
+    model->drift(again, step_again);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      INFO("tensor ", t);
+      CHECK(again[t].diff_sq == 0.0);
+      CHECK(again[t].ref_sq == got[t].ref_sq);
+      drift_before += got[t].diff_sq;
+    }
+    if (measure_step)
+      CHECK(close(step_again, drift_before, sum_tolerance));
+    else
+      CHECK(step_again == 0.0);
   }
 }
 

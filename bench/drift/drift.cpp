@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Drift pass bandwidth against a copy of the same model bytes, on the host and (with CUDA) on the device."};
   std::string json_path = "drift.json";
   double max_mib = 256, min_kib = 64, seconds = 0.3;
-  bool quick = false, host_only = false;
+  bool quick = false, host_only = false, device_only = false;
   std::size_t cold_from_mib = 16;
   app.add_option("--json", json_path, "write the runs here (empty: no file)");
   app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(CLI::Range(0.0625, 4096.0));
@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
   app.add_option("--seconds", seconds, "time spent per method and size")->check(CLI::Range(0.01, 60.0));
   app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)");
   app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)");
-  app.add_flag("--host-only", host_only, "skip the device part");
+  auto* host_only_flag = app.add_flag("--host-only", host_only, "skip the device part");
+  app.add_flag("--device-only", device_only, "skip the host part")->excludes(host_only_flag);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -176,9 +177,13 @@ int main(int argc, char** argv) {
                  static_cast<double>(r.elements * sizeof(float)) / (1 << 20), r.drift_gbps, r.copy_gbps, r.ratio, r.repeats);
       std::fflush(stdout);
     };
-    for (std::size_t n : s.sizes) print(runs.emplace_back(host_run(n, s, nullptr)));
-    for (std::size_t n : s.sizes)
-      if (cold_from_mib > 0 && n * sizeof(float) >= cold_from_mib << 20) print(runs.emplace_back(host_run(n, s, &flusher)));
+    if (device_only) {
+      fmt::print("host: skipped (--device-only)\n");
+    } else {
+      for (std::size_t n : s.sizes) print(runs.emplace_back(host_run(n, s, nullptr)));
+      for (std::size_t n : s.sizes)
+        if (cold_from_mib > 0 && n * sizeof(float) >= cold_from_mib << 20) print(runs.emplace_back(host_run(n, s, &flusher)));
+    }
 
     if (host_only) {
       fmt::print("device: skipped (--host-only)\n");
@@ -195,12 +200,13 @@ int main(int argc, char** argv) {
 #endif
     }
 
-    for (const char* cache : {"warm", "cold"}) {
-      double worst = 1e300;
-      for (const auto& r : runs)
-        if (r.where == "host" && r.cache == cache && r.elements * sizeof(float) >= (16u << 20)) worst = std::min(worst, r.ratio);
-      if (worst < 1e300) fmt::print("host, {}: lowest drift/copy ratio at >= 16 MiB: {:.3f}\n", cache, worst);
-    }
+    for (const char* where : {"host", "device"})
+      for (const char* cache : {"warm", "cold"}) {
+        double worst = 1e300;
+        for (const auto& r : runs)
+          if (r.where == where && r.cache == cache && r.elements * sizeof(float) >= (16u << 20)) worst = std::min(worst, r.ratio);
+        if (worst < 1e300) fmt::print("{}, {}: lowest drift/copy ratio at >= 16 MiB: {:.3f}\n", where, cache, worst);
+      }
 
     if (!json_path.empty()) {
       nlohmann::json j;

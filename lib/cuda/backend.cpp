@@ -69,12 +69,26 @@ class cuda_model final : public device_model {
       alloc(m_d_ref, m_elements * sizeof(float), "cudaMalloc (x̂)");
       if (s.measure_step) alloc(m_d_prev, m_elements * sizeof(float), "cudaMalloc (x_{t-1})");
       alloc(m_d_partials, std::max<std::size_t>(m_blocks, 1) * 3 * sizeof(double), "cudaMalloc (partial sums)");
-      alloc(m_d_sums, std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double), "cudaMalloc (sums)");
+      alloc(m_d_arrivals, std::max<std::uint32_t>(m_tensors, 1) * sizeof(std::uint32_t), "cudaMalloc (block arrivals)");
       m_merge_batch = static_cast<std::size_t>(std::clamp(merge_batch, 1, detail::max_merge_sources));
       m_merge_batch = std::min(m_merge_batch, std::max<std::size_t>(s.max_merge, 1));
       m_d_recv.assign(m_merge_batch, nullptr);
       for (auto& r : m_d_recv) alloc(r, m_elements * sizeof(float), "cudaMalloc (receive buffer)");
-      check(cudaMallocHost(&m_h_sums, std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double)), "cudaMallocHost (sums)", m_rank);
+      const std::size_t sums_bytes = std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double);
+      check(cudaMallocHost(&m_h_sums, sums_bytes), "cudaMallocHost (sums)", m_rank);
+      std::memset(m_h_sums, 0, sums_bytes);  // tensors without elements keep 0
+      // The drift kernel writes its sums straight into this pinned memory
+      // (mapped into the device's address space); where the device cannot
+      // map host memory it writes device memory, copied back after.
+      void* mapped = nullptr;
+      if (cudaHostGetDevicePointer(&mapped, m_h_sums, 0) == cudaSuccess) {
+        m_sums_target = static_cast<double*>(mapped);
+      } else {
+        (void)cudaGetLastError();
+        alloc(m_d_sums, sums_bytes, "cudaMalloc (sums)");
+        check(cudaMemsetAsync(m_d_sums, 0, sums_bytes, m_stream), "cudaMemsetAsync (sums)", m_rank);
+        m_sums_target = static_cast<double*>(m_d_sums);
+      }
       if (m_direct)
         alloc(m_storage, m_storage_bytes, "cudaMalloc (send buffers)");
       else
@@ -94,6 +108,8 @@ class cuda_model final : public device_model {
             "cudaMemcpyAsync (block table)", m_rank);
       check(cudaMemcpyAsync(m_d_first, first.data(), first.size() * sizeof(std::uint32_t), cudaMemcpyHostToDevice, m_stream),
             "cudaMemcpyAsync (tensor table)", m_rank);
+      check(cudaMemsetAsync(m_d_arrivals, 0, std::max<std::uint32_t>(m_tensors, 1) * sizeof(std::uint32_t), m_stream),
+            "cudaMemsetAsync (block arrivals)", m_rank);
       if (m_d_prev)
         check(detail::launch_snapshot(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<float*>(m_d_prev), nullptr, m_stream),
               "snapshot kernel (x_{t-1})", m_rank);
@@ -110,12 +126,13 @@ class cuda_model final : public device_model {
 
   void drift(std::span<tensor_drift> per_tensor, double& step_sq) override {
     const device_guard g(m_device);
-    check(detail::launch_drift(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<std::uint32_t*>(m_d_first), m_tensors,
+    check(detail::launch_drift(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<std::uint32_t*>(m_d_first),
                                static_cast<float*>(m_d_ref), static_cast<float*>(m_d_prev), static_cast<double*>(m_d_partials),
-                               static_cast<double*>(m_d_sums), m_stream),
+                               static_cast<std::uint32_t*>(m_d_arrivals), m_sums_target, m_stream),
           "drift kernel", m_rank);
-    check(cudaMemcpyAsync(m_h_sums, m_d_sums, m_tensors * 3 * sizeof(double), cudaMemcpyDeviceToHost, m_stream),
-          "cudaMemcpyAsync (drift sums)", m_rank);
+    if (m_d_sums)
+      check(cudaMemcpyAsync(m_h_sums, m_d_sums, m_tensors * 3 * sizeof(double), cudaMemcpyDeviceToHost, m_stream),
+            "cudaMemcpyAsync (drift sums)", m_rank);
     wait("cudaEventSynchronize (drift)");
     step_sq = 0;
     for (std::uint32_t t = 0; t < m_tensors && t < per_tensor.size(); ++t) {
@@ -183,12 +200,13 @@ class cuda_model final : public device_model {
     }
     if (m_inbox) cudaHostUnregister(m_inbox);
     m_inbox = nullptr;
-    for (void* p : {m_d_blocks, m_d_first, m_d_ref, m_d_prev, m_d_partials, m_d_sums})
+    for (void* p : {m_d_blocks, m_d_first, m_d_ref, m_d_prev, m_d_partials, m_d_arrivals, m_d_sums})
       if (p) cudaFree(p);
     for (void* p : m_d_recv)
       if (p) cudaFree(p);
     m_d_recv.clear();
-    m_d_blocks = m_d_first = m_d_ref = m_d_prev = m_d_partials = m_d_sums = nullptr;
+    m_d_blocks = m_d_first = m_d_ref = m_d_prev = m_d_partials = m_d_arrivals = m_d_sums = nullptr;
+    m_sums_target = nullptr;
     if (m_h_sums) cudaFreeHost(m_h_sums);
     m_h_sums = nullptr;
     if (m_storage) m_direct ? cudaFree(m_storage) : cudaFreeHost(m_storage);
@@ -202,9 +220,10 @@ class cuda_model final : public device_model {
   std::size_t m_elements, m_storage_bytes, m_merge_batch = 1;
   std::uint32_t m_blocks = 0, m_tensors = 0;
   void *m_d_blocks = nullptr, *m_d_first = nullptr, *m_d_ref = nullptr, *m_d_prev = nullptr, *m_d_partials = nullptr,
-       *m_d_sums = nullptr, *m_storage = nullptr;
+       *m_d_arrivals = nullptr, *m_d_sums = nullptr, *m_storage = nullptr;
   std::vector<void*> m_d_recv;
   double* m_h_sums = nullptr;
+  double* m_sums_target = nullptr;  // where the drift kernel writes: m_h_sums mapped, or m_d_sums
   void* m_inbox = nullptr;
   cudaEvent_t m_done = nullptr;
 };

@@ -1,6 +1,6 @@
 // The fused passes over a device model. One thread block per block_desc
-// (4096 elements of one tensor); float4 loads when every pointer of the block
-// is 16-byte aligned, scalar otherwise. Per-thread sums of at most 16 terms
+// (block_elements of one tensor); float4 loads when every pointer of the block
+// is 16-byte aligned, scalar otherwise. Per-thread sums of at most 64 terms
 // are float; everything above is double.
 #include "kernels.hpp"
 
@@ -24,9 +24,15 @@ __device__ inline double block_sum(double v, double* scratch) {
   return v;
 }
 
-__global__ void __launch_bounds__(block_threads) drift_partials(const block_desc* blocks, const float* ref, float* prev,
-                                                                double* partials) {
+// One launch per drift pass: each block sums its share, and the last block of
+// each tensor to finish (counted in arrivals[tensor]) adds that tensor's
+// partials in block order, writes the three sums and re-arms the counter for
+// the next pass (ordered after this one on the stream).
+__global__ void __launch_bounds__(block_threads) drift_kernel(const block_desc* blocks, const std::uint32_t* first_block,
+                                                              const float* ref, float* prev, double* partials,
+                                                              std::uint32_t* arrivals, double* sums) {
   __shared__ double scratch[warps];
+  __shared__ bool last;
   const block_desc d = blocks[blockIdx.x];
   const float* x = d.data;
   const float* r = ref + d.offset;
@@ -35,6 +41,7 @@ __global__ void __launch_bounds__(block_threads) drift_partials(const block_desc
   std::uint32_t scalar_from = 0;
   if (aligned16(x) && aligned16(r) && (!p || aligned16(p))) {
     const std::uint32_t n4 = d.count / 4;
+#pragma unroll 4
     for (std::uint32_t i = threadIdx.x; i < n4; i += block_threads) {
       const float4 xv = reinterpret_cast<const float4*>(x)[i];
       const float4 rv = reinterpret_cast<const float4*>(r)[i];
@@ -63,24 +70,25 @@ __global__ void __launch_bounds__(block_threads) drift_partials(const block_desc
   const double total_diff = block_sum(diff, scratch);
   const double total_ref = block_sum(refs, scratch);
   const double total_step = block_sum(step, scratch);
+  const std::uint32_t t = d.tensor, begin = first_block[t], end = first_block[t + 1];
   if (threadIdx.x == 0) {
     partials[3 * blockIdx.x + 0] = total_diff;
     partials[3 * blockIdx.x + 1] = total_ref;
     partials[3 * blockIdx.x + 2] = total_step;
+    __threadfence();  // the partials are visible device-wide before the arrival is counted
+    last = atomicAdd(&arrivals[t], 1u) == end - begin - 1;
   }
-}
-
-__global__ void __launch_bounds__(block_threads) drift_reduce(const double* partials, const std::uint32_t* first_block,
-                                                              double* sums) {
-  __shared__ double scratch[warps];
-  const std::uint32_t t = blockIdx.x, begin = first_block[t], end = first_block[t + 1];
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
   double s[3] = {0.0, 0.0, 0.0};
   for (std::uint32_t b = begin + threadIdx.x; b < end; b += block_threads)
-    for (int k = 0; k < 3; ++k) s[k] += partials[3 * b + k];
+    for (int k = 0; k < 3; ++k) s[k] += __ldcg(&partials[3 * b + k]);  // L2: other blocks wrote them
   for (int k = 0; k < 3; ++k) {
     const double v = block_sum(s[k], scratch);
     if (threadIdx.x == 0) sums[3 * t + k] = v;
   }
+  if (threadIdx.x == 0) arrivals[t] = 0;
 }
 
 __global__ void __launch_bounds__(block_threads) snapshot_kernel(const block_desc* blocks, float* ref, float* second) {
@@ -117,11 +125,9 @@ __global__ void __launch_bounds__(block_threads) merge_kernel(const block_desc* 
 
 }  // namespace
 
-cudaError_t launch_drift(const block_desc* blocks, std::uint32_t n_blocks, const std::uint32_t* first_block,
-                         std::uint32_t n_tensors, const float* ref, float* prev, double* partials, double* sums,
-                         cudaStream_t stream) {
-  if (n_blocks > 0) drift_partials<<<n_blocks, block_threads, 0, stream>>>(blocks, ref, prev, partials);
-  if (n_tensors > 0) drift_reduce<<<n_tensors, block_threads, 0, stream>>>(partials, first_block, sums);
+cudaError_t launch_drift(const block_desc* blocks, std::uint32_t n_blocks, const std::uint32_t* first_block, const float* ref,
+                         float* prev, double* partials, std::uint32_t* arrivals, double* sums, cudaStream_t stream) {
+  if (n_blocks > 0) drift_kernel<<<n_blocks, block_threads, 0, stream>>>(blocks, first_block, ref, prev, partials, arrivals, sums);
   return cudaGetLastError();
 }
 
