@@ -274,6 +274,10 @@ int rank_main(int rank, std::uint16_t port, const settings& s, int cmd_fd, int r
       if (reply.rfind("ok", 0) != 0) return 1;
     }
     p.final_barrier();
+    // The drain handshake first, as engine::finish does: the goodbye each rank
+    // then sends tells the other it left, rather than failed.
+    detail::wait_for([&] { return p.t->drained(); }, std::chrono::duration<double>(s.timeout_s),
+                     [&] { return fmt::format("rank {}'s drain handshake (waiting on {})", rank, p.t->waiting_on()); });
     p.t->leave();
     return 0;
   } catch (const std::exception& e) {
