@@ -170,6 +170,9 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   setup.message_bytes = m_message_bytes;
   setup.inbox = &m_inbox;
   setup.timeout = m_settings.timeout;
+  // max_lead paces by the steps heard from sources: peers tell theirs at least
+  // twice per max_lead steps, also while the policy sends no model.
+  if (m_settings.max_lead > 0) setup.step_beacon = std::max<std::uint64_t>(1, m_settings.max_lead / 2);
   m_transport.attach(setup);
   m_start = m_last_send_time = std::chrono::steady_clock::now();
 }
@@ -241,19 +244,22 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // Lockstep transports (loopback) keep the ranks within a step already; an
   // aggregator's replies carry no member's step.
   // finish()'s forced rounds have their own drain handshake.
-  if (!forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated() && t > m_heard_step + m_settings.max_lead) {
+  const bool paced = !forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated();
+  auto heard = [&] { return std::max(m_heard_step, m_transport.counters().newest_step_heard); };
+  if (paced && t > m_heard_step + m_settings.max_lead && t > heard() + m_settings.max_lead) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
     detail::wait_for(
         [&] {
           result.merged += poll();
-          return t <= m_heard_step + m_settings.max_lead;
+          return t <= heard() + m_settings.max_lead;
         },
         m_settings.timeout, [&] {
           return fmt::format(
-              "rank {} at step {}: a message from a step at or after {} ([engine] max_lead = {}; the newest step heard from any peer is {}, "
-              "waiting on {}). With max_lead every rank must send at least every max_lead steps: raise max_lead or use a period <= it",
-              m_rank, t, t - m_settings.max_lead, m_settings.max_lead, m_heard_step, m_transport.waiting_on());
+              "rank {} at step {}: word of a step at or after {} from a source ([engine] max_lead = {}; the newest step heard, in a model "
+              "or a step beacon, is {}; waiting on {}). Raise max_lead or timeout_s; over a transport without step beacons every rank "
+              "must send at least every max_lead steps",
+              m_rank, t, t - m_settings.max_lead, m_settings.max_lead, heard(), m_transport.waiting_on());
         });
     m_stats.lead_wait_seconds += std::chrono::duration<double>(clock::now() - wait_start).count();
   }
@@ -635,6 +641,7 @@ inline const engine_stats& engine::stats() {
   m_stats.bytes_received = c.bytes_received;
   m_stats.messages_received = c.messages_received;
   m_stats.transport_rejoins = c.rejoins;
+  m_stats.step_beacons = c.beacons_sent;
   return m_stats;
 }
 

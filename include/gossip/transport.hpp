@@ -115,6 +115,11 @@ struct transport_setup {
   std::size_t message_bytes = 0;
   gossip::inbox* inbox = nullptr;
   std::chrono::duration<double> timeout{60.0};
+  /// Tell every target this rank's step at least every this many steps, in a
+  /// message of a few bytes apart from the model's ([engine] max_lead paces
+  /// by the steps it hears; 0: never). Transports whose ranks step together
+  /// (copies_on_post) or that aggregate ignore it.
+  std::uint64_t step_beacon = 0;
 };
 
 struct transport_capabilities {
@@ -129,6 +134,8 @@ enum class post_status : std::uint8_t { ok, peer_dead, busy };
 struct transport_counters {
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   std::uint64_t rejoins = 0;  ///< times the transport joined again after its far end lost its state (a restarted switch)
+  std::uint64_t beacons_sent = 0;       ///< step beacons (transport_setup::step_beacon) posted
+  std::uint64_t newest_step_heard = 0;  ///< the newest step any source's beacon carried (0: none)
 };
 
 template <class T>

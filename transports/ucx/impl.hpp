@@ -24,6 +24,13 @@ namespace ucx_detail {
 
 inline constexpr unsigned am_id = 0x47;                  // "G"
 inline constexpr unsigned bye_id = 0x48;                 // a rank leaving on purpose: header = its rank
+inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header
+
+struct step_beacon_header {
+  std::int32_t rank = -1;
+  std::uint32_t reserved = 0;
+  std::uint64_t step = 0;
+};
 inline constexpr std::size_t max_buffers = 64;           // distinct send buffers tracked by busy()
 inline constexpr std::size_t queue_capacity = 1024;
 
@@ -62,6 +69,9 @@ struct ucx_transport::impl {
     std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
     std::uint64_t posted = 0;      // engine thread: messages accepted by post()
     bool closing = false;          // progress thread
+    std::uint64_t told_step = 0;   // progress thread: the step of the last beacon to it
+    ucx_detail::step_beacon_header beacon;  // progress thread: UCX reads it until beacon_req completes
+    void* beacon_req = nullptr;              // progress thread: the beacon still in flight, if any
     std::array<send_ctx, ucx_detail::max_buffers> ctx{};
     impl* owner = nullptr;
   };
@@ -121,6 +131,11 @@ struct ucx_transport::impl {
   std::atomic<std::size_t> q_head{0}, q_tail{0};  // head: consumer, tail: producer
 
   std::atomic<std::uint64_t> bytes_sent{0}, messages_sent{0}, bytes_received{0}, messages_received{0}, dropped{0};
+  // Step beacons (transport_setup::step_beacon): the engine thread publishes
+  // its step every `step_beacon` steps and wakes the progress thread, which
+  // tells every live target; a source's beacon raises heard_step.
+  std::atomic<std::uint64_t> beacon_step{0}, beacons_sent{0}, heard_step{0};
+  std::uint64_t next_beacon = 0;  // engine thread
   // Per source: messages UCX delivered that never reached a slot (backlog overflow,
   // unkeepable eager data). Written by the progress thread, read by drained().
   std::unique_ptr<std::atomic<std::uint64_t>[]> discarded;
@@ -148,6 +163,7 @@ struct ucx_transport::impl {
   post_status post(int to, std::span<const std::byte> msg, std::uint64_t step);
   std::size_t collect(std::span<received> out);
   void release();
+  void end_step(std::uint64_t step) noexcept;
 
   // Drain handshake: publish how many messages we posted to each rank, then
   // report true once every live source's count has been consumed (or lost
@@ -179,6 +195,8 @@ struct ucx_transport::impl {
   void send_done(int to, int entry, ucs_status_t status, std::size_t length) noexcept;
   bool drain_sends() noexcept;
   static ucs_status_t on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  static ucs_status_t on_step(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  bool send_beacons() noexcept;
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                             const ucp_am_recv_param_t* param);

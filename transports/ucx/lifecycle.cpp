@@ -11,6 +11,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gossip/wait.hpp"
@@ -200,6 +201,10 @@ void ucx_transport::impl::init_ucx() {
   hp.id = bye_id;
   hp.flags = UCP_AM_FLAG_WHOLE_MSG;
   hp.cb = &impl::on_bye;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  hp.id = step_id;
+  hp.cb = &impl::on_step;
   if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
     throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
 }
@@ -436,6 +441,10 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
       if (rc.request) ucp_request_cancel(worker, rc.request);
   }
   std::vector<void*> closing;
+  for (int j : neighbours) {  // beacons still in flight complete (or fail) with their endpoints
+    auto& p = *peer(j);
+    if (p.beacon_req) closing.push_back(std::exchange(p.beacon_req, nullptr));
+  }
   // Goodbye first, on the same endpoints: the graceful close below flushes
   // it, and the peers then know this rank left rather than died. Only after
   // the drain handshake (engine::finish): a rank torn down by an error is

@@ -91,6 +91,47 @@ ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::siz
   return UCS_OK;
 }
 
+ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                                         const ucp_am_recv_param_t*) {
+  auto* self = static_cast<impl*>(arg);
+  step_beacon_header b;
+  if (header_length != sizeof b) return UCS_OK;  // foreign: ignored
+  std::memcpy(&b, header, sizeof b);
+  if (b.rank < 0 || static_cast<std::size_t>(b.rank) >= self->source_of.size() || self->source_of[static_cast<std::size_t>(b.rank)] < 0)
+    return UCS_OK;
+  // Only this thread writes it.
+  if (b.step > self->heard_step.load(std::memory_order_relaxed)) self->heard_step.store(b.step, std::memory_order_release);
+  return UCS_OK;
+}
+
+bool ucx_transport::impl::send_beacons() noexcept {
+  const std::uint64_t step = beacon_step.load(std::memory_order_acquire);
+  if (step == 0) return false;
+  bool any = false;
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!p.target || p.told_step >= step) continue;
+    // One beacon per peer in flight: UCX reads its header until it completes.
+    if (p.beacon_req) {
+      if (ucp_request_check_status(p.beacon_req) == UCS_INPROGRESS) continue;
+      ucp_request_free(p.beacon_req);
+      p.beacon_req = nullptr;
+    }
+    if (!p.ep || p.dead.load(std::memory_order_acquire)) continue;
+    p.told_step = step;
+    p.beacon = {setup.rank, 0, step};
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, step_id, &p.beacon, sizeof p.beacon, nullptr, 0, &rp);
+    if (UCS_PTR_IS_ERR(r)) continue;  // a failing endpoint is reported by its error handler
+    p.beacon_req = r;                 // null: sent already
+    beacons_sent.fetch_add(1, std::memory_order_relaxed);
+    any = true;
+  }
+  return any;
+}
+
 ucs_status_t ucx_transport::impl::on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                           const ucp_am_recv_param_t* param) {
   return static_cast<impl*>(arg)->arrived(header, header_length, data, length, param->recv_attr);
@@ -233,6 +274,7 @@ void ucx_transport::impl::run() noexcept {
   auto last_work = clock::now();
   while (!stop.load(std::memory_order_acquire)) {
     bool work = drain_sends();
+    work = send_beacons() || work;
     work = land_backlog() || work;
     close_dead();
     while (ucp_worker_progress(worker) != 0) work = true;

@@ -91,7 +91,14 @@ void ucx_transport::attach(const transport_setup& setup) { m->attach(setup); }
 post_status ucx_transport::post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return m->post(peer, msg, step); }
 std::size_t ucx_transport::collect(std::uint64_t, std::span<received> out) { return m->collect(out); }
 void ucx_transport::release(std::uint64_t) { m->release(); }
-void ucx_transport::end_step(std::uint64_t) noexcept {}
+void ucx_transport::end_step(std::uint64_t step) noexcept { m->end_step(step); }
+
+void ucx_transport::impl::end_step(std::uint64_t step) noexcept {
+  if (setup.step_beacon == 0 || left || step < next_beacon) return;
+  next_beacon = step + setup.step_beacon;
+  beacon_step.store(step, std::memory_order_release);
+  wake();
+}
 bool ucx_transport::busy(const std::byte* buffer) const noexcept {
   for (const auto& b : m->buffers)
     if (b.ptr == buffer) return b.inflight.load(std::memory_order_acquire) > 0;
@@ -113,7 +120,8 @@ std::size_t ucx_transport::held_bytes_per_peer() const noexcept {
   return total / m->neighbours.size();
 }
 transport_counters ucx_transport::counters() const noexcept {
-  return {m->bytes_sent.load(), m->messages_sent.load(), m->bytes_received.load(), m->messages_received.load(), m->dropped.load()};
+  return {m->bytes_sent.load(), m->messages_sent.load(), m->bytes_received.load(), m->messages_received.load(), m->dropped.load(), 0,
+          m->beacons_sent.load(), m->heard_step.load(std::memory_order_acquire)};
 }
 
 std::string ucx_transport::describe() const {
