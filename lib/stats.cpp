@@ -69,6 +69,7 @@ std::string engine_stats::to_json(int indent) const {
   j["busy_wait_seconds"] = busy_wait_seconds;
   j["lead_waits"] = lead_waits;
   j["lead_wait_seconds"] = lead_wait_seconds;
+  j["lead_timeouts"] = lead_timeouts;
   j["step_beacons"] = step_beacons;
   j["peers"] = peers;
   j["tensors"] = tensors;

@@ -716,6 +716,33 @@ TEST_CASE("ucx: step beacons let max_lead pace ranks that send no model") {
   check_all_ok(out);
 }
 
+TEST_CASE("ucx: a source that finished releases max_lead's bound") {
+  // Rank 1 stops after 20 steps and finishes; rank 0 goes on to 80. Its
+  // finish() tells rank 0 (the largest step) not to wait for it, so rank 0
+  // neither waits out its 10 s deadline nor gives up on one.
+  require_ucx();
+  const std::uint16_t port = free_port();
+  const auto out = run_procs(2, "tcp", 60, [&](int r) {
+    auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+    test::toy_model m({1000}, static_cast<std::uint64_t>(r + 1));
+    auto spec = test::spec_of(policy_registry().make("never", options("test")), "exponential", "push-sum", 10);
+    spec.settings.max_lead = 4;
+    engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+    const auto t0 = clock_type::now();
+    for (int s = 0; s < (r == 0 ? 80 : 20); ++s) {
+      e.step({.lr = 0.1});
+      std::this_thread::sleep_for(1ms);
+    }
+    const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
+    const auto st = e.stats();
+    if (r == 0 && (st.lead_timeouts != 0 || seconds > 8))
+      throw error(fmt::format("rank 0 waited for a finished source: {} timed-out waits, 80 steps in {:.1f} s", st.lead_timeouts, seconds));
+    e.finish(0);
+    return 0;
+  });
+  check_all_ok(out);
+}
+
 TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved, fewer bytes after the codec") {
   require_ucx();
   for (const std::string codec_name : {"int8", "topk", "lowrank"}) {

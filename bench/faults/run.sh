@@ -27,7 +27,11 @@
 # give or take its noise: |mean| <= 1 + 2 sigma/sqrt(seeds). Writes
 # DIR/faults.json and prints a table.
 #
-#   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--only NAME,...] [--rto-max-ms MS] [--out DIR]
+#   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--only NAME,...] [--rto-max-ms MS] [--max-lead N] [--out DIR]
+#
+# --max-lead N sets [engine] max_lead = N for the runs over UCX, fault-free
+# ones included (default 0: off, the engine's default): a rank then waits
+# while more than N steps ahead of what it heard from its sources.
 #
 # --rto-max-ms caps TCP's retransmission timeout in the loss scenario's
 # namespaces (sysctl net.ipv4.tcp_rto_max_ms, Linux >= 6.15): under 10 %
@@ -47,7 +51,7 @@ set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=
+QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=; MAX_LEAD=0
 SCENARIOS=kill-1-of-4,kill-2-of-8,sigstop-20s,loss-10pct,switch-restart
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -56,9 +60,11 @@ while [[ $# -gt 0 ]]; do
     --out) OUT=$2; shift 2 ;;
     --only) ONLY=$2; shift 2 ;;
     --rto-max-ms) RTO_MAX_MS=$2; shift 2 ;;
+    --max-lead) MAX_LEAD=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
+[[ $MAX_LEAD =~ ^[0-9]+$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps (0: off)" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
   [[ ,$SCENARIOS, == *,$s,* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }
 done
@@ -115,6 +121,7 @@ name = "push-sum"
 name = "ucx"
 [engine]
 timeout_s = 60
+max_lead = $MAX_LEAD
 [train]
 workers = $1
 epochs = $EPOCHS
@@ -281,7 +288,7 @@ run_switch() {
   awk -v w="$(awk -v a="$(date +%s.%N)" -v b="$t_start" 'BEGIN{print a-b}')" -v h="$t_header" 'BEGIN{printf "%.2f\n", w - h}' >"$o.train_s"
 }
 
-echo "bench/faults: $( ((QUICK)) && echo quick || echo full ) — $EPOCHS epochs, train_limit $LIMIT, $SEEDS seeds, UCX_TLS=tcp, gossip-run --on-failure continue"
+echo "bench/faults: $( ((QUICK)) && echo quick || echo full ) — $EPOCHS epochs, train_limit $LIMIT, $SEEDS seeds, UCX_TLS=tcp, gossip-run --on-failure continue, max_lead $MAX_LEAD"
 LOSS_MEASURED=null
 NETNS_OK=0
 if ! want loss-10pct; then
@@ -359,11 +366,12 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
 done
 switch_stop
 
-/usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" "$ONLY" "$RTO_MAX_MS" <<'PY'
+/usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" "$ONLY" "$RTO_MAX_MS" "$MAX_LEAD" <<'PY'
 import json, math, os, re, statistics, sys
 tmp, out, quick, loss_measured, seeds = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
 only = [s for s in sys.argv[6].split(",") if s]
 rto_max_ms = int(sys.argv[7]) if sys.argv[7] else None
+max_lead = int(sys.argv[8])
 def load(name):
     rc, wall, hung, detect = open(f"{tmp}/{name}.res").read().split()
     j = None
@@ -451,7 +459,7 @@ for w, bs in base.items():
     m, sd = mean_sd(a)
     baseline[w] = dict(accuracy_pt=[round(x, 2) for x in a], mean_pt=None if m is None else round(m, 2),
                        sigma_pt=None if sd is None else round(sd, 2), wall_s=[b["wall"] for b in bs], rc=[b["rc"] for b in bs])
-doc = dict(quick=quick, seeds=seeds, loss_tcp_rto_max_ms=rto_max_ms,
+doc = dict(quick=quick, seeds=seeds, loss_tcp_rto_max_ms=rto_max_ms, max_lead=max_lead,
            ok_rule="every seed: no hang, every rank not killed finishes and exits 0, lost mass reported (> 0 where ranks were killed); "
                    "and |mean paired Δ| <= 1 pt + 2 σ/√seeds",
            baseline=baseline, scenarios=rows)

@@ -244,23 +244,38 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // Lockstep transports (loopback) keep the ranks within a step already; an
   // aggregator's replies carry no member's step.
   // finish()'s forced rounds have their own drain handshake.
+  // A source that finished or died says so with the largest step (UCX), which
+  // releases the bound; after a wait that timed out, pacing resumes only once
+  // something new is heard.
   const bool paced = !forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated();
+  const std::uint64_t lead = m_settings.max_lead;
   auto heard = [&] { return std::max(m_heard_step, m_transport.counters().newest_step_heard); };
-  if (paced && t > m_heard_step + m_settings.max_lead && t > heard() + m_settings.max_lead) {
+  auto ahead = [&](std::uint64_t h) { return h < t && t - h > lead; };
+  if (paced && ahead(m_heard_step) && ahead(heard()) && heard() != m_lead_released_at) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
-    detail::wait_for(
-        [&] {
-          result.merged += poll();
-          return t <= heard() + m_settings.max_lead;
-        },
-        m_settings.timeout, [&] {
-          return fmt::format(
-              "rank {} at step {}: word of a step at or after {} from a source ([engine] max_lead = {}; the newest step heard, in a model "
-              "or a step beacon, is {}; waiting on {}). Raise max_lead or timeout_s; over a transport without step beacons every rank "
-              "must send at least every max_lead steps",
-              m_rank, t, t - m_settings.max_lead, m_settings.max_lead, heard(), m_transport.waiting_on());
-        });
+    try {
+      detail::wait_for(
+          [&] {
+            result.merged += poll();
+            return !ahead(heard());
+          },
+          m_settings.timeout, [&] {
+            return fmt::format(
+                "rank {} at step {}: word of a step at or after {} from a source ([engine] max_lead = {}; the newest step heard, in a "
+                "model or a step beacon, is {}; waiting on {})",
+                m_rank, t, t - lead, lead, heard(), m_transport.waiting_on());
+          });
+    } catch (const timeout_error& e) {
+      // Sources that stall (a lossy network, a stopped process) do not stop
+      // training: it goes on unpaced until a source is heard again.
+      m_lead_released_at = heard();
+      if (m_stats.lead_timeouts++ == 0)
+        fmt::print(stderr,
+                   "libgossip: {}; training goes on without the bound until a source is heard again (raise timeout_s to wait longer; over "
+                   "a transport without step beacons every rank must send at least every max_lead steps)\n",
+                   e.what());
+    }
     m_stats.lead_wait_seconds += std::chrono::duration<double>(clock::now() - wait_start).count();
   }
   const auto t1 = clock::now();

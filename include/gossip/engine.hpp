@@ -54,13 +54,17 @@ struct engine_settings {
   std::string stats_path;               ///< JSON report written by finish(); empty: off
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
-  /// 0: off. Else a step waits (merging what arrives, up to `timeout`) while
-  /// this rank is more than max_lead steps ahead of the newest step any
-  /// peer's message carried. Push-sum halves a sender's weight at every send,
-  /// so a rank L steps ahead of its sources ends with a weight of about 2^−L
-  /// and its gradients stop counting (docs/non-iid.md, "Over processes").
-  /// Peer-to-peer transports only: loopback is lockstep already, and through a
-  /// switch no member's step comes back.
+  /// 0: off. Else a step waits (merging what arrives) while this rank is
+  /// more than max_lead steps ahead of the newest step heard from a source,
+  /// in its models or in the step beacons the transport sends every
+  /// max_lead/2 steps. Push-sum halves a sender's weight at every send, so a
+  /// rank L steps ahead of its sources ends with a weight of about 2^−L and
+  /// its gradients stop counting (docs/non-iid.md, "Over processes"). A
+  /// source that finished or died releases the bound; a wait that reaches
+  /// `timeout` gives up (stats: lead_timeouts) and the rank trains on
+  /// unpaced until a source is heard again. Peer-to-peer transports only:
+  /// loopback is lockstep already, and through a switch no member's step
+  /// comes back.
   std::uint64_t max_lead = 0;
   /// What becomes of the momentum buffers a model registered (model_view::momentum):
   /// quasi_global rebuilds them from the model's displacement, gossip included
@@ -183,8 +187,9 @@ class engine {
   std::vector<float> m_prev;                    // x_{t−1}, for policies that ask and for quasi-global momentum
   std::vector<float> m_mhat;                    // quasi-global momentum m̂ (only when buffers were registered)
   std::uint64_t m_last_merge_step = 0;          // step of the latest merge
-  std::uint64_t m_merge_steps = 0;
-  std::uint64_t m_heard_step = 0;               // newest step a member's message carried (max_lead)              // τ of a merge since the last drift pass (0: none)
+  std::uint64_t m_merge_steps = 0;             // τ of a merge since the last drift pass (0: none)
+  std::uint64_t m_lead_released_at = ~std::uint64_t{0};  // max_lead: the step heard when a lead wait timed out
+  std::uint64_t m_heard_step = 0;               // newest step a member's message carried (max_lead)
   bool m_merge_full = true;                     // quasi-global momentum carries merges on in full
   std::vector<float*> m_momentum;               // per tensor: the optimizer's momentum buffer, or null
   std::vector<tensor_drift> m_tensor_drift;

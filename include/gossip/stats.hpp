@@ -71,6 +71,7 @@ struct engine_stats {
   double busy_wait_seconds = 0;    ///< of which waiting for a send buffer (wait_when_busy)
   std::uint64_t lead_waits = 0;    ///< steps that waited for a peer to catch up ([engine] max_lead)
   double lead_wait_seconds = 0;    ///< time those waits took
+  std::uint64_t lead_timeouts = 0; ///< lead waits that gave up after timeout_s (training went on unpaced)
   std::uint64_t step_beacons = 0;  ///< step beacons sent, a few bytes each (max_lead over a peer-to-peer transport)
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;

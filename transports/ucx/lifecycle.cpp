@@ -305,6 +305,11 @@ void ucx_transport::impl::attach(const transport_setup& s) {
 }
 
 bool ucx_transport::impl::drained() {
+  if (!finishing && setup.step_beacon > 0) {
+    // Done stepping: the largest step tells the targets not to wait for this rank.
+    beacon_step.store(~std::uint64_t{0}, std::memory_order_release);
+    wake();
+  }
   finishing = true;
   if (rendezvous_gone) return true;
   try {

@@ -236,6 +236,8 @@ void ucx_transport::impl::close_dead() noexcept {
     auto& p = *peer(j);
     if (p.ep && !p.closing && p.dead.load(std::memory_order_acquire)) {
       p.closing = true;
+      // A source that died paces no one: the largest step releases max_lead's bound.
+      if (source_of[static_cast<std::size_t>(j)] >= 0) heard_step.store(~std::uint64_t{0}, std::memory_order_release);
       // Once per peer, outside the step path: who failed, where, and what happens now.
       if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,
