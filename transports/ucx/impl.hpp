@@ -50,6 +50,8 @@ struct ucx_transport::impl {
     int peer = -1;
     int entry = -1;
     std::size_t length = 0;  // one send per (peer, buffer) is in flight at a time
+    bool held = false;       // progress thread: UCX holds the request and has not completed it
+    bool abandoned = false;  // progress thread: given up on (its peer is dead); a late completion is ignored
   };
   struct peer_state {
     int rank = -1;
@@ -69,6 +71,7 @@ struct ucx_transport::impl {
     std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
     std::uint64_t posted = 0;      // engine thread: messages accepted by post()
     bool closing = false;          // progress thread
+    std::chrono::steady_clock::time_point closed_at{};  // progress thread: when close_dead() closed its endpoint
     std::uint64_t told_step = 0;   // progress thread: the step of the last beacon to it
     ucx_detail::step_beacon_header beacon;  // progress thread: UCX reads it until beacon_req completes
     void* beacon_req = nullptr;              // progress thread: the beacon still in flight, if any
@@ -215,6 +218,9 @@ struct ucx_transport::impl {
   static void on_recv_done(void* request, ucs_status_t status, std::size_t length, void* user);
   bool land_backlog() noexcept;
   void close_dead() noexcept;
+  // Sends to a peer closed as dead that UCX has still not completed a while
+  // later are given up on, as failed (see abandon_stuck_sends in progress.cpp).
+  void abandon_stuck_sends() noexcept;
   bool transfer_under_way() const noexcept;
   void run() noexcept;
 

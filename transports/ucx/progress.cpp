@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <utility>
 
 #include "impl.hpp"
 
@@ -26,7 +27,8 @@ void ucx_transport::impl::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) 
 
 void ucx_transport::impl::on_send_done(void* request, ucs_status_t status, void* user) {
   auto* c = static_cast<send_ctx*>(user);
-  c->owner->send_done(c->peer, c->entry, status, c->length);
+  c->held = false;
+  if (!std::exchange(c->abandoned, false)) c->owner->send_done(c->peer, c->entry, status, c->length);
   ucp_request_free(request);
 }
 
@@ -80,6 +82,8 @@ bool ucx_transport::impl::drain_sends() noexcept {
       send_done(op.peer, op.entry, UCS_OK, op.length);
     else if (UCS_PTR_IS_ERR(r))
       send_done(op.peer, op.entry, UCS_PTR_STATUS(r), op.length);
+    else
+      ctx.held = true;
   }
 }
 
@@ -250,7 +254,31 @@ void ucx_transport::impl::close_dead() noexcept {
       ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
       if (r && !UCS_PTR_IS_ERR(r)) ucp_request_free(r);  // completes inside UCX
       p.ep = nullptr;
+      p.closed_at = std::chrono::steady_clock::now();
+      // A beacon still queued to it is released to UCX, which frees it when it ends.
+      if (p.beacon_req) ucp_request_free(std::exchange(p.beacon_req, nullptr));
     }
+  }
+}
+
+// Closing a failed endpoint normally completes every send still on it, with
+// an error. UCX 1.13 does not always: over shared memory, once a dead
+// receiver's FIFO is full, sends queued behind it stay pending for ever, and
+// the send buffers they hold would never come back (finish() then times out).
+// A second after the close such sends are given up on as failed — their
+// push-sum share counted as lost, like any failed send — and their buffers
+// returned to the engine; should UCX complete one later, that is ignored.
+// UCX no longer moves their bytes: the endpoint is closed.
+void ucx_transport::impl::abandon_stuck_sends() noexcept {
+  const auto now = std::chrono::steady_clock::now();
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!p.closing || p.inflight.load(std::memory_order_acquire) == 0 || now - p.closed_at < std::chrono::seconds(1)) continue;
+    for (auto& c : p.ctx)
+      if (c.held && !c.abandoned) {
+        c.abandoned = true;
+        send_done(c.peer, c.entry, UCS_ERR_CANCELED, c.length);
+      }
   }
 }
 
@@ -279,6 +307,7 @@ void ucx_transport::impl::run() noexcept {
     work = send_beacons() || work;
     work = land_backlog() || work;
     close_dead();
+    abandon_stuck_sends();
     while (ucp_worker_progress(worker) != 0) work = true;
     if (work) {
       last_work = clock::now();
