@@ -97,7 +97,7 @@ const std::vector<option_spec>& engine_option_specs() {
        "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "
        "asynchronous exchanges: UCX, the switch's async aggregate)",
        "GOSSIP_MOMENTUM"},
-      {"max_lead", std::int64_t{0},
+      {"max_lead", std::int64_t{4},
        "wait at a step while this rank is more than max_lead steps ahead of the newest step heard from a source, in its models or in "
        "the step beacons the transport sends every max_lead/2 steps (0: never; peer-to-peer transports only): bounds how far processes "
        "drift apart, and with it push-sum weight skew. A wait that reaches timeout_s gives up and training goes on unpaced",

@@ -30,7 +30,7 @@
 #   bench/faults/run.sh [BUILD_DIR] [--quick] [--seeds N] [--only NAME,...] [--rto-max-ms MS] [--max-lead N] [--out DIR]
 #
 # --max-lead N sets [engine] max_lead = N for the runs over UCX, fault-free
-# ones included (default 0: off, the engine's default): a rank then waits
+# ones included (default 4, the engine's default; 0: off): a rank then waits
 # while more than N steps ahead of what it heard from its sources.
 #
 # --rto-max-ms caps TCP's retransmission timeout in the loss scenario's
@@ -51,7 +51,7 @@ set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=; MAX_LEAD=0
+QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=; MAX_LEAD=4
 SCENARIOS=kill-1-of-4,kill-2-of-8,sigstop-20s,loss-10pct,switch-restart
 while [[ $# -gt 0 ]]; do
   case $1 in

@@ -54,7 +54,7 @@ struct engine_settings {
   std::string stats_path;               ///< JSON report written by finish(); empty: off
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
-  /// 0: off. Else a step waits (merging what arrives) while this rank is
+  /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of the newest step heard from a source,
   /// in its models or in the step beacons the transport sends every
   /// max_lead/2 steps. Push-sum halves a sender's weight at every send, so a
@@ -65,7 +65,7 @@ struct engine_settings {
   /// unpaced until a source is heard again. Peer-to-peer transports only:
   /// loopback is lockstep already, and through a switch no member's step
   /// comes back.
-  std::uint64_t max_lead = 0;
+  std::uint64_t max_lead = 4;
   /// What becomes of the momentum buffers a model registered (model_view::momentum):
   /// quasi_global rebuilds them from the model's displacement, gossip included
   /// (Lin et al. 2021); local leaves them alone; automatic is quasi_global
