@@ -406,6 +406,13 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         last = "it accepted the connection but did not answer";
         throw timeout_error(describe());
       }
+      // Once rank 0 has answered, an exchange cut short is the link's doing
+      // (a lossy network resets connections): requests are idempotent (a put
+      // stores the same value again), so ask again until the deadline.
+      if (r != io::ok && m_contacted) {
+        last = "the connection was cut before the reply (a failing link?)";
+        continue;
+      }
       if (r != io::ok || std::memcmp(head, magic, 4) != 0)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} accepted the connection but {}",
@@ -418,8 +425,15 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
       blob out(len);
-      if (recv_all(s.fd, out.data(), len, deadline) != io::ok)
+      if (const io rr = recv_all(s.fd, out.data(), len, deadline); rr != io::ok) {
+        if (rr == io::timeout) {
+          last = "its reply stalled";
+          throw timeout_error(describe());
+        }
+        last = "its reply was cut short (a failing link?)";
+        if (m_contacted) continue;
         throw transport_error(fmt::format("bootstrap: rank {}: the reply from {} was cut short", m_rank, where()));
+      }
       found = head[4] == 'Y';
       m_contacted = true;
       return out;

@@ -351,6 +351,40 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     server.join();
     ::close(fd);
   }
+  SUBCASE("a rendezvous that answered before: an exchange the link cuts is asked again") {
+    const int fd = listen_loopback(port);
+    std::atomic<bool> stop{false};
+    std::atomic<int> cut{0};
+    std::thread server([&] {
+      for (int n = 0; !stop;) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        const int c = ::accept(fd, nullptr, nullptr);
+        if (c < 0) continue;
+        // The first poll: "not there yet"; the next two: closed unanswered
+        // (a reset on a lossy link); then the blob, one byte 'x'.
+        if (n == 0) {
+          const char reply[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
+          [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
+        } else if (n <= 2) {
+          ++cut;
+        } else {
+          const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+          [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
+        }
+        ++n;
+        ::close(c);
+      }
+    });
+    bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(10.0));
+    bootstrap::blob blob;
+    CHECK_NOTHROW(blob = b.get("k", "rank 0's blob"));
+    CHECK(cut == 2);
+    CHECK((blob.size() == 1 && static_cast<char>(blob[0]) == 'x'));
+    stop = true;
+    server.join();
+    ::close(fd);
+  }
   SUBCASE("an address that does not resolve") {
     bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
     CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("no-such-host.invalid"), transport_error);
