@@ -150,7 +150,7 @@ run_case() {
   local o=$TMP/$name
   local start=$SECONDS
   # shellcheck disable=SC2086
-  timeout -k 10 "$LIMIT_S" env UCX_NET_DEVICES="${UCX_NET_DEVICES_FAULTS:-lo}" UCX_TLS=tcp \
+  timeout -k 10 "$LIMIT_S" env UCX_NET_DEVICES="${FAULTS_NET_DEVICES:-lo}" UCX_TLS=tcp \
     "$RUN" -n "$world" --on-failure continue ${MASTER_ADDR:+--master-addr $MASTER_ADDR} --config "$cfg" -- \
     "$@" "$EXE" --seed "$SEED" --json "$o.json" >"$o.out" 2>"$o.err" &
   local tp=$! gr="" detect=null t_start t_header=null
@@ -349,7 +349,7 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
   fi
   if ((NETNS_OK)) && want loss-10pct; then
     echo "  seed $SEED: 10 % packet loss on every link..."
-    MASTER_ADDR=$NET.1 UCX_NET_DEVICES_FAULTS=eth0 \
+    MASTER_ADDR=$NET.1 FAULTS_NET_DEVICES=eth0 \
       run_case "loss-10pct-s$SEED" 4 none 0 sh -c "exec ip netns exec ${NS_PREFIX}r\$GOSSIP_RANK \"\$0\" \"\$@\""
   else
     echo "skip 0 false null" >"$TMP/loss-10pct-s$SEED.res"
