@@ -281,6 +281,39 @@ int listen_loopback(std::uint16_t port) {
   return fd;
 }
 
+// A stand-in for rank 0's rendezvous on 127.0.0.1:port: answer(fd, n) is
+// called for the n-th connection it accepts (from 0), which it then closes.
+class stand_in_rendezvous {
+ public:
+  stand_in_rendezvous(std::uint16_t port, std::function<void(int, int)> answer) : m_fd(listen_loopback(port)) {
+    m_thread = std::thread([this, answer = std::move(answer)] {
+      for (int n = 0; !m_stop;) {
+        pollfd p{m_fd, POLLIN, 0};
+        if (::poll(&p, 1, 50) <= 0) continue;
+        const int c = ::accept(m_fd, nullptr, nullptr);
+        if (c < 0) continue;
+        answer(c, n++);
+        ::close(c);
+      }
+    });
+  }
+  ~stand_in_rendezvous() {
+    m_stop = true;
+    m_thread.join();
+    ::close(m_fd);
+  }
+  stand_in_rendezvous(const stand_in_rendezvous&) = delete;
+  stand_in_rendezvous& operator=(const stand_in_rendezvous&) = delete;
+
+ private:
+  int m_fd;
+  std::atomic<bool> m_stop{false};
+  std::thread m_thread;
+};
+
+// Rendezvous replies: magic, 'N' (not there yet) or 'Y', u64 length, blob.
+constexpr char not_there_yet[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
+
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
   const auto timeout = std::chrono::duration<double>(1.0);
@@ -293,21 +326,13 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     CHECK(clock_type::now() - t0 < 4s);
   }
   SUBCASE("a foreign server: transport_error saying it is not a rendezvous") {
-    const int fd = listen_loopback(port);
-    std::atomic<bool> silent{false}, stop{false};
-    std::thread server([&] {
-      while (!stop) {
-        pollfd p{fd, POLLIN, 0};
-        if (::poll(&p, 1, 50) <= 0) continue;
-        const int c = ::accept(fd, nullptr, nullptr);
-        if (c < 0) continue;
-        if (silent) {
-          std::this_thread::sleep_for(1500ms);
-        } else {
-          const char reply[] = "HTTP/1.0 400 Bad Request\r\n\r\n";
-          [[maybe_unused]] auto n = ::write(c, reply, sizeof reply - 1);
-        }
-        ::close(c);
+    std::atomic<bool> silent{false};
+    stand_in_rendezvous server(port, [&](int c, int) {
+      if (silent) {
+        std::this_thread::sleep_for(1500ms);
+      } else {
+        const char reply[] = "HTTP/1.0 400 Bad Request\r\n\r\n";
+        [[maybe_unused]] auto n = ::write(c, reply, sizeof reply - 1);
       }
     });
     bootstrap b(1, 2, "127.0.0.1", port, timeout);
@@ -316,26 +341,13 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     const auto t0 = clock_type::now();
     CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains(fmt::format("127.0.0.1:{}", port).c_str()), timeout_error);
     CHECK(clock_type::now() - t0 < 3s);
-    stop = true;
-    server.join();
-    ::close(fd);
   }
   SUBCASE("a rendezvous that answered earlier polls but not the last: the error names what was awaited") {
-    const int fd = listen_loopback(port);
-    std::atomic<bool> stop{false};
-    std::thread server([&] {
-      for (int answered = 0; !stop;) {
-        pollfd p{fd, POLLIN, 0};
-        if (::poll(&p, 1, 50) <= 0) continue;
-        const int c = ::accept(fd, nullptr, nullptr);
-        if (c < 0) continue;
-        if (answered++ < 3) {  // "not there yet": magic, 'N', length 0
-          const char reply[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
-          [[maybe_unused]] auto n = ::write(c, reply, sizeof reply);
-        } else {
-          std::this_thread::sleep_for(1500ms);  // then a poll that is never answered
-        }
-        ::close(c);
+    stand_in_rendezvous server(port, [](int c, int n) {
+      if (n < 3) {
+        [[maybe_unused]] auto k = ::write(c, not_there_yet, sizeof not_there_yet);
+      } else {
+        std::this_thread::sleep_for(1500ms);  // then a poll that is never answered
       }
     });
     bootstrap b(1, 2, "127.0.0.1", port, timeout);
@@ -347,33 +359,19 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       CHECK_MESSAGE(what.find("waiting for rank 3's epoch model") != std::string::npos, what);
       CHECK_MESSAGE(what.find("answered 3 polls") != std::string::npos, what);
     }
-    stop = true;
-    server.join();
-    ::close(fd);
   }
   SUBCASE("a rendezvous that answered before: an exchange the link cuts is asked again") {
-    const int fd = listen_loopback(port);
-    std::atomic<bool> stop{false};
     std::atomic<int> cut{0};
-    std::thread server([&] {
-      for (int n = 0; !stop;) {
-        pollfd p{fd, POLLIN, 0};
-        if (::poll(&p, 1, 50) <= 0) continue;
-        const int c = ::accept(fd, nullptr, nullptr);
-        if (c < 0) continue;
-        // The first poll: "not there yet"; the next two: closed unanswered
-        // (a reset on a lossy link); then the blob, one byte 'x'.
-        if (n == 0) {
-          const char reply[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
-          [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
-        } else if (n <= 2) {
-          ++cut;
-        } else {
-          const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
-          [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
-        }
-        ++n;
-        ::close(c);
+    // The first poll: "not there yet"; the next two: closed unanswered (a
+    // reset on a lossy link); then the blob, one byte 'x'.
+    stand_in_rendezvous server(port, [&](int c, int n) {
+      if (n == 0) {
+        [[maybe_unused]] auto k = ::write(c, not_there_yet, sizeof not_there_yet);
+      } else if (n <= 2) {
+        ++cut;
+      } else {
+        const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
     bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(10.0));
@@ -381,9 +379,6 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     CHECK_NOTHROW(blob = b.get("k", "rank 0's blob"));
     CHECK(cut == 2);
     CHECK((blob.size() == 1 && static_cast<char>(blob[0]) == 'x'));
-    stop = true;
-    server.join();
-    ::close(fd);
   }
   SUBCASE("an address that does not resolve") {
     bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
