@@ -98,9 +98,10 @@ const std::vector<option_spec>& engine_option_specs() {
        "asynchronous exchanges: UCX, the switch's async aggregate)",
        "GOSSIP_MOMENTUM"},
       {"max_lead", std::int64_t{4},
-       "wait at a step while this rank is more than max_lead steps ahead of the newest step heard from a source, in its models or in "
-       "the step beacons the transport sends every max_lead/2 steps (0: never; peer-to-peer transports only): bounds how far processes "
-       "drift apart, and with it push-sum weight skew. A wait that reaches timeout_s gives up and training goes on unpaced",
+       "wait at a step while this rank is more than max_lead steps ahead of its slowest live source, as heard in the step beacons the "
+       "transport sends every max_lead/2 steps and in model headers (0: never; peer-to-peer transports only): bounds how far processes "
+       "drift apart, and with it stale merges and push-sum weight skew. A wait that reaches timeout_s gives up and training goes on "
+       "unpaced",
        "GOSSIP_MAX_LEAD"},
       {"momentum_beta", 0.9, "β of quasi-global momentum, in [0, 1): use the optimizer's momentum factor", ""},
       {"momentum_merge", std::string("auto"),

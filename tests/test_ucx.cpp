@@ -715,20 +715,21 @@ TEST_CASE("ucx: [engine] max_lead holds a fast rank back, so its push-sum weight
 }
 
 namespace {
-// Two ranks over tcp under policy `never` with [engine] max_lead = 4 and a
-// 10 s deadline: no model ever moves, so only the transport's step beacons
-// say how far a rank's source has come. Rank r steps steps[r] times,
-// sleeping pause[r] after each; check(r, stats, seconds) judges the result.
-void never_pair(std::array<int, 2> steps, std::array<std::chrono::milliseconds, 2> pause,
-                const std::function<void(int, const engine_stats&, double)>& check) {
+// Ranks over tcp under policy `never` with [engine] max_lead = 4 and a 10 s
+// deadline: no model ever moves, so only the transport's step beacons say how
+// far a rank's sources have come. Rank r steps steps[r] times, sleeping
+// pause[r] after each; check(r, stats, seconds) judges the result.
+void never_group(const std::vector<int>& steps, const std::vector<std::chrono::milliseconds>& pause,
+                 const std::function<void(int, const engine_stats&, double)>& check) {
   require_ucx();
+  const int world = static_cast<int>(steps.size());
   const std::uint16_t port = free_port();
-  const auto out = run_procs(2, "tcp", 60, [&](int r) {
-    auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+  const auto out = run_procs(world, "tcp", 60, [&](int r) {
+    auto boot = std::make_shared<bootstrap>(r, world, "127.0.0.1", port, std::chrono::duration<double>(20.0));
     test::toy_model m({1000}, static_cast<std::uint64_t>(r + 1));
     auto spec = test::spec_of(policy_registry().make("never", options("test")), "exponential", "push-sum", 10);
     spec.settings.max_lead = 4;
-    engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+    engine e(m.view, r, world, std::move(spec), ucx_transport(boot));
     const auto t0 = clock_type::now();
     for (int s = 0; s < steps[static_cast<std::size_t>(r)]; ++s) {
       e.step({.lr = 0.1});
@@ -745,7 +746,7 @@ void never_pair(std::array<int, 2> steps, std::array<std::chrono::milliseconds, 
 TEST_CASE("ucx: step beacons let max_lead pace ranks that send no model") {
   // Rank 1 takes 3 ms per step; rank 0 must wait for it rather than run
   // ahead, and never hit its deadline.
-  never_pair({60, 60}, {0ms, 3ms}, [](int r, const engine_stats& st, double seconds) {
+  never_group({60, 60}, {0ms, 3ms}, [](int r, const engine_stats& st, double seconds) {
     if (st.step_beacons == 0) throw error(fmt::format("rank {} sent no step beacon", r));
     if (st.messages_sent != 0) throw error(fmt::format("rank {} sent {} models under `never`", r, st.messages_sent));
     // Rank 1 takes at least 60 x 3 ms; rank 0, held within 4 steps (plus a
@@ -756,11 +757,22 @@ TEST_CASE("ucx: step beacons let max_lead pace ranks that send no model") {
   });
 }
 
+TEST_CASE("ucx: max_lead paces by the slowest source, not the fastest") {
+  // Three ranks, each a source of the other two; rank 2 takes 3 ms per step.
+  // Ranks 0 and 1 hear each other at once, but must not run ahead of rank 2:
+  // a rank left behind would later pull the others back with a stale model.
+  never_group({60, 60, 60}, {0ms, 0ms, 3ms}, [](int r, const engine_stats& st, double seconds) {
+    if (r < 2 && (st.lead_waits == 0 || st.lead_timeouts != 0 || seconds < 0.150))
+      throw error(fmt::format("rank {} ran ahead of its slow source: {} lead waits ({} timed out), 60 steps in {:.3f} s", r, st.lead_waits,
+                              st.lead_timeouts, seconds));
+  });
+}
+
 TEST_CASE("ucx: a source that finished releases max_lead's bound") {
   // Rank 1 stops after 20 steps and finishes; rank 0 goes on to 80. Its
   // finish() tells rank 0 (the largest step) not to wait for it, so rank 0
   // neither waits out its 10 s deadline nor gives up on one.
-  never_pair({80, 20}, {1ms, 1ms}, [](int r, const engine_stats& st, double seconds) {
+  never_group({80, 20}, {1ms, 1ms}, [](int r, const engine_stats& st, double seconds) {
     if (r == 0 && (st.lead_timeouts != 0 || seconds > 8))
       throw error(fmt::format("rank 0 waited for a finished source: {} timed-out waits, 80 steps in {:.1f} s", st.lead_timeouts, seconds));
   });

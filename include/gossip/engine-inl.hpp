@@ -84,6 +84,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_message_bytes = (m_message_bytes + 63) / 64 * 64;
 
   m_copies_on_post = caps.copies_on_post;
+  m_beacon_pacing = caps.step_beacons;
   const int buffers = m_copies_on_post ? 1 : m_settings.send_buffers;
   // Delta payloads keep x̂ in one more buffer after the send buffers. It starts
   // at zero: nobody holds anything of this rank yet, so its first send is the model.
@@ -249,9 +250,14 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // something new is heard.
   const bool paced = !forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated();
   const std::uint64_t lead = m_settings.max_lead;
-  auto heard = [&] { return std::max(m_heard_step, m_transport.counters().newest_step_heard); };
+  // With step beacons the transport knows how far each source has come and
+  // paces by the slowest live one: a rank stays within max_lead steps of every
+  // source, so no rank falls behind the others for long (a stalled rank's
+  // stale model would pull theirs back). Otherwise only models say where a
+  // source is, and the newest one heard from any source paces.
+  auto heard = [&] { return m_beacon_pacing ? m_transport.counters().source_step_heard : m_heard_step; };
   auto ahead = [&](std::uint64_t h) { return h < t && t - h > lead; };
-  if (paced && ahead(m_heard_step) && ahead(heard()) && heard() != m_lead_released_at) {
+  if (paced && (m_beacon_pacing || ahead(m_heard_step)) && ahead(heard()) && heard() != m_lead_released_at) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
     try {

@@ -55,12 +55,14 @@ struct engine_settings {
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
-  /// more than max_lead steps ahead of the newest step heard from a source,
-  /// in its models or in the step beacons the transport sends every
-  /// max_lead/2 steps. Push-sum halves a sender's weight at every send, so a
+  /// more than max_lead steps ahead of its slowest live source, as heard in
+  /// the step beacons the transport sends every max_lead/2 steps and in
+  /// model headers (a transport without beacons: of the newest step any
+  /// source's model carried). So no rank trains on far ahead of another and
+  /// later merges a stale model from it. Push-sum halves a sender's weight at every send, so a
   /// rank L steps ahead of its sources ends with a weight of about 2^−L and
   /// its gradients stop counting (docs/non-iid.md, "Over processes"). A
-  /// source that finished or died releases the bound; a wait that reaches
+  /// source that finished or died no longer counts; a wait that reaches
   /// `timeout` gives up (stats: lead_timeouts) and the rank trains on
   /// unpaced until a source is heard again. Peer-to-peer transports only:
   /// loopback is lockstep already, and through a switch no member's step
@@ -235,6 +237,7 @@ class engine {
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;
+  bool m_beacon_pacing = false;  // the transport reports its slowest source's step (capabilities().step_beacons)
 };
 
 }  // namespace gossip

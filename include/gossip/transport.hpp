@@ -126,6 +126,10 @@ struct transport_capabilities {
   bool deterministic = false;    ///< merge order and content independent of timing
   bool copies_on_post = false;   ///< send buffer reusable as soon as post() returns
   bool emulates_network = false; ///< bandwidth / latency emulated per link
+  /// Sends step beacons (transport_setup::step_beacon) and reports in
+  /// transport_counters::source_step_heard how far its slowest live source
+  /// has come; [engine] max_lead then paces by it alone.
+  bool step_beacons = false;
   const char* name = "?";
 };
 
@@ -135,7 +139,11 @@ struct transport_counters {
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   std::uint64_t rejoins = 0;  ///< times the transport joined again after its far end lost its state (a restarted switch)
   std::uint64_t beacons_sent = 0;       ///< step beacons (transport_setup::step_beacon) posted
-  std::uint64_t newest_step_heard = 0;  ///< the newest step any source's beacon carried (0: none)
+  /// Transports with step beacons: the least, over this rank's live sources,
+  /// of the newest step each one's beacons or model headers carried: every
+  /// live source has reached it. 0 until every source has been heard from;
+  /// a source that died or finished no longer counts (none left: ~0).
+  std::uint64_t source_step_heard = 0;
 };
 
 template <class T>

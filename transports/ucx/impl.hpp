@@ -97,6 +97,7 @@ struct ucx_transport::impl {
     std::uint64_t read = 0, taken = 0;  // engine thread: first slot not released; returned by last collect
     std::uint64_t consumed = 0;         // engine thread: slots handed to the engine (or skipped as failed)
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
+    std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
     std::vector<pending> backlog;       // progress thread: ring of `backlog` entries
     std::size_t head = 0, count = 0;
     std::vector<recv_ctx> recv;  // one per slot
@@ -136,7 +137,8 @@ struct ucx_transport::impl {
   std::atomic<std::uint64_t> bytes_sent{0}, messages_sent{0}, bytes_received{0}, messages_received{0}, dropped{0};
   // Step beacons (transport_setup::step_beacon): the engine thread publishes
   // its step every `step_beacon` steps and wakes the progress thread, which
-  // tells every live target; a source's beacon raises heard_step.
+  // tells every live target. A source's beacon or model header raises its
+  // `heard`; heard_step is the least over sources (slowest live source).
   std::atomic<std::uint64_t> beacon_step{0}, beacons_sent{0}, heard_step{0};
   std::uint64_t next_beacon = 0;  // engine thread
   // Per source: messages UCX delivered that never reached a slot (backlog overflow,
@@ -211,6 +213,8 @@ struct ucx_transport::impl {
 
   // Fills the next slot of `src` with `m`. `owned`: m.data must be released to UCX after the copy.
   void land(source_state& src, const pending& m, bool owned) noexcept;
+  // Progress thread: source `src` has reached `step`; heard_step follows the slowest.
+  void heard_from(source_state& src, std::uint64_t step) noexcept;
   void landed(inbox::slot& slot, std::size_t length) noexcept;
 
   // A slot whose receive failed: full but empty, so collect skips it and keeps the order.

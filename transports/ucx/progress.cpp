@@ -103,9 +103,17 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   std::memcpy(&b, header, sizeof b);
   if (b.rank < 0 || static_cast<std::size_t>(b.rank) >= self->source_of.size() || self->source_of[static_cast<std::size_t>(b.rank)] < 0)
     return UCS_OK;
-  // Only this thread writes it.
-  if (b.step > self->heard_step.load(std::memory_order_relaxed)) self->heard_step.store(b.step, std::memory_order_release);
+  self->heard_from(self->sources[static_cast<std::size_t>(self->source_of[static_cast<std::size_t>(b.rank)])], b.step);
   return UCS_OK;
+}
+
+void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noexcept {
+  if (step <= src.heard) return;
+  src.heard = step;
+  std::uint64_t slowest = ~std::uint64_t{0};
+  for (const auto& s : sources) slowest = std::min(slowest, s.heard);
+  // Only this thread writes it.
+  if (slowest != heard_step.load(std::memory_order_relaxed)) heard_step.store(slowest, std::memory_order_release);
 }
 
 bool ucx_transport::impl::send_beacons() noexcept {
@@ -151,6 +159,7 @@ ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header
     return UCS_OK;
   }
   auto& src = sources[static_cast<std::size_t>(si)];
+  heard_from(src, h.step);  // where the source is, for max_lead, even before its model lands
   if (src.count == 0 && !rndv && slot_free(src)) {
     land(src, pending{h, data, length, false}, false);
     return UCS_OK;
@@ -240,8 +249,8 @@ void ucx_transport::impl::close_dead() noexcept {
     auto& p = *peer(j);
     if (p.ep && !p.closing && p.dead.load(std::memory_order_acquire)) {
       p.closing = true;
-      // A source that died paces no one: the largest step releases max_lead's bound.
-      if (source_of[static_cast<std::size_t>(j)] >= 0) heard_step.store(~std::uint64_t{0}, std::memory_order_release);
+      // A source that died paces no one: the largest step takes it out of max_lead's bound.
+      if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0) heard_from(sources[static_cast<std::size_t>(si)], ~std::uint64_t{0});
       // Once per peer, outside the step path: who failed, where, and what happens now.
       if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,

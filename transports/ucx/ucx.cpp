@@ -107,7 +107,7 @@ bool ucx_transport::busy(const std::byte* buffer) const noexcept {
 void ucx_transport::flush(std::chrono::duration<double> timeout) { m->flush(timeout); }
 void ucx_transport::leave() { m->leave(); }
 transport_capabilities ucx_transport::capabilities() const noexcept {
-  return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .name = "ucx"};
+  return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .step_beacons = true, .name = "ucx"};
 }
 bool ucx_transport::drained() { return m->drained(); }
 std::string ucx_transport::waiting_on() const { return m->attached ? m->waiting_on() : std::string("no peer (not attached)"); }
