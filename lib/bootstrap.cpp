@@ -48,17 +48,18 @@ struct fd_guard {
 // Outcome of a socket operation that may be retried or reported by the caller.
 enum class io { ok, timeout, closed, failed };
 
-// With `idle` > 0 the deadline moves to now + idle whenever bytes move: a
-// slow but live peer (a lossy link) is not cut off, a silent one is.
-// A `stop_fd` that becomes readable ends the wait (io::failed).
-io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1) {
+// With `idle` > 0 the deadline moves to now + idle whenever bytes move (never
+// past `cap`): a slow but live peer (a lossy link) is not cut off, a silent
+// one is. A `stop_fd` that becomes readable ends the wait (io::failed).
+io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1,
+            clock::time_point cap = clock::time_point::max()) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {
     const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (k > 0) {
       p += k;
       n -= static_cast<std::size_t>(k);
-      if (idle.count() > 0) deadline = clock::now() + idle;
+      if (idle.count() > 0) deadline = std::min(clock::now() + idle, cap);
       continue;
     }
     if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
@@ -71,14 +72,15 @@ io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline,
   return io::ok;
 }
 
-io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1) {
+io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1,
+            clock::time_point cap = clock::time_point::max()) {
   auto* p = static_cast<char*>(data);
   while (n > 0) {
     const ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
     if (k > 0) {
       p += k;
       n -= static_cast<std::size_t>(k);
-      if (idle.count() > 0) deadline = clock::now() + idle;
+      if (idle.count() > 0) deadline = std::min(clock::now() + idle, cap);
       continue;
     }
     if (k == 0) return io::closed;
@@ -360,12 +362,29 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         "connecting: {}; check that rank 0 is running (it may have died) and that the address and port are right",
         m_timeout.count(), where(), m_rank, last);
   };
+  // Once rank 0 has answered, an exchange in which no byte moved for `stall`
+  // is asked again on a new connection: on a lossy link TCP's retransmission
+  // timeout backs off to tens of seconds, and a new connection starts again
+  // from its initial timeout. Requests are idempotent (a put stores the same
+  // value again).
+  const auto stall = std::chrono::duration_cast<clock::duration>(
+      std::clamp(m_timeout / 12, std::chrono::duration<double>(1.0), std::chrono::duration<double>(5.0)));
+  unsigned stalls = 0;
+  const auto stalled = [&] {
+    if (!m_contacted || clock::now() >= deadline) return false;
+    ++stalls;
+    last = fmt::format("{} exchange{} stalled, each asked again after {:.0f} s without a byte moving (a lossy link?)", stalls,
+                       stalls == 1 ? "" : "s", std::chrono::duration<double>(stall).count());
+    return true;
+  };
   for (unsigned attempt = 0;; ++attempt) {
     if (attempt > 0) {
       if (m_contacted && last == std::strerror(ECONNREFUSED) && clock::now() >= refused_since_limit) throw transport_error(gone());
       if (clock::now() >= deadline) throw timeout_error(describe());
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));
     }
+    // This attempt's own deadline, moved on while bytes move.
+    const auto until = m_contacted ? std::min(deadline, clock::now() + stall) : deadline;
     for (const auto& a : addrs) {
       fd_guard s(::socket(a.family, a.socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a.protocol));
       if (s.fd < 0) {
@@ -378,7 +397,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
           continue;
         }
         pollfd pfd{s.fd, POLLOUT, 0};
-        while (::poll(&pfd, 1, remaining_ms(deadline)) == 0 && clock::now() < deadline) {
+        while (::poll(&pfd, 1, remaining_ms(until)) == 0 && clock::now() < until) {
         }
         int e = 0;
         socklen_t len = sizeof e;
@@ -399,11 +418,13 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         put_u64(req, value->size());
         req.insert(req.end(), value->begin(), value->end());
       }
-      io r = send_all(s.fd, req.data(), req.size(), deadline);
+      const auto idle = m_contacted ? stall : clock::duration{};
+      io r = send_all(s.fd, req.data(), req.size(), until, idle, -1, deadline);
       char head[4 + 1 + 8];
-      if (r == io::ok) r = recv_all(s.fd, head, sizeof head, deadline);
+      if (r == io::ok) r = recv_all(s.fd, head, sizeof head, m_contacted ? std::min(deadline, clock::now() + stall) : deadline);
       if (r == io::timeout) {
-        last = "it accepted the connection but did not answer";
+        if (stalled()) break;
+        if (stalls == 0) last = "it accepted the connection but did not answer";
         throw timeout_error(describe());
       }
       // Once rank 0 has answered, an exchange cut short is the link's doing
@@ -425,9 +446,10 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
       blob out(len);
-      if (const io rr = recv_all(s.fd, out.data(), len, deadline); rr != io::ok) {
+      if (const io rr = recv_all(s.fd, out.data(), len, until, idle, -1, deadline); rr != io::ok) {
         if (rr == io::timeout) {
-          last = "its reply stalled";
+          if (stalled()) break;
+          if (stalls == 0) last = "its reply stalled";
           throw timeout_error(describe());
         }
         last = "its reply was cut short (a failing link?)";

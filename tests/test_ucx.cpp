@@ -380,6 +380,29 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
     CHECK(cut == 2);
     CHECK((blob.size() == 1 && static_cast<char>(blob[0]) == 'x'));
   }
+  SUBCASE("a rendezvous that answered before: an exchange that stalls is asked again on a new connection") {
+    // The first poll: "not there yet"; the second: read, then left open and
+    // silent (TCP backing off on a lossy link); the third: the blob. With a
+    // 12 s timeout the client gives up on a silent exchange after 1 s.
+    std::atomic<int> held{-1};
+    stand_in_rendezvous server(port, [&](int c, int n) {
+      if (n == 0) {
+        [[maybe_unused]] auto k = ::write(c, not_there_yet, sizeof not_there_yet);
+      } else if (n == 1) {
+        held = ::dup(c);
+      } else {
+        const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
+      }
+    });
+    bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(12.0));
+    const auto t0 = clock_type::now();
+    bootstrap::blob blob;
+    CHECK_NOTHROW(blob = b.get("k", "rank 0's blob"));
+    CHECK((blob.size() == 1 && static_cast<char>(blob[0]) == 'x'));
+    CHECK(clock_type::now() - t0 < 6s);
+    if (held >= 0) ::close(held);
+  }
   SUBCASE("an address that does not resolve") {
     bootstrap b(1, 2, "no-such-host.invalid", port, timeout);
     CHECK_THROWS_WITH_AS(b.get("k", "rank 0's blob"), doctest::Contains("no-such-host.invalid"), transport_error);
