@@ -245,8 +245,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // Lockstep transports (loopback) keep the ranks within a step already; an
   // aggregator's replies carry no member's step.
   // finish()'s forced rounds have their own drain handshake.
-  // A source that finished or died says so with the largest step (UCX), which
-  // releases the bound; after a wait that timed out, pacing resumes only once
+  // A source that finished or died counts as the largest step (UCX), so it
+  // holds no one back; after a wait that timed out, pacing resumes only once
   // something new is heard.
   const bool paced = !forced && m_settings.max_lead > 0 && m_world > 1 && !m_copies_on_post && !m_protocol.aggregated();
   const std::uint64_t lead = m_settings.max_lead;
@@ -257,7 +257,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // source is, and the newest one heard from any source paces.
   auto heard = [&] { return m_beacon_pacing ? m_transport.counters().source_step_heard : m_heard_step; };
   auto ahead = [&](std::uint64_t h) { return h < t && t - h > lead; };
-  if (paced && (m_beacon_pacing || ahead(m_heard_step)) && ahead(heard()) && heard() != m_lead_released_at) {
+  if (const std::uint64_t h = paced && (m_beacon_pacing || ahead(m_heard_step)) ? heard() : t; ahead(h) && h != m_lead_released_at) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
     try {
