@@ -383,8 +383,9 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       if (clock::now() >= deadline) throw timeout_error(describe());
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));
     }
-    // This attempt's own deadline, moved on while bytes move.
-    const auto until = m_contacted ? std::min(deadline, clock::now() + stall) : deadline;
+    // Once rank 0 has answered, each phase of an attempt (connect, request,
+    // reply) gets `stall` from its start, moved on while bytes move.
+    const auto phase = [&] { return m_contacted ? std::min(deadline, clock::now() + stall) : deadline; };
     for (const auto& a : addrs) {
       fd_guard s(::socket(a.family, a.socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a.protocol));
       if (s.fd < 0) {
@@ -397,6 +398,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
           continue;
         }
         pollfd pfd{s.fd, POLLOUT, 0};
+        const auto until = phase();
         while (::poll(&pfd, 1, remaining_ms(until)) == 0 && clock::now() < until) {
         }
         int e = 0;
@@ -419,9 +421,9 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         req.insert(req.end(), value->begin(), value->end());
       }
       const auto idle = m_contacted ? stall : clock::duration{};
-      io r = send_all(s.fd, req.data(), req.size(), until, idle, -1, deadline);
+      io r = send_all(s.fd, req.data(), req.size(), phase(), idle, -1, deadline);
       char head[4 + 1 + 8];
-      if (r == io::ok) r = recv_all(s.fd, head, sizeof head, m_contacted ? std::min(deadline, clock::now() + stall) : deadline);
+      if (r == io::ok) r = recv_all(s.fd, head, sizeof head, phase());
       if (r == io::timeout) {
         if (stalled()) break;
         if (stalls == 0) last = "it accepted the connection but did not answer";
@@ -446,7 +448,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
       blob out(len);
-      if (const io rr = recv_all(s.fd, out.data(), len, until, idle, -1, deadline); rr != io::ok) {
+      if (const io rr = recv_all(s.fd, out.data(), len, phase(), idle, -1, deadline); rr != io::ok) {
         if (rr == io::timeout) {
           if (stalled()) break;
           if (stalls == 0) last = "its reply stalled";
