@@ -6,7 +6,11 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#if defined(__linux__)
+#include <linux/sockios.h>
+#endif
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -91,6 +95,36 @@ io recv_all(int fd, void* data, std::size_t n, clock::time_point deadline, clock
     if (stop_fd >= 0 && pfd[1].revents) return io::failed;
   }
   return io::ok;
+}
+
+// Waits until what was written to `fd` has left the kernel (its send queue,
+// unsent and unacknowledged bytes, is empty) or the reply starts; the queue
+// shrinking counts as progress, so a large request crossing a slow link is not
+// taken for silence. Where the queue cannot be read, returns at once.
+io drain(int fd, clock::duration idle, clock::time_point cap) {
+#if defined(SIOCOUTQ)
+  auto deadline = std::min(clock::now() + idle, cap);
+  for (int last = -1;;) {
+    int queued = 0;
+    if (::ioctl(fd, SIOCOUTQ, &queued) != 0 || queued == 0) return io::ok;
+    if (last >= 0 && queued < last) deadline = std::min(clock::now() + idle, cap);
+    last = queued;
+    if (clock::now() >= deadline) return io::timeout;
+    pollfd pfd{fd, POLLIN, 0};
+    if (::poll(&pfd, 1, 50) > 0) return io::ok;  // the reply (or a close) is there
+  }
+#else
+  (void)fd, (void)idle, (void)cap;
+  return io::ok;
+#endif
+}
+
+// Closes with a reset: what the kernel still holds of an abandoned request is
+// discarded rather than delivered late, after the request asked again (or a
+// newer one for the same key).
+void reset_on_close(int fd) {
+  const linger l{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
 }
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL, 0) | O_NONBLOCK); }
@@ -422,10 +456,14 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       }
       const auto idle = m_contacted ? stall : clock::duration{};
       io r = send_all(s.fd, req.data(), req.size(), phase(), idle, -1, deadline);
+      if (r == io::ok && m_contacted) r = drain(s.fd, stall, deadline);
       char head[4 + 1 + 8];
       if (r == io::ok) r = recv_all(s.fd, head, sizeof head, phase());
       if (r == io::timeout) {
-        if (stalled()) break;
+        if (stalled()) {
+          reset_on_close(s.fd);
+          break;
+        }
         if (stalls == 0) last = "it accepted the connection but did not answer";
         throw timeout_error(describe());
       }
@@ -450,7 +488,10 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       blob out(len);
       if (const io rr = recv_all(s.fd, out.data(), len, phase(), idle, -1, deadline); rr != io::ok) {
         if (rr == io::timeout) {
-          if (stalled()) break;
+          if (stalled()) {
+            reset_on_close(s.fd);
+            break;
+          }
           if (stalls == 0) last = "its reply stalled";
           throw timeout_error(describe());
         }

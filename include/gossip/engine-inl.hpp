@@ -268,9 +268,10 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
           },
           m_settings.timeout, [&] {
             return fmt::format(
-                "rank {} at step {}: word of a step at or after {} from a source ([engine] max_lead = {}; the newest step heard, in a "
-                "model or a step beacon, is {}; waiting on {})",
-                m_rank, t, t - lead, lead, heard(), m_transport.waiting_on());
+                "rank {} at step {}: word of a step at or after {} from {} ([engine] max_lead = {}; {}, is {}; waiting on {})", m_rank, t,
+                t - lead, m_beacon_pacing ? "every source" : "a source", lead,
+                m_beacon_pacing ? "the step heard from the slowest source, in a model or a step beacon" : "the newest step heard in a model",
+                heard(), m_transport.waiting_on());
           });
     } catch (const timeout_error& e) {
       // Sources that stall (a lossy network, a stopped process) do not stop

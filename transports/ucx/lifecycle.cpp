@@ -286,6 +286,10 @@ void ucx_transport::impl::attach(const transport_setup& s) {
                       self_name, p.name, j));
     GOSSIP_ASSERT(pb->message_bytes == s.message_bytes, "ucx: ranks {} and {} have equal layouts but message sizes {} and {}", s.rank, j,
                   s.message_bytes, pb->message_bytes);
+    // A source that never sends here (a topology whose sources() lists more
+    // ranks than send to this one) sends no beacons either: it paces no one.
+    if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0 && !contains(pb->targets, s.rank))
+      sources[static_cast<std::size_t>(si)].heard = ~std::uint64_t{0};
 
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -301,6 +305,11 @@ void ucx_transport::impl::attach(const transport_setup& s) {
                       self_name, p.name, status_text(st)));
     }
   }
+  // max_lead's slowest source before anything is heard: 0 while some source
+  // has yet to speak, ~0 when none ever will (no sources at all).
+  std::uint64_t slowest = ~std::uint64_t{0};
+  for (const auto& src : sources) slowest = std::min(slowest, src.heard);
+  heard_step.store(slowest, std::memory_order_release);
   thread = std::thread([this] { run(); });
 }
 

@@ -91,7 +91,12 @@ ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::siz
   auto* self = static_cast<impl*>(arg);
   std::int32_t from = -1;
   if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
-  if (peer_state* p = self->peer(from)) p->departed.store(true, std::memory_order_release);
+  if (peer_state* p = self->peer(from)) {
+    p->departed.store(true, std::memory_order_release);
+    // It has finished: it paces no one, even if its last beacon was lost.
+    if (const int si = self->source_of[static_cast<std::size_t>(from)]; si >= 0)
+      self->heard_from(self->sources[static_cast<std::size_t>(si)], ~std::uint64_t{0});
+  }
   return UCS_OK;
 }
 
