@@ -53,6 +53,7 @@ std::string engine_stats::to_json(int indent) const {
   j["send_busy"] = send_busy;
   j["no_live_peer"] = no_live_peer;
   j["codec"] = codec;
+  j["device"] = device;
   j["bytes_sent"] = bytes_sent;
   j["bytes_raw"] = bytes_raw;
   j["messages_sent"] = messages_sent;

@@ -10,6 +10,9 @@
 // device and layout through the tensor's Python methods, so one build serves
 // any torch. The model view points at the tensors' storage (no copy); step()
 // checks that every tensor still has the storage it was registered with.
+// Built with CUDA (libgossip_cuda), it also takes a model whose parameters all
+// live on one CUDA device: the engine's passes then run on that device, on the
+// torch stream that was current when the Engine was built.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -30,6 +33,9 @@
 
 #include "gossip/gossip.hpp"
 #include "gossip_build_config.hpp"
+#if defined(GOSSIP_PYTHON_CUDA)
+#include "gossip/cuda.hpp"
+#endif
 #if defined(GOSSIP_HAVE_UCX)
 #include "gossip/transports/ucx/ucx.hpp"
 #endif
@@ -158,8 +164,17 @@ struct registered_tensor {
 
 std::uintptr_t address_of(const py::handle& data_ptr) { return data_ptr().cast<std::uintptr_t>(); }
 
-// Checks that `t` is a contiguous float32 CPU tensor and returns its element count.
-std::size_t check_tensor(const std::string& what, const py::handle& t) {
+// Where a tensor lives: torch's device type and index (-1: none, as for "cpu").
+struct tensor_place {
+  std::string type = "cpu";
+  int index = -1;
+  bool operator==(const tensor_place&) const = default;
+  std::string str() const { return index < 0 ? type : fmt::format("{}:{}", type, index); }
+};
+
+// Checks that `t` is a contiguous float32 tensor on the CPU (or, in a CUDA
+// build, on a CUDA device) and returns its element count and device.
+std::pair<std::size_t, tensor_place> check_tensor(const std::string& what, const py::handle& t) {
   for (const char* attr : {"data_ptr", "is_contiguous", "dtype", "device", "numel"})
     if (!py::hasattr(t, attr))
       throw py::type_error(fmt::format("gossip.Engine: {} is a {}, not a torch tensor (no .{})", what,
@@ -169,16 +184,25 @@ std::size_t check_tensor(const std::string& what, const py::handle& t) {
     throw py::type_error(fmt::format("gossip.Engine: {} is {}; the engine exchanges torch.float32 tensors (convert the model with "
                                      "model.float())",
                                      what, dtype));
-  const std::string device = py_str(t.attr("device").attr("type"));
-  if (device != "cpu")
-    throw py::value_error(fmt::format("gossip.Engine: {} is on device '{}'; this module takes CPU tensors (move the model with "
-                                      "model.cpu())",
-                                      what, py_str(t.attr("device"))));
+  const py::object device = t.attr("device");
+  tensor_place place{py_str(device.attr("type")), -1};
+  if (!device.attr("index").is_none()) place.index = device.attr("index").cast<int>();
+#if defined(GOSSIP_PYTHON_CUDA)
+  if (place.type != "cpu" && place.type != "cuda")
+    throw py::value_error(fmt::format("gossip.Engine: {} is on device '{}'; this module takes CPU or CUDA tensors (move the model "
+                                      "with model.cpu() or model.cuda())",
+                                      what, place.str()));
+#else
+  if (place.type != "cpu")
+    throw py::value_error(fmt::format("gossip.Engine: {} is on device '{}'; this build of the module takes CPU tensors (move the model "
+                                      "with model.cpu(), or rebuild libgossip with nvcc on PATH for CUDA tensors)",
+                                      what, place.str()));
+#endif
   if (!t.attr("is_contiguous")().cast<bool>())
     throw py::value_error(fmt::format("gossip.Engine: {} is not contiguous; the engine reads a tensor's storage as one block (make it "
                                       "contiguous before registering, e.g. p.data = p.data.contiguous())",
                                       what));
-  return t.attr("numel")().cast<std::size_t>();
+  return {t.attr("numel")().cast<std::size_t>(), place};
 }
 
 // The heavy-ball settings of an SGD optimizer's group, or an error naming it.
@@ -218,10 +242,17 @@ class py_engine {
       registered_tensor r;
       r.name = py_str(pair[0]);
       r.tensor = pair[1];
-      const std::size_t n = check_tensor(fmt::format("parameter '{}'", r.name), r.tensor);
+      const auto [n, place] = check_tensor(fmt::format("parameter '{}'", r.name), r.tensor);
+      if (m_tensors.empty()) {
+        m_place = place;
+      } else if (place != m_place) {
+        throw py::value_error(fmt::format("gossip.Engine: parameter '{}' is on device '{}' but parameter '{}' is on '{}'; the engine "
+                                          "exchanges one model, kept on one device (move the whole model with model.to(device))",
+                                          r.name, place.str(), m_tensors.front().name, m_place.str()));
+      }
       r.data_ptr = r.tensor.attr("data_ptr");
       r.address = address_of(r.data_ptr);
-      view.add(r.name, {reinterpret_cast<float*>(r.address), n});
+      view.add(r.name, {reinterpret_cast<float*>(r.address), n}, on_cuda() ? memory_kind::cuda : memory_kind::host);
       // A weight (dim >= 2) is a matrix of size(0) rows, for codecs that factor them (lowrank).
       if (r.tensor.attr("dim")().cast<int>() >= 2 && n > 0) {
         const auto rows = r.tensor.attr("size")(0).cast<std::size_t>();
@@ -230,6 +261,7 @@ class py_engine {
       m_tensors.push_back(std::move(r));
     }
     if (m_tensors.empty()) throw py::value_error("gossip.Engine: no parameters were given (model.named_parameters() was empty or consumed)");
+    if (on_cuda()) attach_cuda(view);
 
     if (!optimizer.is_none()) register_momentum(optimizer, cfg, view);
 
@@ -385,7 +417,11 @@ class py_engine {
         buf = t.tensor.attr("detach")().attr("new_zeros")(t.tensor.attr("shape"));
         s["momentum_buffer"] = buf;
       }
-      const std::size_t n = check_tensor(fmt::format("the momentum buffer of parameter '{}'", t.name), buf);
+      const auto [n, place] = check_tensor(fmt::format("the momentum buffer of parameter '{}'", t.name), buf);
+      if (place != m_place)
+        throw py::value_error(fmt::format("gossip.Engine: the momentum buffer of parameter '{}' is on device '{}' but the parameter is on "
+                                          "'{}'; move the model before building the optimizer",
+                                          t.name, place.str(), m_place.str()));
       t.momentum = buf;
       t.state = s;
       t.momentum_address = address_of(buf.attr("data_ptr"));
@@ -436,7 +472,37 @@ class py_engine {
 #endif
   }
 
+  bool on_cuda() const { return m_place.type == "cuda"; }
+
+  // A model on a CUDA device: the engine's drift, snapshot and merge passes
+  // run there, ordered on the stream torch has current for that device now
+  // (the one the training loop's optimizer.step() runs on, unless it selects
+  // another). The backend keeps that device for every call, from any thread.
+  void attach_cuda(model_view& view) {
+#if defined(GOSSIP_PYTHON_CUDA)
+    const py::object torch_cuda = py::module_::import("torch").attr("cuda");
+    const int index = m_place.index >= 0 ? m_place.index : torch_cuda.attr("current_device")().cast<int>();
+    const py::object stream = torch_cuda.attr("current_stream")(index);
+    m_stream = stream;  // kept alive with the engine
+    const auto handle = stream.attr("cuda_stream").cast<std::uintptr_t>();
+    py::object selected = torch_cuda.attr("device")(index);  // with torch.cuda.device(index): the backend takes the current device
+    selected.attr("__enter__")();
+    try {
+      view.on_device(cuda::device(reinterpret_cast<void*>(handle)));
+    } catch (...) {
+      selected.attr("__exit__")(py::none(), py::none(), py::none());
+      throw;
+    }
+    selected.attr("__exit__")(py::none(), py::none(), py::none());
+#else
+    (void)view;
+    throw py::value_error("gossip.Engine: CUDA tensors need a build of the module with CUDA");  // check_tensor refused them already
+#endif
+  }
+
   std::vector<registered_tensor> m_tensors;
+  tensor_place m_place;
+  py::object m_stream;  // the torch.cuda.Stream a CUDA model's passes are ordered on
   std::optional<loopback_fabric> m_fabric;
   std::shared_ptr<bootstrap> m_boot;
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
@@ -503,8 +569,10 @@ PYBIND11_MODULE(gossip, m) {
 
     eng = gossip.Engine(model.named_parameters(), config="run.toml", optimizer=opt)
 
-named_parameters: (name, tensor) pairs or a dict; contiguous float32 CPU tensors,
-  used in place (no copy): update them in place (optimizer.step()).
+named_parameters: (name, tensor) pairs or a dict; contiguous float32 tensors, all
+  on the CPU or (has_cuda) all on one CUDA device, used in place (no copy):
+  update them in place (optimizer.step()). A CUDA model's passes run on the
+  torch stream current at construction.
 config: a TOML file path, a dict {section: {key: value}} in the same format, or None.
 optimizer: a torch.optim.SGD with momentum whose buffers may become quasi-global
   ([engine] momentum: auto, the default, keeps them local over UCX between
@@ -551,6 +619,11 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
     d["engine"] = engine;
     return d;
   }, "Every component a config may name ([policy], [topology], [protocol]) and the [engine] settings.");
+#if defined(GOSSIP_PYTHON_CUDA)
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
 #if defined(GOSSIP_HAVE_UCX)
   m.attr("has_ucx") = true;
 #else

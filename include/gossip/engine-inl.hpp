@@ -146,6 +146,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_stats.momentum = !m_mhat.empty() ? "quasi-global" : "local";
   m_stats.momentum_merge = m_mhat.empty() ? "" : m_merge_full ? "full" : "spread";
   m_stats.codec = m_codec.name();
+  if (model.device()) m_stats.device = std::string(model.device()->name());
   m_peer_index.assign(static_cast<std::size_t>(world), -1);
   std::vector<int> neighbours = m_topology.sources();
   neighbours.insert(neighbours.end(), targets.begin(), targets.end());

@@ -57,6 +57,7 @@ struct engine_stats {
   std::string momentum = "local";  ///< what the engine does with registered momentum buffers
   std::string momentum_merge;        ///< quasi-global only: "full" or "spread" (engine_settings::momentum_merge)
   std::string codec = "none";      ///< [codec] name
+  std::string device = "host";     ///< where the model lives: "host", or its device backend's name ("cuda")
   std::uint64_t steps = 0, sends = 0, skips = 0;
   std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire

@@ -96,10 +96,15 @@ def initial_tensors(world):
     return [of_rank(r) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_average_matches_plain_torch(world, tmp_path):
+CUDA_SKIP = "the module was built without CUDA" if not gossip.has_cuda else (
+    "no usable CUDA GPU (torch.cuda.is_available() is False)" if not torch.cuda.is_available() else None)
+needs_cuda = pytest.mark.skipif(CUDA_SKIP is not None, reason=CUDA_SKIP or "")
+
+
+@pytest.mark.parametrize("world,device", [(2, "cpu"), (4, "cpu"), pytest.param(2, "cuda", marks=needs_cuda)])
+def test_average_matches_plain_torch(world, device, tmp_path):
     steps = 30
-    status, out = torchrun(world, WORKER, "average", tmp_path, steps)
+    status, out = torchrun(world, WORKER, "average", tmp_path, steps, device)
     assert status == 0, out
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     initial = initial_tensors(world)
@@ -129,6 +134,7 @@ def test_average_matches_plain_torch(world, tmp_path):
         assert all(t["bytes_sent"] > 0 for t in s["tensors"])
         assert s["peers"] and all(0 <= p["rank"] < world and p["rank"] != rank for p in s["peers"])
         assert s["weight"] == pytest.approx(r["weight"])
+        assert s["device"] == ("cuda" if device == "cuda" else "host"), s["device"]
 
 
 def test_momentum_auto_stays_local_over_processes(tmp_path):
@@ -200,6 +206,33 @@ def test_errors_name_the_parameter(one_rank):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.Adam(model.parameters()))
     with pytest.raises(ValueError, match=r"nesterov=True"):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True))
+
+
+def test_device_errors_name_the_parameter(one_rank):
+    with pytest.raises(ValueError, match=r"parameter 'fc\.bias' is on device 'meta'; this (build of the )?module takes CPU"):
+        gossip.Engine([("fc.weight", torch.zeros(4)), ("fc.bias", torch.empty(3, device="meta"))])
+
+
+@needs_cuda
+def test_cuda_model_steps_on_its_device(one_rank):
+    model = torch.nn.Linear(8, 4).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(32, 8, device="cuda")
+    with gossip.Engine(model.named_parameters(), optimizer=opt, config={"policy": {"name": "periodic", "every": 2}}) as eng:
+        for _ in range(6):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            eng.step(lr=0.05, loss=loss.item())
+    s = eng.stats()
+    # A device model keeps its momentum local under "auto"; one rank's merges leave it as it is.
+    assert (s["device"], s["momentum"], s["steps"]) == ("cuda", "local", 6)
+    assert model.weight.is_cuda and torch.isfinite(model.weight).all()
+    with pytest.raises(ValueError, match=r"parameter 'bias' is on device 'cpu' but parameter 'weight' is on 'cuda:0'"):
+        gossip.Engine([("weight", model.weight), ("bias", torch.zeros(4))])
+    with pytest.raises(gossip.ConfigError, match=r"quasi-global momentum is available for host models only"):
+        gossip.Engine(model.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
 
 
 def test_storage_reallocated_after_registration(one_rank):

@@ -1,7 +1,9 @@
 # One rank of a test run under torchrun (tests/python/test_torch.py starts it).
 #
-#   torch_worker.py average OUT_DIR STEPS   rank-seeded tensors, periodic gossip, no local updates;
-#                                           saves the final tensors, weight and stats to OUT_DIR/rank<R>.pt
+#   torch_worker.py average OUT_DIR STEPS [DEVICE]
+#                                           rank-seeded tensors on DEVICE (default cpu; "cuda": the GPU of
+#                                           LOCAL_RANK), periodic gossip, no local updates; saves the final
+#                                           tensors (on the CPU), weight and stats to OUT_DIR/rank<R>.pt
 #   torch_worker.py train OUT_DIR STEPS [MOMENTUM]
 #                                           SGD with momentum on rank-shifted data, optimizer= given and
 #                                           [engine] momentum = MOMENTUM (default quasi-global)
@@ -29,13 +31,17 @@ def main():
         return
     out_dir, steps = sys.argv[2], int(sys.argv[3])
     if mode == "average":
-        params = {k: torch.nn.Parameter(v) for k, v in initial_tensors(rank).items()}
+        device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        params = {k: torch.nn.Parameter(v.to(device)) for k, v in initial_tensors(rank).items()}
         eng = gossip.Engine(params.items(), config={"policy": {"name": "periodic", "every": 1}})
         for _ in range(steps):
             eng.step(lr=0.1)
             time.sleep(0.01)  # the ranks' steps overlap in time, as training steps would
         eng.finish()
-        torch.save({"tensors": {k: v.detach().clone() for k, v in params.items()}, "weight": eng.weight, "stats": eng.stats()},
+        torch.save({"tensors": {k: v.detach().cpu() for k, v in params.items()}, "weight": eng.weight, "stats": eng.stats()},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     elif mode == "train":
         torch.manual_seed(0)
