@@ -215,6 +215,8 @@ struct ucx_transport::impl {
   void land(source_state& src, const pending& m, bool owned) noexcept;
   // Progress thread: source `src` has reached `step`; heard_step follows the slowest.
   void heard_from(source_state& src, std::uint64_t step) noexcept;
+  // The least `heard` over sources (~0 when there are none): max_lead's slowest source.
+  std::uint64_t slowest_source() const noexcept;
   void landed(inbox::slot& slot, std::size_t length) noexcept;
 
   // A slot whose receive failed: full but empty, so collect skips it and keeps the order.

@@ -307,9 +307,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
   }
   // max_lead's slowest source before anything is heard: 0 while some source
   // has yet to speak, ~0 when none ever will (no sources at all).
-  std::uint64_t slowest = ~std::uint64_t{0};
-  for (const auto& src : sources) slowest = std::min(slowest, src.heard);
-  heard_step.store(slowest, std::memory_order_release);
+  heard_step.store(slowest_source(), std::memory_order_release);
   thread = std::thread([this] { run(); });
 }
 

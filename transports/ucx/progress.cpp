@@ -112,11 +112,16 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   return UCS_OK;
 }
 
+std::uint64_t ucx_transport::impl::slowest_source() const noexcept {
+  std::uint64_t slowest = ~std::uint64_t{0};
+  for (const auto& s : sources) slowest = std::min(slowest, s.heard);
+  return slowest;
+}
+
 void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noexcept {
   if (step <= src.heard) return;
   src.heard = step;
-  std::uint64_t slowest = ~std::uint64_t{0};
-  for (const auto& s : sources) slowest = std::min(slowest, s.heard);
+  const std::uint64_t slowest = slowest_source();
   // Only this thread writes it.
   if (slowest != heard_step.load(std::memory_order_relaxed)) heard_step.store(slowest, std::memory_order_release);
 }
