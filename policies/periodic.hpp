@@ -43,6 +43,8 @@ struct periodic {
     return due ? decision::fire(reason::period, since, period) : decision::skip(reason::not_due, since, period);
   }
 
+  constexpr std::uint64_t fixed_period() const noexcept { return every; }
+
   static std::vector<option_spec> specs() {
     return {{"every", std::int64_t{1}, "send on every `every`-th step (integer >= 1; 1 = every step)"},
             {"stagger", false, "ranks take turns: rank r sends `r·every/world` steps earlier in each period than rank 0"}};

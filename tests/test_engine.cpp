@@ -235,6 +235,29 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
   }
 }
 
+TEST_CASE("engine: momentum = auto keeps local momentum for a policy that sends at every step, even in lockstep") {
+  static_assert(policy_fixed_period(policies::periodic{.every = 3}) == 3 && policy_fixed_period(policies::consensus{}) == 0);
+  struct want_t {
+    std::uint64_t every;
+    const char* setting;
+    const char* reported;
+  };
+  for (const auto& w : {want_t{1, "auto", "local"}, want_t{2, "auto", "quasi-global"}, want_t{1, "quasi-global", "quasi-global"}}) {
+    INFO("every ", w.every, " momentum ", w.setting);
+    loopback_fabric fabric(1);
+    toy_model m({8}, 3);
+    std::vector<float> v(8, 0.0f);
+    m.view.momentum("t0", v);
+    auto spec = spec_of(any_policy(policies::periodic{.every = w.every}, "periodic"), "ring", "push-sum");
+    options o("test [engine]");
+    o.set("momentum", std::string(w.setting));
+    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
+    CHECK(e.stats().momentum == w.reported);
+    e.finish(0);
+  }
+}
+
 TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-loop policy, spread for a fixed schedule") {
   static_assert(policy_closed_loop<policies::consensus>() && !policy_closed_loop<policies::periodic>());
   struct want_t {

@@ -26,11 +26,18 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // that delivers at step boundaries (loopback), or the switch's sync
   // all-reduce, which every member merges at the step after it posted — and
   // local over an asynchronous exchange (UCX, the switch's async aggregate)
-  // and for a device model (host models only).
+  // and for a device model (host models only). Gossip with peers at every
+  // step (a fixed period of 1) keeps local momentum under auto too: merging
+  // every step leaves little shard bias for momentum to gather, and carrying
+  // each pairwise average on in momentum slows the pair's consensus
+  // (docs/non-iid.md, "Momentum at every step"). The switch's all-reduce
+  // gives every member the same exact average, and there it pays at any period.
   using mm = engine_settings::momentum_mode;
   m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();
   const bool lockstep = caps.copies_on_post || m_shared_schedule;
-  const bool quasi_global = m_settings.momentum == mm::quasi_global || (m_settings.momentum == mm::automatic && lockstep && !model.device());
+  const bool every_step_pairwise = !m_shared_schedule && m_policy.fixed_period() == 1;
+  const bool quasi_global = m_settings.momentum == mm::quasi_global ||
+                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise);
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));

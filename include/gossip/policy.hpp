@@ -22,7 +22,13 @@
 /// that any lasting displacement soon makes it send, declares
 /// `static constexpr bool closed_loop = true;`. Quasi-global momentum then
 /// carries merges on in full ([engine] momentum_merge = "auto").
+///
+/// A policy that sends on a fixed schedule of every k steps, whatever it
+/// sees, says so with `std::uint64_t fixed_period() const noexcept` (k). With
+/// k = 1 between peers, [engine] momentum = "auto" keeps the optimizer's
+/// momentum local: merges every step leave little shard bias to correct.
 #include <concepts>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -48,6 +54,15 @@ constexpr bool policy_closed_loop() noexcept {
     return P::closed_loop;
   else
     return false;
+}
+
+/// The period of a policy that sends every k steps whatever it sees (k), or 0.
+template <class P>
+constexpr std::uint64_t policy_fixed_period(const P& p) noexcept {
+  if constexpr (requires { { p.fixed_period() } noexcept -> std::convertible_to<std::uint64_t>; })
+    return p.fixed_period();
+  else
+    return 0;
 }
 
 template <class P>
@@ -80,6 +95,7 @@ class any_policy {
   void observe(const outcome& o) noexcept { m_self->observe(o); }
   bool wants_step_change() const noexcept { return m_self && m_self->wants_step_change(); }
   bool closed_loop() const noexcept { return m_self && m_self->closed_loop(); }
+  std::uint64_t fixed_period() const noexcept { return m_self ? m_self->fixed_period() : 0; }
   const std::string& name() const noexcept { return m_name; }
 
  private:
@@ -89,6 +105,7 @@ class any_policy {
     virtual void observe(const outcome&) noexcept = 0;
     virtual bool wants_step_change() const noexcept = 0;
     virtual bool closed_loop() const noexcept = 0;
+    virtual std::uint64_t fixed_period() const noexcept = 0;
     virtual std::unique_ptr<concept_t> clone() const = 0;
   };
   template <class P>
@@ -100,6 +117,7 @@ class any_policy {
     }
     bool wants_step_change() const noexcept override { return policy_wants_step_change<P>(); }
     bool closed_loop() const noexcept override { return policy_closed_loop<P>(); }
+    std::uint64_t fixed_period() const noexcept override { return policy_fixed_period(m_p); }
     std::unique_ptr<concept_t> clone() const override { return std::make_unique<model>(*this); }
     P m_p;
   };
