@@ -235,6 +235,24 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
   }
 }
 
+namespace {
+// One rank over loopback with a registered momentum buffer and [engine] `key` = `value`; its stats.
+engine_stats one_rank_with_momentum(any_policy policy, const char* key, const char* value) {
+  loopback_fabric fabric(1);
+  toy_model m({8}, 3);
+  std::vector<float> v(8, 0.0f);
+  m.view.momentum("t0", v);
+  auto spec = spec_of(std::move(policy), "ring", "push-sum");
+  options o("test [engine]");
+  o.set(key, std::string(value));
+  spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+  engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
+  engine_stats stats = e.stats();
+  e.finish(0);
+  return stats;
+}
+}  // namespace
+
 TEST_CASE("engine: momentum = auto keeps local momentum for a policy that sends at every step, even in lockstep") {
   static_assert(policy_fixed_period(policies::periodic{.every = 3}) == 3 && policy_fixed_period(policies::consensus{}) == 0);
   struct want_t {
@@ -244,17 +262,8 @@ TEST_CASE("engine: momentum = auto keeps local momentum for a policy that sends 
   };
   for (const auto& w : {want_t{1, "auto", "local"}, want_t{2, "auto", "quasi-global"}, want_t{1, "quasi-global", "quasi-global"}}) {
     INFO("every ", w.every, " momentum ", w.setting);
-    loopback_fabric fabric(1);
-    toy_model m({8}, 3);
-    std::vector<float> v(8, 0.0f);
-    m.view.momentum("t0", v);
-    auto spec = spec_of(any_policy(policies::periodic{.every = w.every}, "periodic"), "ring", "push-sum");
-    options o("test [engine]");
-    o.set("momentum", std::string(w.setting));
-    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
-    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
-    CHECK(e.stats().momentum == w.reported);
-    e.finish(0);
+    CHECK(one_rank_with_momentum(any_policy(policies::periodic{.every = w.every}, "periodic"), "momentum", w.setting).momentum ==
+          w.reported);
   }
 }
 
@@ -268,18 +277,8 @@ TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-lo
   for (const auto& w : {want_t{"auto", true, "full"}, want_t{"auto", false, "spread"}, want_t{"full", false, "full"},
                         want_t{"spread", true, "spread"}}) {
     INFO(w.setting, w.consensus ? " consensus" : " periodic");
-    loopback_fabric fabric(1);
-    toy_model m({8}, 3);
-    std::vector<float> v(8, 0.0f);
-    m.view.momentum("t0", v);
     auto p = w.consensus ? any_policy(policies::consensus{}, "consensus") : any_policy(policies::periodic{.every = 20}, "periodic");
-    auto spec = spec_of(std::move(p), "ring", "push-sum");
-    options o("test [engine]");
-    o.set("momentum_merge", std::string(w.setting));
-    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
-    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
-    CHECK(e.stats().momentum_merge == w.reported);
-    e.finish(0);
+    CHECK(one_rank_with_momentum(std::move(p), "momentum_merge", w.setting).momentum_merge == w.reported);
   }
   options lead("test [engine]");
   lead.set("max_lead", std::int64_t{-1});
