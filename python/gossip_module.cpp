@@ -384,6 +384,9 @@ class py_engine {
                                        py_str(optimizer.get_type().attr("__name__"))));
     const auto engine_opts = cfg.engine.resolved(engine_option_specs(), "[engine]");
     if (engine_opts.string("momentum") == "local") return;
+    // A device model keeps its momentum local under auto: nothing to register
+    // (asked for quasi-global, the engine refuses it, naming the tensor).
+    if (on_cuda() && engine_opts.string("momentum") == "auto") return;
     py::dict group_of;  // param → its group's momentum
     std::optional<double> beta;
     std::size_t gi = 0;
@@ -477,7 +480,8 @@ class py_engine {
   // A model on a CUDA device: the engine's drift, snapshot and merge passes
   // run there, ordered on the stream torch has current for that device now
   // (the one the training loop's optimizer.step() runs on, unless it selects
-  // another). The backend keeps that device for every call, from any thread.
+  // another). The backend is given the device by number and keeps it for
+  // every call, from any thread.
   void attach_cuda(model_view& view) {
 #if defined(GOSSIP_PYTHON_CUDA)
     const py::object torch_cuda = py::module_::import("torch").attr("cuda");
@@ -485,15 +489,7 @@ class py_engine {
     const py::object stream = torch_cuda.attr("current_stream")(index);
     m_stream = stream;  // kept alive with the engine
     const auto handle = stream.attr("cuda_stream").cast<std::uintptr_t>();
-    py::object selected = torch_cuda.attr("device")(index);  // with torch.cuda.device(index): the backend takes the current device
-    selected.attr("__enter__")();
-    try {
-      view.on_device(cuda::device(reinterpret_cast<void*>(handle)));
-    } catch (...) {
-      selected.attr("__exit__")(py::none(), py::none(), py::none());
-      throw;
-    }
-    selected.attr("__exit__")(py::none(), py::none(), py::none());
+    view.on_device(cuda::device(reinterpret_cast<void*>(handle), {.device = index}));
 #else
     (void)view;
     throw py::value_error("gossip.Engine: CUDA tensors need a build of the module with CUDA");  // check_tensor refused them already
@@ -621,8 +617,12 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
   }, "Every component a config may name ([policy], [topology], [protocol]) and the [engine] settings.");
 #if defined(GOSSIP_PYTHON_CUDA)
   m.attr("has_cuda") = true;
+  m.def("cuda_unavailable_reason", &gossip::cuda::unavailable_reason,
+        "Empty when libgossip_cuda can use a CUDA device here; otherwise why not (for skips and messages).");
 #else
   m.attr("has_cuda") = false;
+  m.def("cuda_unavailable_reason", [] { return std::string("this build of the module has no CUDA (libgossip_cuda was not built)"); },
+        "Empty when libgossip_cuda can use a CUDA device here; otherwise why not (for skips and messages).");
 #endif
 #if defined(GOSSIP_HAVE_UCX)
   m.attr("has_ucx") = true;

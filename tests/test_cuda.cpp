@@ -258,6 +258,7 @@ TEST_CASE("engine steps on device tensors match the host engine (push-sum and pa
         (on_device ? device_final : host_final)[static_cast<std::size_t>(r)] = flat;
         (on_device ? device_weight : host_weight)[static_cast<std::size_t>(r)] = e.weight();
         CHECK(e.stats().sends > 0);
+        CHECK(e.stats().device == (on_device ? "cuda" : "host"));
       });
     }
     for (int r = 0; r < world; ++r) {

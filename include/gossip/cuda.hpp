@@ -37,11 +37,14 @@ struct device_options {
   std::string transfer = "auto";
   /// Messages merged by one kernel (each needs a model-sized device buffer).
   int merge_batch = 4;
+  /// The CUDA device the tensors live on; -1: the calling thread's current device.
+  int device = -1;
 };
 
-/// The backend for tensors on the current CUDA device, ordered on `stream` (a
-/// cudaStream_t; nullptr is the legacy default stream). Throws gossip::error
-/// naming the reason when no device is usable.
+/// The backend for tensors on `options.device` (default: the current CUDA
+/// device), ordered on `stream` (a cudaStream_t of that device; nullptr is the
+/// legacy default stream). Every call then runs on that device, from any
+/// thread. Throws gossip::error naming the reason when no device is usable.
 std::shared_ptr<const device_backend> device(void* stream, device_options options = {});
 
 }  // namespace gossip::cuda

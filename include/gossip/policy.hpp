@@ -59,10 +59,13 @@ constexpr bool policy_closed_loop() noexcept {
 /// The period of a policy that sends every k steps whatever it sees (k), or 0.
 template <class P>
 constexpr std::uint64_t policy_fixed_period(const P& p) noexcept {
-  if constexpr (requires { { p.fixed_period() } noexcept -> std::convertible_to<std::uint64_t>; })
+  if constexpr (requires(P& q) { q.fixed_period(); }) {
+    static_assert(requires { { p.fixed_period() } noexcept -> std::same_as<std::uint64_t>; },
+                  "a policy's fixed_period() must be `std::uint64_t fixed_period() const noexcept`");
     return p.fixed_period();
-  else
+  } else {
     return 0;
+  }
 }
 
 template <class P>

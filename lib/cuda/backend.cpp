@@ -277,8 +277,17 @@ std::shared_ptr<const device_backend> device(void* stream, device_options option
     throw error(fmt::format("gossip::cuda::device: no usable CUDA device: {}; run on a machine with an NVIDIA GPU and driver, or keep "
                             "the model in host memory",
                             why));
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice", -1);
+  int dev = options.device;
+  if (dev < 0) {
+    check(cudaGetDevice(&dev), "cudaGetDevice", -1);
+  } else {
+    int count = 0;
+    check(cudaGetDeviceCount(&count), "cudaGetDeviceCount", -1);
+    if (dev >= count)
+      throw config_error(fmt::format("gossip::cuda::device: device {} does not exist: {} CUDA device(s) are visible (0..{}; check "
+                                     "CUDA_VISIBLE_DEVICES)",
+                                     dev, count, count - 1));
+  }
   return std::make_shared<cuda_backend>(static_cast<cudaStream_t>(stream), dev, std::move(options));
 }
 

@@ -96,8 +96,10 @@ def initial_tensors(world):
     return [of_rank(r) for r in range(world)]
 
 
-CUDA_SKIP = "the module was built without CUDA" if not gossip.has_cuda else (
-    "no usable CUDA GPU (torch.cuda.is_available() is False)" if not torch.cuda.is_available() else None)
+CUDA_SKIP = ("the module was built without CUDA" if not gossip.has_cuda
+             else "no usable CUDA GPU for torch (torch.cuda.is_available() is False)" if not torch.cuda.is_available()
+             else f"no usable CUDA GPU for libgossip_cuda: {gossip.cuda_unavailable_reason()}" if gossip.cuda_unavailable_reason()
+             else None)
 needs_cuda = pytest.mark.skipif(CUDA_SKIP is not None, reason=CUDA_SKIP or "")
 
 
