@@ -318,14 +318,16 @@ void int8_decode(const float* scales, const std::int8_t* q, float* hat, std::siz
 // Sparse segments: values (fp32), then positions as a bitmap or as LEB128
 // varints of the gaps (first position, then next − previous − 1), whichever
 // is smaller.
-std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32_t> kept, std::size_t n, std::byte* out,
-                         codec_kind kind) noexcept {
+std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32_t> kept, std::size_t n, std::byte* out, codec_kind kind,
+                         double& energy) noexcept {
   auto* values = reinterpret_cast<float*>(out + sizeof(codec_segment));
+  energy = 0;
   for (std::size_t j = 0; j < kept.size(); ++j) {
     const std::uint32_t i = kept[j];
     const float d = x[i] - hat[i];
     values[j] = d;
     hat[i] += d;
+    energy += static_cast<double>(d) * d;
   }
   std::size_t gaps = 0;
   for (std::size_t j = 0; j < kept.size(); ++j) gaps += varint_bytes(j == 0 ? kept[0] : kept[j] - kept[j - 1] - 1);
@@ -390,6 +392,11 @@ codec::codec(codec_settings s, std::string name) : m_settings(s), m_name(name.em
                 "a lowrank codec falls back to none, fp16 or int8");
 }
 
+bool codec::sends_whole_change() const noexcept {
+  const auto k = m_settings.kind;
+  return k == codec_kind::none || k == codec_kind::fp16 || k == codec_kind::int8;
+}
+
 codec_kind codec::kind_for(std::size_t count, std::size_t rows) const noexcept {
   if (count < m_settings.min_elements) return codec_kind::none;
   if (m_settings.kind != codec_kind::lowrank) return m_settings.kind;
@@ -447,6 +454,7 @@ void codec::prepare(std::size_t max_count, std::size_t max_side) {
 std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* out, bool absolute, std::uint64_t seed, std::size_t rows,
                           float* state) noexcept {
   codec_segment sg;
+  m_change_energy = -1;
   codec_kind kind = n == 0 ? codec_kind::none : kind_for(n, rows);
   // No state to warm-start from, or no scratch prepared for this shape: the fallback.
   if (kind == codec_kind::lowrank && (state == nullptr || m_factors.size() < m_settings.rank * (rows + n / rows))) kind = m_settings.fallback;
@@ -489,7 +497,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         const std::size_t lo = j * n / k, hi = (j + 1) * n / k;
         m_indices[j] = static_cast<std::uint32_t>(lo + below(s, hi - lo));
       }
-      return write_sparse(x, hat, {m_indices.data(), k}, n, out, kind);
+      return write_sparse(x, hat, {m_indices.data(), k}, n, out, kind, m_change_energy);
     }
     case codec_kind::topk: {
       const std::size_t k = kept(n);
@@ -538,7 +546,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         }
         c = w;
       }
-      return write_sparse(x, hat, {cand, c}, n, out, kind);
+      return write_sparse(x, hat, {cand, c}, n, out, kind, m_change_energy);
     }
     case codec_kind::lowrank: break;  // encoded above
   }
@@ -662,12 +670,18 @@ codec_registry_t& codec_registry() {
   static codec_registry_t r = [] {
     codec_registry_t c("codec");
     const option_spec min_elements{"min_elements", std::int64_t{0}, "tensors with fewer values are sent in fp32 (e.g. biases)"};
+    const option_spec step{"step", 0.0,
+                           "merge step towards a sender's lag-corrected x̂, in (0, 1]; 0: the fraction of a change's energy this codec keeps "
+                           "(measured) for topk, randomk and lowrank, and a plain merge of x̂ for fp16 and int8"};
     auto base = [](const options& o, codec_kind k) {
       codec_settings s;
       s.kind = k;
       const auto m = o.integer("min_elements");
       if (m < 0) throw config_error(fmt::format("{}: key 'min_elements' must be >= 0, got {}", o.where("min_elements"), m));
       s.min_elements = static_cast<std::size_t>(m);
+      const double g = o.real("step");
+      if (!(g >= 0 && g <= 1)) throw config_error(fmt::format("{}: key 'step' must be in [0, 1] (0: automatic), got {}", o.where("step"), g));
+      s.step = g;
       return s;
     };
     auto block = [](const options& o) {
@@ -682,17 +696,17 @@ codec_registry_t& codec_registry() {
       return r;
     };
     c.add({"none", "the model in fp32, as without a codec (default)", {}, [](const options&) { return codec(); }});
-    c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements},
+    c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements, step},
            [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
     c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",
-           {{"block", std::int64_t{256}, "values per scale"}, min_elements},
+           {{"block", std::int64_t{256}, "values per scale"}, min_elements, step},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::int8);
              s.block = block(o);
              return codec(s);
            }});
     c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
-           {{"ratio", 0.01, "fraction of each tensor's values sent"}, min_elements},
+           {{"ratio", 0.01, "fraction of each tensor's values sent"}, min_elements, step},
            [base, ratio](const options& o) {
              auto s = base(o, codec_kind::topk);
              s.ratio = ratio(o);
@@ -700,7 +714,7 @@ codec_registry_t& codec_registry() {
            }});
     c.add({"randomk", "changes at random positions (one per stratum), positions as bitmap or gaps",
            {{"ratio", 0.01, "fraction of each tensor's values sent"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
-            min_elements},
+            min_elements, step},
            [base, ratio](const options& o) {
              auto s = base(o, codec_kind::randomk);
              s.ratio = ratio(o);
@@ -711,7 +725,7 @@ codec_registry_t& codec_registry() {
            {{"rank", std::int64_t{4}, "rank of each matrix's change"},
             {"fallback", std::string("fp16"), "codec for 1-D tensors and matrices too small to gain: none, fp16 or int8"},
             {"block", std::int64_t{256}, "values per scale, when the fallback is int8"},
-            min_elements},
+            min_elements, step},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::lowrank);
              const auto rk = o.integer("rank");

@@ -95,6 +95,15 @@ std::size_t codec::encode_lowrank(const float* x, float* hat, std::size_t rows, 
   float* qf = pf + rows * r;
   for (std::size_t i = 0; i < (rows + cols) * r; ++i) pf[i] = static_cast<float>(P[i]);
   lowrank_apply(pf, qf, rows, cols, r, hat);
+  // ‖P·Qᵀ‖² = Σ_ab (PᵀP)_ab (QᵀQ)_ab: r² sums over the factors, not a pass over the matrix.
+  m_change_energy = 0;
+  for (std::size_t a = 0; a < r; ++a)
+    for (std::size_t b = 0; b < r; ++b) {
+      double pp = 0, qq = 0;
+      for (std::size_t i = 0; i < rows; ++i) pp += static_cast<double>(pf[i * r + a]) * pf[i * r + b];
+      for (std::size_t j = 0; j < cols; ++j) qq += static_cast<double>(qf[j * r + a]) * qf[j * r + b];
+      m_change_energy += pp * qq;
+    }
   // Q starts the next send; a direction that vanished (no change along it) starts again at random.
   std::memcpy(state, qf, cols * r * sizeof(float));
   std::uint64_t s = seed;

@@ -8,6 +8,7 @@
 ///     [codec]
 ///     name = "topk"
 ///     ratio = 0.01       # fraction of values kept per tensor
+///     step = 0           # merge step towards the lag-corrected x̂; 0: measured
 ///
 ///     [codec]
 ///     name = "lowrank"
@@ -24,8 +25,11 @@
 /// codec (fp16, int8) encodes x − 0, a sparse one (topk, randomk) sends the
 /// tensor in fp32 (a fraction of it would leave x̂ mostly zero), as does
 /// lowrank. The receiver merges its x̂ of the sender in
-/// place of the sender's model; the push-sum weight travels uncompressed in
-/// the wire header.
+/// place of the sender's model (fp16, int8), or for the codecs that leave
+/// most of a change for later (topk, randomk, lowrank) a lag-corrected
+/// estimate, moved towards by a step γ (`step`; see corrects_merge and the
+/// engine's decode_inbound). The push-sum weight travels uncompressed in the
+/// wire header.
 ///
 /// A payload is a codec_payload header followed by one segment per tensor,
 /// in layout order; each segment is a codec_segment header and its bytes,
@@ -91,6 +95,7 @@ struct codec_settings {
   std::uint64_t seed = 1;          ///< randomk: seed of the kept positions (with rank and round)
   std::size_t rank = 4;            ///< lowrank: rank of each matrix's change
   codec_kind fallback = codec_kind::fp16;  ///< lowrank: none, fp16 or int8, for what is not a matrix worth factoring
+  double step = 0;                 ///< merge step towards a sender's corrected x̂ (0: auto, see codec::corrects_merge)
 };
 
 /// One codec with its preallocated scratch. Not thread-safe; one per engine.
@@ -103,6 +108,18 @@ class codec {
   const std::string& name() const noexcept { return m_name; }
   /// False for "none": the engine then ships the model exactly as without a codec.
   bool compresses() const noexcept { return m_settings.kind != codec_kind::none; }
+  /// Whether each message carries the whole change but rounding (none, fp16,
+  /// int8), rather than leaving most of it for later messages (topk,
+  /// randomk, lowrank).
+  bool sends_whole_change() const noexcept;
+  /// Whether a receiver merges a lag-corrected estimate of the sender's model
+  /// rather than its x̂ alone: for the codecs that do not send the whole
+  /// change, and for any codec given a `step`.
+  bool corrects_merge() const noexcept { return compresses() && (!sends_whole_change() || m_settings.step > 0); }
+  /// ‖change encode() added to x̂‖² for the last tensor it encoded, or a
+  /// negative value when it did not measure it (fp32, fp16 and int8 keep
+  /// all of a change but their rounding: count the whole change as kept).
+  double last_change_energy() const noexcept { return m_change_energy; }
   /// The kind used for a tensor of `count` values, `rows` of them when it is
   /// a matrix (0: not one): none below min_elements; lowrank's fallback for
   /// what it cannot factor with fewer bytes.
@@ -140,6 +157,7 @@ class codec {
   std::vector<float> m_sample;           // topk: sampled magnitudes
   std::vector<std::uint32_t> m_indices;  // topk/randomk: kept positions
   std::vector<double> m_factors;         // lowrank: P and Q while they are computed
+  double m_change_energy = -1;
 
   std::size_t encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
                              float* state) noexcept;

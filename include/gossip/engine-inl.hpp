@@ -32,12 +32,17 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // each pairwise average on in momentum slows the pair's consensus
   // (docs/non-iid.md, "Momentum at every step"). The switch's all-reduce
   // gives every member the same exact average, and there it pays at any period.
+  // A codec that leaves most of each change for later messages (topk,
+  // randomk, lowrank) keeps local momentum too: carried on in momentum, the
+  // noise of each lag-corrected merge grows instead of averaging out
+  // (README, "Codecs").
   using mm = engine_settings::momentum_mode;
+  m_codec = make_codec(spec.codec);
   m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();
   const bool lockstep = caps.copies_on_post || m_shared_schedule;
   const bool every_step_pairwise = !m_shared_schedule && m_policy.fixed_period() == 1;
   const bool quasi_global = m_settings.momentum == mm::quasi_global ||
-                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise);
+                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise && m_codec.sends_whole_change());
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
@@ -58,7 +63,6 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     m_elements += t.count;
   }
   m_protocol.prepare(m_topology.sources(), m_elements);
-  m_codec = make_codec(spec.codec);
   if (m_codec.compresses()) {
     if (model.device())
       throw config_error(fmt::format("engine (rank {}): codec '{}' is available for host models only; set [codec] name = \"none\"", rank,
@@ -134,6 +138,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     m_out_primed.assign(dests.size(), 0);
     m_out_state.assign(dests.size() * m_state_floats, 0.0f);
     m_in_hat.assign(m_topology.sources().size() * m_elements, 0.0f);
+    const auto pk = m_protocol.type();
+    m_merge_step = m_codec.settings().step;
+    m_corrected_merge = m_codec.corrects_merge() && (pk == protocol::kind::push_sum || pk == protocol::kind::pairwise);
+    if (m_corrected_merge) m_in_estimate.assign(m_topology.sources().size() * m_elements, 0.0f);
     m_in_primed.assign(m_topology.sources().size(), 0);
     m_segment_bytes.assign(m_slots.size(), 0);
     m_received_bytes.assign(m_received.size(), 0);
@@ -369,7 +377,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       ++m_stats.send_busy;
     } else if (m_codec.compresses()) {
       // x̂ of the policy: x at this send, uncompressed.
-      for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+      for (const auto& s : m_slots) std::memcpy(m_codec_snapshot.data() + s.offset, s.data, s.count * sizeof(float));
       m_current = next;
       sent_to = send_encoded(buffer(next), targets, t, bytes, bytes_raw);
       m_last_send_step = static_cast<std::int64_t>(t);

@@ -211,6 +211,15 @@ class engine {
   std::size_t m_stream_slots = 1;               // messages per send buffer: one per target with a codec
   std::vector<float> m_codec_snapshot;          // x at the last send: the drift reference
   std::vector<float> m_out_hat, m_in_hat;
+  // Lag-corrected merges (codec::corrects_merge): per source, the estimate of
+  // its model that is merged; the stream this rank sent on last; the merge
+  // step (0: the measured fraction of a change's energy the codec keeps).
+  bool m_corrected_merge = false;
+  std::vector<float> m_in_estimate;
+  int m_fresh_stream = -1;
+  double m_merge_step = 0;
+  double m_kept_energy = 1;
+  bool m_kept_measured = false;
   std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
   std::vector<char> m_out_primed, m_in_primed;  // the stream's first (full) message went through
   std::vector<std::size_t> m_counts;            // tensor sizes, layout order

@@ -3,11 +3,19 @@
 // messages C(x − x̂) encoded into the send buffer, received ones decoded into
 // the sender's x̂ (included by engine-inl.hpp).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+
+#include <Eigen/Core>
 
 #include "gossip/engine.hpp"
 
 namespace gossip {
+
+namespace detail {
+inline Eigen::Map<const Eigen::ArrayXf> cmap(const float* p, std::size_t n) noexcept { return {p, static_cast<Eigen::Index>(n)}; }
+inline Eigen::Map<Eigen::ArrayXf> map(float* p, std::size_t n) noexcept { return {p, static_cast<Eigen::Index>(n)}; }
+}  // namespace detail
 
 // One message per target, each C(x − x̂) against the x̂ that target holds
 // (a stream's first message is the model in fp32). A post that fails leaves
@@ -34,11 +42,21 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     std::size_t at = sizeof ph;
     // Positions (randomk) and samples (topk) differ per stream and send.
     const std::uint64_t seed = (static_cast<std::uint64_t>(m_rank) << 40) ^ (static_cast<std::uint64_t>(to) << 20) ^ (m_round * 0x9e3779b97f4a7c15ull);
+    // The automatic merge step: the fraction of ‖x − x̂‖² the codec sends.
+    const bool measure = m_corrected_merge && m_merge_step == 0 && !absolute;
+    double change = 0, kept = 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
+      const double before = measure ? (detail::cmap(s.data, s.count) - detail::cmap(hat + s.offset, s.count)).square().sum() : 0.0;
       const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i, m_rows[i], state + m_state_offset[i]);
       m_segment_bytes[i] = b;
       at += b;
+      change += before;
+      kept += m_codec.last_change_energy() >= 0 ? m_codec.last_change_energy() : before;
+    }
+    if (measure && change > 0 && std::isfinite(kept / change)) {
+      m_kept_energy = m_kept_measured ? 0.5 * m_kept_energy + 0.5 * std::min(1.0, kept / change) : std::min(1.0, kept / change);
+      m_kept_measured = true;
     }
     wire_header h;
     h.sender = m_rank;
@@ -53,6 +71,7 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
     if (m_transport.post(to, msg, t) == post_status::ok) {
       m_out_primed[stream] = 1;
+      m_fresh_stream = static_cast<int>(stream);
       bytes += msg.size();
       raw += raw_message;
       ++sent_to;
@@ -101,6 +120,23 @@ inline void engine::decode_inbound(std::size_t n) {
     m_in_primed[source] = 1;
     m.data = hat;
     m.elements = m_elements;
+    if (m_corrected_merge && m_fresh_stream >= 0) {
+      // The sender's model is its x̂ plus what its codec left unsent, which
+      // this rank estimates by what its own codec left at its last send: the
+      // snapshot x_s minus the x̂ p its freshest target holds. The merge moves
+      // z towards that estimate by a step γ, as CHOCO's consensus step does
+      // (Koloskova et al. 2019): m = z + γ·(x̂ + x_s − p − z).
+      const float gamma = static_cast<float>(m_merge_step > 0 ? m_merge_step : std::min(1.0, m_kept_energy));
+      const float* own = m_out_hat.data() + static_cast<std::size_t>(m_fresh_stream) * m_elements;
+      float* est = m_in_estimate.data() + source * m_elements;
+      const float* sent = m_codec_snapshot.data();
+      for (const auto& s : m_slots) {
+        const auto z = detail::cmap(s.data, s.count);
+        const auto residual = detail::cmap(sent + s.offset, s.count) - detail::cmap(own + s.offset, s.count);
+        detail::map(est + s.offset, s.count) = z + gamma * (detail::cmap(hat + s.offset, s.count) + residual - z);
+      }
+      m.data = est;
+    }
   }
 }
 
