@@ -617,7 +617,7 @@ TEST_CASE("lag-corrected merges: which codecs use them, the measured step, and t
     c.prepare(x.size());
     std::vector<float> hat(x.size(), 0.0f), receiver(x.size(), 0.0f);
     const std::vector<float> before = hat;
-    std::vector<float> state(c.state_floats(x.size(), 64), 0.5f);
+    std::vector<float> state = normal(c.state_floats(x.size(), 64), 5);  // r independent starting directions
     round_trip(c, x, hat, receiver, 7, 64, state.data());
     double change = 0;
     for (std::size_t i = 0; i < x.size(); ++i) change += static_cast<double>(hat[i] - before[i]) * (hat[i] - before[i]);
@@ -693,17 +693,17 @@ TEST_CASE("lag-corrected merges: sparse codecs at every step reach the optimum o
   for (const char* name : {"topk", "randomk"}) {
     INFO("codec ", std::string(name));
     const quadratic_run q = run_quadratic(name, 0.05);
-    for (const auto& s : q.stats) {
-      CHECK(s.momentum == "local");
-      CHECK(s.bytes_sent < s.bytes_raw / 4);
-    }
+    for (const auto& s : q.stats) CHECK(s.bytes_sent < s.bytes_raw / 4);
     const double d = distance_of_mean(q);
-    // Measured: topk 0.006, randomk 0.045; merging x̂ as it is ended at 0.18 and 0.23.
+    // Measured: topk 0.007, randomk 0.045; merging x̂ as it is ended at 0.18 and 0.23.
     MESSAGE(name, ": mean model at ", d, " of the optimum's norm (fp32: ", exact, ")");
     CHECK(d < 0.08);
   }
-  // int8 merges x̂ as it is, and keeps quasi-global momentum in lockstep
-  // (at a period above 1: "Momentum at every step" in docs/non-iid.md).
-  const quadratic_run q = run_quadratic("int8", 0, 2);
-  for (const auto& s : q.stats) CHECK(s.momentum == "quasi-global");
+  // At a period above 1 (at 1 momentum stays local anyway: "Momentum at every
+  // step" in docs/non-iid.md), lockstep ranks get quasi-global momentum under
+  // auto with int8, which merges x̂ as it is, and local momentum with topk.
+  for (const auto& s : run_quadratic("int8", 0, 2).stats) CHECK(s.momentum == "quasi-global");
+  const quadratic_run every2 = run_quadratic("topk", 0.05, 2);
+  for (const auto& s : every2.stats) CHECK(s.momentum == "local");
+  CHECK(distance_of_mean(every2) < 0.08);
 }

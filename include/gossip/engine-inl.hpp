@@ -33,16 +33,18 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // (docs/non-iid.md, "Momentum at every step"). The switch's all-reduce
   // gives every member the same exact average, and there it pays at any period.
   // A codec that leaves most of each change for later messages (topk,
-  // randomk, lowrank) keeps local momentum too: carried on in momentum, the
-  // noise of each lag-corrected merge grows instead of averaging out
-  // (README, "Codecs").
+  // randomk, lowrank) keeps local momentum too where its merges are
+  // lag-corrected: carried on in momentum, the noise of each corrected merge
+  // grows instead of averaging out (README, "Codecs").
   using mm = engine_settings::momentum_mode;
   m_codec = make_codec(spec.codec);
+  m_corrected_merge = m_codec.corrects_merge() && (m_protocol.type() == protocol::kind::push_sum || m_protocol.type() == protocol::kind::pairwise);
   m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();
   const bool lockstep = caps.copies_on_post || m_shared_schedule;
   const bool every_step_pairwise = !m_shared_schedule && m_policy.fixed_period() == 1;
+  const bool sparse_corrected = m_corrected_merge && !m_codec.sends_whole_change();
   const bool quasi_global = m_settings.momentum == mm::quasi_global ||
-                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise && m_codec.sends_whole_change());
+                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise && !sparse_corrected);
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
@@ -138,9 +140,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     m_out_primed.assign(dests.size(), 0);
     m_out_state.assign(dests.size() * m_state_floats, 0.0f);
     m_in_hat.assign(m_topology.sources().size() * m_elements, 0.0f);
-    const auto pk = m_protocol.type();
     m_merge_step = m_codec.settings().step;
-    m_corrected_merge = m_codec.corrects_merge() && (pk == protocol::kind::push_sum || pk == protocol::kind::pairwise);
     if (m_corrected_merge) m_in_estimate.assign(m_topology.sources().size() * m_elements, 0.0f);
     m_in_primed.assign(m_topology.sources().size(), 0);
     m_segment_bytes.assign(m_slots.size(), 0);
@@ -506,7 +506,9 @@ inline void engine::merge_received(std::size_t n) {
     if (sums.models > 0 && sums.ref_sq > 0) {
       // E‖x_i − x_j‖² = 2·E‖x_i − x̄‖² for two models drawn around the mean:
       // half the squared distance to what arrived estimates the consensus distance.
-      const double sample = 0.5 * sums.diff_sq / sums.ref_sq;
+      // A lag-corrected merge received z + γ·(estimate − z): its distance is γ times the estimate's.
+      const double scale = m_corrected_in_collect == n && m_collect_gamma > 0 ? 1.0 / (m_collect_gamma * m_collect_gamma) : 1.0;
+      const double sample = 0.5 * scale * sums.diff_sq / sums.ref_sq;
       m_consensus = std::isnan(m_consensus) ? sample : (1 - consensus_smoothing) * m_consensus + consensus_smoothing * sample;
     }
     return;

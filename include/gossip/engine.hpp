@@ -220,6 +220,8 @@ class engine {
   double m_merge_step = 0;
   double m_kept_energy = 1;
   bool m_kept_measured = false;
+  std::size_t m_corrected_in_collect = 0;       // messages of the last collect merged as corrected estimates…
+  double m_collect_gamma = 0;                   // …with this step
   std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
   std::vector<char> m_out_primed, m_in_primed;  // the stream's first (full) message went through
   std::vector<std::size_t> m_counts;            // tensor sizes, layout order

@@ -47,14 +47,15 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     double change = 0, kept = 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
-      const double before = measure ? (detail::cmap(s.data, s.count) - detail::cmap(hat + s.offset, s.count)).square().sum() : 0.0;
+      const double before =
+          measure ? (detail::cmap(s.data, s.count) - detail::cmap(hat + s.offset, s.count)).cast<double>().square().sum() : 0.0;
       const std::size_t b = m_codec.encode(s.data, hat + s.offset, s.count, out + at, absolute, seed + i, m_rows[i], state + m_state_offset[i]);
       m_segment_bytes[i] = b;
       at += b;
       change += before;
       kept += m_codec.last_change_energy() >= 0 ? m_codec.last_change_energy() : before;
     }
-    if (measure && change > 0 && std::isfinite(kept / change)) {
+    if (measure && change > 0 && std::isfinite(change) && std::isfinite(kept)) {
       m_kept_energy = m_kept_measured ? 0.5 * m_kept_energy + 0.5 * std::min(1.0, kept / change) : std::min(1.0, kept / change);
       m_kept_measured = true;
     }
@@ -66,12 +67,15 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     h.payload_bytes = at;
     h.layout_fingerprint = m_layout_fingerprint;
     std::memcpy(msg_buf, &h, sizeof h);
+    // x_s (the snapshot of this send) minus this stream's x̂ is now exactly
+    // what the codec left unsent, posted or not; an fp32 first message leaves
+    // nothing and says nothing about the codec, so it does not count.
+    if (!absolute) m_fresh_stream = static_cast<int>(stream);
     const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
     m_last_message_bytes = msg.size();
     auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
     if (m_transport.post(to, msg, t) == post_status::ok) {
       m_out_primed[stream] = 1;
-      m_fresh_stream = static_cast<int>(stream);
       bytes += msg.size();
       raw += raw_message;
       ++sent_to;
@@ -102,6 +106,7 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
 // refused with the sender named. Two messages of one sender in one collect
 // both merge its latest x̂.
 inline void engine::decode_inbound(std::size_t n) {
+  m_corrected_in_collect = 0;
   for (std::size_t i = 0; i < n; ++i) {
     auto& m = m_received[i];
     const int si = m_inbox.index_of(m.sender);
@@ -111,7 +116,8 @@ inline void engine::decode_inbound(std::size_t n) {
     const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
     m_received_bytes[i] = sizeof(wire_header) + payload.size();
     float* hat = m_in_hat.data() + source * m_elements;
-    const decode_status st = decode_payload(payload, m_counts, hat, m_in_primed[source] != 0);
+    const bool first = m_in_primed[source] == 0;  // the sender's exact model (fp32) or a dense reset: nothing lags
+    const decode_status st = decode_payload(payload, m_counts, hat, !first);
     if (!st.ok())
       throw transport_error(fmt::format("rank {}: refused the message rank {} sent at step {} ({} payload bytes, codec '{}'): {} (tensor '{}'); "
                                         "give every rank the same libgossip and [codec] settings",
@@ -120,7 +126,7 @@ inline void engine::decode_inbound(std::size_t n) {
     m_in_primed[source] = 1;
     m.data = hat;
     m.elements = m_elements;
-    if (m_corrected_merge && m_fresh_stream >= 0) {
+    if (m_corrected_merge && m_fresh_stream >= 0 && !first) {
       // The sender's model is its x̂ plus what its codec left unsent, which
       // this rank estimates by what its own codec left at its last send: the
       // snapshot x_s minus the x̂ p its freshest target holds. The merge moves
@@ -136,6 +142,8 @@ inline void engine::decode_inbound(std::size_t n) {
         detail::map(est + s.offset, s.count) = z + gamma * (detail::cmap(hat + s.offset, s.count) + residual - z);
       }
       m.data = est;
+      ++m_corrected_in_collect;
+      m_collect_gamma = gamma;
     }
   }
 }
