@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
+#include <limits>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -78,6 +80,56 @@ void check_top_k_kept(const std::vector<float>& x, const std::vector<float>& hat
 }
 
 }  // namespace
+
+// What topk must send: the k largest non-zero, non-NaN changes, ties taken in
+// index order; fewer when fewer changed.
+std::vector<std::size_t> reference_top_k(const std::vector<float>& x, const std::vector<float>& hat0, std::size_t k) {
+  std::vector<std::size_t> idx;
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (const float a = std::fabs(x[i] - hat0[i]); a > 0) idx.push_back(i);  // NaN fails the comparison
+  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return std::fabs(x[a] - hat0[a]) > std::fabs(x[b] - hat0[b]); });
+  idx.resize(std::min(k, idx.size()));
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+TEST_CASE("topk sends exactly the largest changes, whatever their distribution, threshold path and selection kernel") {
+  // 10007 values: every magnitude is in the sample; 100003: a sampled
+  // threshold. Ratio 0.01: few pass, the bitmap kernel; 0.2: the packing one.
+  for (const std::size_t n : {std::size_t{10007}, std::size_t{100003}}) {
+    for (const double ratio : {0.01, 0.2}) {
+      const auto hat0 = normal(n, 11, 0.5f);
+      auto case_of = [&](const char* what, std::vector<float> change) {
+        std::vector<float> x(n);
+        for (std::size_t i = 0; i < n; ++i) x[i] = hat0[i] + change[i];
+        auto c = make("topk", {{"ratio", ratio}});
+        c.prepare(n);
+        auto hat = hat0, recv = hat0;
+        round_trip(c, x, hat, recv);
+        std::vector<std::size_t> sent;
+        for (std::size_t i = 0; i < n; ++i)
+          if (std::bit_cast<std::uint32_t>(hat[i]) != std::bit_cast<std::uint32_t>(hat0[i])) sent.push_back(i);
+        INFO(what, ", ", n, " values, ratio ", ratio);
+        CHECK(sent == reference_top_k(x, hat0, c.kept(n)));
+        for (const std::size_t i : sent) CHECK(std::bit_cast<std::uint32_t>(hat[i]) == std::bit_cast<std::uint32_t>(hat0[i] + (x[i] - hat0[i])));
+      };
+      case_of("normal changes", normal(n, 12));
+      std::vector<float> ties(n);
+      for (std::size_t i = 0; i < n; ++i) ties[i] = i % 2 ? 1.0f : -1.0f;
+      case_of("all changes of one size: the first k", ties);
+      auto concentrated = normal(n, 13, 1e-3f);
+      for (std::size_t i = n - n / 50; i < n; ++i) concentrated[i] = 1.0f + static_cast<float>(i % 97);
+      case_of("the large changes in the last 2 % of the tensor", concentrated);
+      std::vector<float> few(n, 0.0f);
+      for (const std::size_t i : {std::size_t{0}, std::size_t{5}, n / 2, n - 2, n - 1}) few[i] = 0.25f;
+      case_of("five changes in all: those five", few);
+      auto odd = normal(n, 14);
+      for (std::size_t i = 3; i < n; i += 101) odd[i] = std::numeric_limits<float>::quiet_NaN();
+      odd[n / 3] = std::numeric_limits<float>::infinity();
+      case_of("NaN changes stay behind, an infinite one goes first", odd);
+    }
+  }
+}
 
 TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within each codec's error bound") {
   const std::size_t n = 10007;  // not a multiple of a block or of 8

@@ -154,8 +154,8 @@ class codec {
  private:
   codec_settings m_settings;
   std::string m_name = "none";
-  std::vector<float> m_sample;           // topk: sampled magnitudes
-  std::vector<std::uint32_t> m_indices;  // topk/randomk: kept positions
+  std::vector<float> m_sample;           // topk: sampled magnitudes, then the candidates'
+  std::vector<std::uint32_t> m_indices;  // topk: sample blocks, then candidates; randomk: kept positions
   std::vector<double> m_factors;         // lowrank: P and Q while they are computed
   double m_change_energy = -1;
 
