@@ -12,6 +12,16 @@
 // that the reconstruction error is within the codec's bound. lowrank sees the
 // model as one matrix of --rows rows, warm-started as in a running stream
 // (its check: the residual does not grow; its cost grows with --rank).
+//
+// traffic-share: memcpy's bytes (read and write the model: 2M for a model of
+// M bytes) over the fewest bytes the codec's encode + decode must read and
+// write, counted in values: what the codec would reach if it moved its bytes
+// at memcpy's rate. fp16/int8: x, x̂ read and x̂ written on each side, the
+// message written and read (5M + 2B for a message of B bytes); topk: x and
+// x̂ read once to select, then 20 bytes per kept value and the message
+// (2M + 20k + 2B); randomk: only the kept values (20k + 2B); lowrank: x and x̂
+// read, both x̂ read and written (6M + 2B). A measured vs-memcpy near the
+// share means the codec runs at memory speed; well below it, it computes.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -111,8 +121,8 @@ int main(int argc, char** argv) {
   }
 
   nlohmann::json results = nlohmann::json::array();
-  fmt::print("{:>8} {:<8} {:>11} {:>11} {:>13} {:>13} {:>12} {:>7} {:>9}\n", "MiB", "codec", "encode-ms", "decode-ms", "codec-GB/s", "memcpy-GB/s",
-             "vs-memcpy", "best", "bytes-out");
+  fmt::print("{:>8} {:<8} {:>11} {:>11} {:>13} {:>13} {:>12} {:>7} {:>9} {:>13}\n", "MiB", "codec", "encode-ms", "decode-ms", "codec-GB/s",
+             "memcpy-GB/s", "vs-memcpy", "best", "bytes-out", "traffic-share");
   for (const double mib : sizes_mib) {
     const auto n = static_cast<std::size_t>(mib * 1024 * 1024 / sizeof(float));
     std::mt19937_64 g(42);
@@ -169,9 +179,16 @@ int main(int argc, char** argv) {
       }
       const auto es = summarize(enc_s), ds = summarize(dec_s), cs = summarize(codec_gbps), ms = summarize(memcpy_gbps), v = summarize(vs);
       const double bytes_ratio = static_cast<double>(bytes) / static_cast<double>(n * sizeof(float));
+      const double model = static_cast<double>(n * sizeof(float)), msg = static_cast<double>(bytes);
+      const double kept_bytes = 20.0 * static_cast<double>(c.kept(n));
+      const double moved = cc.name == "topk"      ? 2 * model + kept_bytes + 2 * msg
+                           : cc.name == "randomk" ? kept_bytes + 2 * msg
+                           : cc.name == "lowrank" ? 6 * model + 2 * msg
+                                                  : 5 * model + 2 * msg;
+      const double traffic_share = 2 * model / moved;
       const double best = best_memcpy / best_codec;
-      fmt::print("{:>8g} {:<8} {:>11.3f} {:>11.3f} {:>8.2f}±{:<4.2f} {:>8.2f}±{:<4.2f} {:>6.2f}±{:<5.2f} {:>7.2f} {:>9.4f}\n", mib, cc.name,
-                 es.mean * 1e3, ds.mean * 1e3, cs.mean, cs.sd, ms.mean, ms.sd, v.mean, v.sd, best, bytes_ratio);
+      fmt::print("{:>8g} {:<8} {:>11.3f} {:>11.3f} {:>8.2f}±{:<4.2f} {:>8.2f}±{:<4.2f} {:>6.2f}±{:<5.2f} {:>7.2f} {:>9.4f} {:>13.2f}\n", mib,
+                 cc.name, es.mean * 1e3, ds.mean * 1e3, cs.mean, cs.sd, ms.mean, ms.sd, v.mean, v.sd, best, bytes_ratio, traffic_share);
       auto js = [](const sample_stats& s) { return nlohmann::json{{"mean", s.mean}, {"sd", s.sd}, {"min", s.min}, {"max", s.max}}; };
       results.push_back({{"mib", mib},
                          {"codec", cc.name},
@@ -186,11 +203,13 @@ int main(int argc, char** argv) {
                          {"ratio_to_memcpy", js(v)},
                          {"ratio_to_memcpy_best", best},
                          {"encoded_bytes", bytes},
+                         {"bytes_moved", moved},
+                         {"traffic_share", traffic_share},
                          {"bytes_ratio", bytes_ratio}});
     }
   }
   fmt::print("(GB/s of the fp32 model; vs-memcpy = memcpy time / (encode + decode time), mean±sd over {} repeats; best = fastest memcpy /\n"
-             " fastest encode + decode; bytes-out = encoded / fp32 bytes)\n",
+             " fastest encode + decode; bytes-out = encoded / fp32 bytes; traffic-share = memcpy's bytes / the bytes the codec must move)\n",
              repeats);
   if (!out_dir.empty()) {
     std::filesystem::create_directories(out_dir);
