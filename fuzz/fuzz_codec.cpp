@@ -6,7 +6,8 @@
 //       bit 1 says whether the stream is primed. A payload is accepted or
 //       refused; it is never read past its end (ASan).
 //   1 — byte 1 picks a codec (none, fp16, int8, topk, randomk, lowrank with
-//       the 120 values as a 10 × 12 matrix); the rest are the floats of two
+//       the 120 values as a 10 × 12 matrix; from 6 on, topk and randomk send
+//       fp16 values); the rest are the floats of two
 //       successive models. Each is encoded against the sender's x̂ and
 //       decoded into the receiver's: the decoder must accept what the
 //       encoder wrote, and both x̂ must agree bit for bit (NaN: up to sign).
@@ -30,6 +31,7 @@ gossip::codec make(std::uint8_t pick) {
   gossip::codec_settings s;
   s.kind = static_cast<gossip::codec_kind>(pick % gossip::codec_kind_count);
   s.ratio = 0.1;
+  s.half_values = (pick / gossip::codec_kind_count) % 2 == 1;
   s.block = 16;
   s.rank = 2;
   return gossip::codec(s);

@@ -147,8 +147,10 @@ put("codec", "int8", b"\2" + payload(segment(2, struct.pack("<8f", *[0.01] * 8) 
                                       segment(2, struct.pack("<f", 0.1) + bytes(7), param=16)))
 put("codec", "topk-gaps", b"\2" + payload(segment(3, f32(3) + bytes([4, 50, 60]), param=3, index_mode=1), segment(0, f32(7))))
 put("codec", "randomk-bitmap", b"\2" + payload(segment(4, f32(2) + bytes([1] + [0] * 13 + [0x80]), param=2), segment(0, f32(7))))
+put("codec", "topk-fp16-gaps", b"\2" + payload(segment(3, struct.pack("<3e", 0.5, -0.25, 2.0) + bytes([4, 50, 60]), param=3, flags=2, index_mode=1),
+                                                segment(0, f32(7))))
 put("codec", "lowrank", b"\2" + payload(segment(5, struct.pack("<II", 10, 12) + f32(44), param=2), segment(1, struct.pack("<7e", *[1.0] * 7))))
-for pick in range(6):
+for pick in list(range(6)) + [9, 10]:  # 9, 10: topk and randomk with fp16 values
     put("codec", "round-trip-%d" % pick, bytes([1, pick]) + f32(127, 0.5) + f32(127, 0.75))
 
 # idx: a 16-bit length of the images file, the images file, the labels file.

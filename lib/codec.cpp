@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include <Eigen/Core>
 #include <fmt/format.h>
@@ -492,8 +493,9 @@ void int8_decode(const float* scales, const std::int8_t* q, float* hat, std::siz
 // varints of the gaps (first position, then next − previous − 1), whichever
 // is smaller.
 std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32_t> kept, std::size_t n, std::byte* out, codec_kind kind,
-                         double& energy) noexcept {
-  auto* values = reinterpret_cast<float*>(out + sizeof(codec_segment));
+                         bool half, double& energy) noexcept {
+  std::byte* values = out + sizeof(codec_segment);
+  const std::size_t value_bytes = half ? 2 : 4;
   energy = 0;
   for (std::size_t j = 0; j < kept.size(); ++j) {
     // Kept positions are far apart in a large tensor: fetch ahead, or each is a wait on memory.
@@ -503,17 +505,26 @@ std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32
       __builtin_prefetch(hat + kept[j + ahead], 1);
     }
     const std::uint32_t i = kept[j];
-    const float d = x[i] - hat[i];
-    values[j] = d;
+    float d = x[i] - hat[i];
+    if (half) {
+      // Rounded to fp16 (clamped to its range) as the fp16 codec does; what
+      // the rounding leaves stays in x − x̂ for a later message.
+      const Eigen::half h(std::clamp(d, -fp16_max, fp16_max));
+      std::memcpy(values + 2 * j, &h.x, 2);
+      d = static_cast<float>(h);
+    } else {
+      std::memcpy(values + 4 * j, &d, 4);
+    }
     hat[i] += d;
     energy += static_cast<double>(d) * d;
   }
   std::size_t gaps = 0;
   for (std::size_t j = 0; j < kept.size(); ++j) gaps += varint_bytes(j == 0 ? kept[0] : kept[j] - kept[j - 1] - 1);
   const std::size_t bitmap = (n + 7) / 8;
-  std::byte* idx = out + sizeof(codec_segment) + kept.size() * sizeof(float);
+  std::byte* idx = values + kept.size() * value_bytes;
   codec_segment sg;
   sg.kind = static_cast<std::uint8_t>(kind);
+  if (half) sg.flags = codec_segment::half_values;
   sg.param = static_cast<std::uint32_t>(kept.size());
   std::size_t index_bytes;
   if (bitmap <= gaps) {
@@ -532,7 +543,7 @@ std::size_t write_sparse(const float* x, float* hat, std::span<const std::uint32
       *p++ = static_cast<std::uint8_t>(v);
     }
   }
-  const std::size_t used = sizeof(codec_segment) + kept.size() * sizeof(float) + index_bytes;
+  const std::size_t used = sizeof(codec_segment) + kept.size() * value_bytes + index_bytes;
   sg.bytes = pad8(used);
   std::memset(out + used, 0, sg.bytes - used);
   std::memcpy(out, &sg, sizeof sg);
@@ -676,7 +687,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         const std::size_t lo = j * n / k, hi = (j + 1) * n / k;
         m_indices[j] = static_cast<std::uint32_t>(lo + below(s, hi - lo));
       }
-      return write_sparse(x, hat, {m_indices.data(), k}, n, out, kind, m_change_energy);
+      return write_sparse(x, hat, {m_indices.data(), k}, n, out, kind, m_settings.half_values, m_change_energy);
     }
     case codec_kind::topk: {
       const std::size_t k = kept(n);
@@ -728,7 +739,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         }
         c = w;
       }
-      return write_sparse(x, hat, {pos, c}, n, out, kind, m_change_energy);
+      return write_sparse(x, hat, {pos, c}, n, out, kind, m_settings.half_values, m_change_energy);
     }
     case codec_kind::lowrank: break;  // encoded above
   }
@@ -738,6 +749,63 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
   return sg.bytes;
 }
 
+namespace {
+// A sparse segment (topk, randomk): k values (fp32, or fp16 bits), then their
+// positions as a bitmap or as gaps.
+template <class Value>
+decode_status decode_sparse(const codec_segment& sg, const std::byte* body, std::size_t room, float* hat, std::size_t n) noexcept {
+  const std::size_t k = sg.param;
+  if (k > n) return fail("a sparse segment keeps more values than the tensor has");
+  if (k * sizeof(Value) > room) return fail("a sparse segment's values run past its end");
+  const auto* values = reinterpret_cast<const Value*>(body);
+  const auto value = [values](std::size_t j) {
+    if constexpr (std::is_same_v<Value, float>) return values[j];
+    else return static_cast<float>(Eigen::half(Eigen::half_impl::raw_uint16_to_half(values[j])));
+  };
+  const auto* idx = reinterpret_cast<const std::uint8_t*>(body + k * sizeof(Value));
+  const std::size_t idx_room = room - k * sizeof(Value);
+  std::size_t used = 0;
+  if (sg.index_mode == 0) {
+    const std::size_t bitmap = (n + 7) / 8;
+    if (bitmap > idx_room) return fail("a sparse segment's bitmap runs past its end");
+    std::size_t set = 0;
+    for (std::size_t b = 0; b < bitmap; ++b) set += static_cast<std::size_t>(std::popcount(idx[b]));
+    if (n % 8 != 0 && (idx[bitmap - 1] >> (n % 8)) != 0) return fail("a sparse segment's bitmap marks positions past the tensor's end");
+    if (set != k) return fail("a sparse segment's bitmap does not mark as many positions as it has values");
+    std::size_t j = 0;
+    for (std::size_t b = 0; b < bitmap; ++b)
+      for (std::uint8_t bits = idx[b]; bits; bits &= static_cast<std::uint8_t>(bits - 1))
+        hat[b * 8 + static_cast<std::size_t>(std::countr_zero(bits))] += value(j++);
+    used = bitmap;
+  } else if (sg.index_mode == 1) {
+    // Positions are checked in a first pass, so a bad one leaves x̂ untouched.
+    for (int pass = 0; pass < 2; ++pass) {
+      std::size_t p = 0, next = 0;
+      for (std::size_t j = 0; j < k; ++j) {
+        std::uint64_t v = 0;
+        for (int shift = 0;; shift += 7) {
+          if (p >= idx_room) return fail("a sparse segment's positions run past its end");
+          if (shift > 63) return fail("a sparse segment has an overlong position varint");
+          const std::uint8_t byte = idx[p++];
+          v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
+          if (!(byte & 0x80)) break;
+        }
+        if (v >= n || next + v >= n) return fail("a sparse segment names a position past the tensor's end");
+        const std::size_t i = next + v;
+        if (pass == 1) hat[i] += value(j);
+        next = i + 1;
+      }
+      used = p;
+    }
+  } else {
+    return fail("a sparse segment has an unknown position encoding");
+  }
+  if (sg.bytes != pad8(sizeof sg + k * sizeof(Value) + used)) return fail("a sparse segment's size does not match its contents");
+  return {};
+}
+
+}  // namespace
+
 decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::size_t n, bool primed) noexcept {
   codec_segment sg;
   if (seg.size() < sizeof sg) return fail("a tensor's segment header is truncated");
@@ -746,8 +814,9 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
   const std::byte* body = seg.data() + sizeof sg;
   const std::size_t room = sg.bytes - sizeof sg;
   const auto kind = static_cast<codec_kind>(sg.kind);
-  const bool reset = (sg.flags & codec_segment::reset) != 0;
-  if (sg.flags & ~codec_segment::reset) return fail("a segment has unknown flags");
+  const bool reset = (sg.flags & codec_segment::reset) != 0, half = (sg.flags & codec_segment::half_values) != 0;
+  if (sg.flags & ~(codec_segment::reset | codec_segment::half_values)) return fail("a segment has unknown flags");
+  if (half && kind != codec_kind::topk && kind != codec_kind::randomk) return fail("a segment that is not topk or randomk has fp16 values");
   if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
   if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
   switch (kind) {
@@ -774,52 +843,8 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
       return {};
     }
     case codec_kind::topk:
-    case codec_kind::randomk: {
-      const std::size_t k = sg.param;
-      if (k > n) return fail("a sparse segment keeps more values than the tensor has");
-      if (k * sizeof(float) > room) return fail("a sparse segment's values run past its end");
-      const auto* values = reinterpret_cast<const float*>(body);
-      const auto* idx = reinterpret_cast<const std::uint8_t*>(body + k * sizeof(float));
-      const std::size_t idx_room = room - k * sizeof(float);
-      std::size_t used = 0;
-      if (sg.index_mode == 0) {
-        const std::size_t bitmap = (n + 7) / 8;
-        if (bitmap > idx_room) return fail("a sparse segment's bitmap runs past its end");
-        std::size_t set = 0;
-        for (std::size_t b = 0; b < bitmap; ++b) set += static_cast<std::size_t>(std::popcount(idx[b]));
-        if (n % 8 != 0 && (idx[bitmap - 1] >> (n % 8)) != 0) return fail("a sparse segment's bitmap marks positions past the tensor's end");
-        if (set != k) return fail("a sparse segment's bitmap does not mark as many positions as it has values");
-        std::size_t j = 0;
-        for (std::size_t b = 0; b < bitmap; ++b)
-          for (std::uint8_t bits = idx[b]; bits; bits &= static_cast<std::uint8_t>(bits - 1))
-            hat[b * 8 + static_cast<std::size_t>(std::countr_zero(bits))] += values[j++];
-        used = bitmap;
-      } else if (sg.index_mode == 1) {
-        // Positions are checked in a first pass, so a bad one leaves x̂ untouched.
-        for (int pass = 0; pass < 2; ++pass) {
-          std::size_t p = 0, next = 0;
-          for (std::size_t j = 0; j < k; ++j) {
-            std::uint64_t v = 0;
-            for (int shift = 0;; shift += 7) {
-              if (p >= idx_room) return fail("a sparse segment's positions run past its end");
-              if (shift > 63) return fail("a sparse segment has an overlong position varint");
-              const std::uint8_t byte = idx[p++];
-              v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
-              if (!(byte & 0x80)) break;
-            }
-            if (v >= n || next + v >= n) return fail("a sparse segment names a position past the tensor's end");
-            const std::size_t i = next + v;
-            if (pass == 1) hat[i] += values[j];
-            next = i + 1;
-          }
-          used = p;
-        }
-      } else {
-        return fail("a sparse segment has an unknown position encoding");
-      }
-      if (sg.bytes != pad8(sizeof sg + k * sizeof(float) + used)) return fail("a sparse segment's size does not match its contents");
-      return {};
-    }
+    case codec_kind::randomk:
+      return half ? decode_sparse<std::uint16_t>(sg, body, room, hat, n) : decode_sparse<float>(sg, body, room, hat, n);
   }
   return fail("a segment names an unknown codec");
 }
@@ -887,19 +912,28 @@ codec_registry_t& codec_registry() {
              s.block = block(o);
              return codec(s);
            }});
+    const option_spec values{"values", std::string("fp32"),
+                             "how the kept values travel: fp32, or fp16 (2 bytes; the rounding stays in the residual for a later message)"};
+    auto half_values = [](const options& o) {
+      const auto& v = o.string("values");
+      if (v != "fp32" && v != "fp16") throw config_error(fmt::format("{}: key 'values' must be \"fp32\" or \"fp16\", got \"{}\"", o.where("values"), v));
+      return v == "fp16";
+    };
     c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
-           {{"ratio", 0.01, "fraction of each tensor's values sent"}, min_elements, step},
-           [base, ratio](const options& o) {
+           {{"ratio", 0.01, "fraction of each tensor's values sent"}, values, min_elements, step},
+           [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::topk);
              s.ratio = ratio(o);
+             s.half_values = half_values(o);
              return codec(s);
            }});
     c.add({"randomk", "changes at random positions (one per stratum), positions as bitmap or gaps",
            {{"ratio", 0.01, "fraction of each tensor's values sent"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
-            min_elements, step},
-           [base, ratio](const options& o) {
+            values, min_elements, step},
+           [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::randomk);
              s.ratio = ratio(o);
+             s.half_values = half_values(o);
              s.seed = static_cast<std::uint64_t>(o.integer("seed"));
              return codec(s);
            }});

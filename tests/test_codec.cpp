@@ -13,6 +13,7 @@
 
 #include <unistd.h>
 
+#include <Eigen/Core>
 #include <nlohmann/json.hpp>
 
 #include "gossip/codec.hpp"
@@ -129,6 +130,51 @@ TEST_CASE("topk sends exactly the largest changes, whatever their distribution, 
       case_of("NaN changes stay behind, an infinite one goes first", odd);
     }
   }
+}
+
+TEST_CASE("topk and randomk with fp16 values: the same positions, each value rounded to fp16, the rounding kept for later") {
+  const std::size_t n = 20011;
+  const auto x = normal(n, 21), hat0 = normal(n, 22, 0.5f);
+  for (const char* name : {"topk", "randomk"}) {
+    INFO(std::string(name));
+    auto full = make(name, {{"ratio", 0.02}}), half = make(name, {{"ratio", 0.02}, {"values", std::string("fp16")}});
+    CHECK_FALSE(full.settings().half_values);
+    CHECK(half.settings().half_values);
+    full.prepare(n);
+    half.prepare(n);
+    auto hat_full = hat0, recv_full = hat0, hat_half = hat0, recv_half = hat0;
+    const auto bytes_full = round_trip(full, x, hat_full, recv_full);
+    const auto bytes_half = round_trip(half, x, hat_half, recv_half);  // sender and receiver agree bit for bit
+    const std::size_t k = half.kept(n);
+    CHECK(bytes_half < bytes_full);
+    CHECK(bytes_full - bytes_half >= 2 * k - 8);  // two bytes fewer a value, up to the padding
+    std::size_t sent = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const bool kept = hat_full[i] != hat0[i];
+      CHECK(kept == (hat_half[i] != hat0[i]));  // the same positions
+      if (!kept) continue;
+      ++sent;
+      const float d = x[i] - hat0[i];
+      CHECK(hat_half[i] == hat0[i] + static_cast<float>(Eigen::half(d)));  // the change rounded to fp16, added on both sides
+      CHECK(std::fabs(x[i] - hat_half[i]) <= std::fabs(d) * 0x1p-11f + 1e-6f);
+    }
+    CHECK(sent == k);
+    // What fp16 left behind goes out with later messages: repeated sends of an unchanged x converge.
+    buffer out(half.segment_capacity(n));
+    for (int round = 0; round < 1500; ++round) (void)half.encode(x.data(), hat_half.data(), n, out.data(), false, 100 + round);
+    double left = 0;
+    for (std::size_t i = 0; i < n; ++i) left = std::max(left, static_cast<double>(std::fabs(x[i] - hat_half[i])));
+    CHECK(left < 1e-3);
+  }
+  try {
+    (void)engine_spec::from(config::parse("[codec]\nname = \"topk\"\nvalues = \"bf16\"\n", "run.toml"));
+    FAIL("expected a config error");
+  } catch (const config_error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("values") != std::string::npos);
+    CHECK(msg.find("bf16") != std::string::npos);
+  }
+  CHECK_THROWS_AS(engine_spec::from(config::parse("[codec]\nname = \"int8\"\nvalues = \"fp16\"\n", "run.toml")), config_error);
 }
 
 TEST_CASE("codec round trips: sender and receiver x̂ agree bit for bit, within each codec's error bound") {
@@ -358,9 +404,11 @@ TEST_CASE("error feedback: what was sent plus the residual is what was fed in, a
 TEST_CASE("decode_payload refuses malformed or inconsistent payloads without reading past them") {
   const std::vector<std::size_t> counts = {1000, 37};
   const auto x = normal(1037, 3);
-  for (const char* name : {"fp16", "int8", "topk", "randomk"}) {
-    INFO("codec ", std::string(name));
-    auto c = make(name, {{"min_elements", std::int64_t{0}}});
+  for (const auto& [name, values] : std::vector<std::pair<const char*, const char*>>{
+           {"fp16", "fp32"}, {"int8", "fp32"}, {"topk", "fp32"}, {"topk", "fp16"}, {"randomk", "fp32"}, {"randomk", "fp16"}}) {
+    INFO("codec ", std::string(name), ", values ", std::string(values));
+    const bool sparse = std::string(name) == "topk" || std::string(name) == "randomk";
+    auto c = sparse ? make(name, {{"min_elements", std::int64_t{0}}, {"values", std::string(values)}}) : make(name, {{"min_elements", std::int64_t{0}}});
     c.prepare(1000);
     buffer out(c.payload_capacity(counts));
     std::vector<float> hat(1037, 0.0f);
@@ -403,11 +451,16 @@ TEST_CASE("decode_payload refuses malformed or inconsistent payloads without rea
       CHECK_FALSE(corrupt(16 + 4, std::uint32_t{0}).ok());  // block 0
       CHECK_FALSE(corrupt(16 + 16, std::nanf("")).ok());     // non-finite scale
     }
+    if (kind == "fp16" || kind == "int8") CHECK_FALSE(corrupt(16 + 2, codec_segment::half_values).ok());  // fp16 values on a dense segment
     if (kind == "topk" || kind == "randomk") {
       codec_segment sg;
       std::memcpy(&sg, good.data() + 16, sizeof sg);
+      const bool half = std::string(values) == "fp16";
+      CHECK(((sg.flags & codec_segment::half_values) != 0) == half);
+      // The other value width: the segment's size no longer matches its contents.
+      CHECK_FALSE(corrupt(16 + 2, static_cast<std::uint16_t>(half ? 0 : codec_segment::half_values)).ok());
       CHECK_FALSE(corrupt(16 + 4, std::uint32_t{1001}).ok());  // keeps more than the tensor
-      const std::size_t idx = 16 + 16 + sg.param * 4;
+      const std::size_t idx = 16 + 16 + sg.param * (half ? 2 : 4);
       REQUIRE(sg.index_mode == 1);                            // 10 of 1000: gaps beat a bitmap
       CHECK_FALSE(corrupt(idx, std::uint32_t{0x7fffffff}).ok()); // a position past the tensor's end
       CHECK_FALSE(corrupt(idx, std::uint64_t{~0ull}).ok());      // a varint that never ends

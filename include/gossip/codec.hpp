@@ -8,6 +8,7 @@
 ///     [codec]
 ///     name = "topk"
 ///     ratio = 0.01       # fraction of values kept per tensor
+///     values = "fp32"    # or "fp16": 2 bytes a kept value
 ///     step = 0           # merge step towards the lag-corrected x̂; 0: measured
 ///
 ///     [codec]
@@ -73,12 +74,15 @@ static_assert(sizeof(codec_payload) == 16);
 /// One tensor's segment header. `kind` none: `count` values in fp32, which
 /// replace x̂ (a sparse codec's first message on a stream, or a tensor below
 /// min_elements). Any other kind: a change added to x̂, after setting x̂ to
-/// zero when `flags` has `reset` (a dense codec's first message). `param`:
+/// zero when `flags` has `reset` (a dense codec's first message); a sparse
+/// segment's values are fp16 rather than fp32 when `flags` has
+/// `half_values`. `param`:
 /// int8 block size, the number of values a sparse segment keeps, or a lowrank
 /// segment's rank (its body: u32 rows, u32 cols, then P and Q, row-major fp32). `bytes`:
 /// the whole segment.
 struct codec_segment {
   static constexpr std::uint16_t reset = 1;
+  static constexpr std::uint16_t half_values = 2;
   std::uint8_t kind = 0;
   std::uint8_t index_mode = 0;  ///< sparse: 0 bitmap, 1 gaps as LEB128 varints
   std::uint16_t flags = 0;
@@ -91,6 +95,7 @@ struct codec_settings {
   codec_kind kind = codec_kind::none;
   std::size_t block = 256;         ///< int8: values sharing one scale
   double ratio = 0.01;             ///< topk/randomk: fraction of values kept
+  bool half_values = false;        ///< topk/randomk: kept values in fp16 rather than fp32
   std::size_t min_elements = 0;    ///< tensors with fewer values are sent in fp32
   std::uint64_t seed = 1;          ///< randomk: seed of the kept positions (with rank and round)
   std::size_t rank = 4;            ///< lowrank: rank of each matrix's change
