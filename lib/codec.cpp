@@ -309,8 +309,8 @@ __attribute__((target("avx2"))) std::size_t select_dense_avx2(const float* x, co
   return c + select_scalar(x + i, hat + i, n - i, threshold, Strict, static_cast<std::uint32_t>(i), pos + c, mag + c);
 }
 template <bool Strict>
-__attribute__((target("avx2,popcnt,bmi"))) std::size_t select_sparse_avx2(const float* x, const float* hat, std::size_t n, float threshold,
-                                                                          std::uint32_t* pos, float* mag) noexcept {
+__attribute__((target("avx2"))) std::size_t select_sparse_avx2(const float* x, const float* hat, std::size_t n, float threshold,
+                                                               std::uint32_t* pos, float* mag) noexcept {
   constexpr std::size_t chunk = 2048;
   const __m256 t = _mm256_set1_ps(threshold);
   std::uint64_t bitmap[chunk / 64];
@@ -695,9 +695,7 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       std::uint32_t* pos = m_indices.data();
       // A threshold from a sample of |x − x̂| (no sort of the tensor), aimed at
       // about 1.3 k values, which are then trimmed to k exactly: the sample
-      // decides the cost, not what is sent (but for the rare threshold that
-      // lets fewer than k through: then those go; the margin makes that rarer
-      // than 1 in 2000 sends on normal and heavy-tailed changes).
+      // decides the cost, not what is sent.
       std::size_t samples = std::min(n, std::max<std::size_t>(4096, static_cast<std::size_t>(256.0 / m_settings.ratio)));
       if (samples == n) {
         for (std::size_t i = 0; i < n; ++i) mag[i] = magnitude(x[i], hat[i]);
@@ -725,6 +723,13 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
       const float threshold = kth_largest(mag, samples, std::max<std::size_t>(above, 1));
       // A zero threshold keeps only non-zero changes.
       std::size_t c = select(x, hat, n, threshold, !(threshold > 0), static_cast<std::size_t>(aim), pos, mag);
+      if (c < k && threshold > 0) {
+        // The sample put the threshold too high: changes of like size sit
+        // together (a channel's scale), and blocks of eight from such runs
+        // count as fewer independent samples than they are. Rare, but k must
+        // hold: every non-zero change is a candidate, and the trim below picks k.
+        c = select(x, hat, n, 0.0f, true, n, pos, mag);
+      }
       if (c > k) {
         // The k-th largest magnitude among the candidates, then a stable
         // filter that keeps index order: larger ones, and ties up to k.

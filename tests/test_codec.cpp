@@ -94,20 +94,22 @@ std::string codec_config_error(const std::string& toml) {
 // What topk must send: the k largest non-zero, non-NaN changes, ties taken in
 // index order; fewer when fewer changed.
 std::vector<std::size_t> reference_top_k(const std::vector<float>& x, const std::vector<float>& hat0, std::size_t k) {
+  std::vector<float> mags;
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (const float a = std::fabs(x[i] - hat0[i]); a > 0) mags.push_back(a);  // NaN fails the comparison
+  const float kth = mags.size() <= k ? 0.0f : (std::nth_element(mags.begin(), mags.begin() + static_cast<std::ptrdiff_t>(k - 1), mags.end(), std::greater<>()), mags[k - 1]);
+  std::size_t ties = k - static_cast<std::size_t>(std::count_if(mags.begin(), mags.end(), [&](float a) { return a > kth; }));
   std::vector<std::size_t> idx;
   for (std::size_t i = 0; i < x.size(); ++i)
-    if (const float a = std::fabs(x[i] - hat0[i]); a > 0) idx.push_back(i);  // NaN fails the comparison
-  std::stable_sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return std::fabs(x[a] - hat0[a]) > std::fabs(x[b] - hat0[b]); });
-  idx.resize(std::min(k, idx.size()));
-  std::sort(idx.begin(), idx.end());
+    if (const float a = std::fabs(x[i] - hat0[i]); a > kth || (a == kth && a > 0 && ties > 0 && (--ties, true))) idx.push_back(i);
   return idx;
 }
 
 }  // namespace
 
 TEST_CASE("topk sends exactly the largest changes, whatever their distribution, threshold path and selection kernel") {
-  // 10007 values: every magnitude is in the sample; 100003: a sampled
-  // threshold. Ratio 0.01: few pass, the bitmap kernel; 0.2: the packing one.
+  // 10007 values at ratio 0.01: every magnitude is in the sample; otherwise a
+  // sampled threshold. Ratio 0.01: few pass, the bitmap kernel; 0.2: the packing one.
   for (const std::size_t n : {std::size_t{10007}, std::size_t{100003}}) {
     for (const double ratio : {0.01, 0.2}) {
       const auto hat0 = normal(n, 11, 0.5f);
@@ -140,6 +142,29 @@ TEST_CASE("topk sends exactly the largest changes, whatever their distribution, 
       odd[n / 3] = std::numeric_limits<float>::infinity();
       case_of("NaN changes stay behind, an infinite one goes first", odd);
     }
+  }
+  // Changes of like size in runs of 16 (a scale per channel): blocks of eight
+  // from one run count as one sample, and now and then the sampled threshold
+  // lets fewer than k through; k values must go all the same.
+  const std::size_t n = 1 << 20;
+  std::mt19937_64 g(31);
+  std::normal_distribution<float> z(0.0f, 1.0f);
+  const auto hat0 = normal(n, 32, 0.5f);
+  auto c = make("topk", {{"ratio", 0.01}});
+  c.prepare(n);
+  std::vector<float> x(n);
+  for (int send = 0; send < 20; ++send) {
+    for (std::size_t i = 0; i < n; i += 16) {
+      const float scale = std::exp(2.0f * z(g));
+      for (std::size_t j = i; j < i + 16; ++j) x[j] = hat0[j] + scale * (1.0f + 0.05f * z(g)) * (z(g) < 0 ? -1.0f : 1.0f);
+    }
+    auto hat = hat0, recv = hat0;
+    round_trip(c, x, hat, recv, 1000 + static_cast<std::uint64_t>(send));
+    std::vector<std::size_t> sent;
+    for (std::size_t i = 0; i < n; ++i)
+      if (hat[i] != hat0[i]) sent.push_back(i);
+    INFO("send ", send);
+    REQUIRE(sent == reference_top_k(x, hat0, c.kept(n)));
   }
 }
 
