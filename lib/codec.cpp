@@ -701,11 +701,12 @@ std::size_t codec::encode(const float* x, float* hat, std::size_t n, std::byte* 
         for (std::size_t i = 0; i < n; ++i) mag[i] = magnitude(x[i], hat[i]);
       } else {
         // Blocks of eight consecutive values, one at a uniform position in
-        // each of samples/8 equal strata (stratified: no worse an estimate
-        // than independent positions; a block is one vector load, and its
-        // cache line is fetched once for eight values). Stratum starts in
-        // 32.32 fixed point; two 32-bit draws per splitmix. The starts are
-        // drawn first, so that the reads that follow overlap.
+        // each of samples/8 equal strata (a block is one vector load, and its
+        // cache line is fetched once for eight values; where changes come in
+        // runs of like size, eight neighbours count as fewer samples: see the
+        // second selection below). Stratum starts in 32.32 fixed point; two
+        // 32-bit draws per splitmix. The starts are drawn first, so that the
+        // reads that follow overlap.
         const std::size_t blocks = samples / 8;
         samples = blocks * 8;
         const std::uint64_t step = (static_cast<std::uint64_t>(n) << 32) / blocks;
