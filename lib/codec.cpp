@@ -587,6 +587,12 @@ bool codec::sends_whole_change() const noexcept {
   return k == codec_kind::none || k == codec_kind::fp16 || k == codec_kind::int8;
 }
 
+bool codec::drift_from_held() const noexcept {
+  using d = codec_settings::drift_reference;
+  if (!compresses() || m_settings.drift == d::sent) return false;
+  return m_settings.drift == d::held || m_settings.kind == codec_kind::topk || m_settings.kind == codec_kind::randomk;
+}
+
 codec_kind codec::kind_for(std::size_t count, std::size_t rows) const noexcept {
   if (count < m_settings.min_elements) return codec_kind::none;
   if (m_settings.kind != codec_kind::lowrank) return m_settings.kind;
@@ -886,6 +892,13 @@ codec_registry_t& codec_registry() {
     const option_spec step{"step", 0.0,
                            "merge step towards a sender's lag-corrected x̂, in (0, 1]; 0: the fraction of a change's energy this codec keeps "
                            "(measured) for topk, randomk and lowrank, and a plain merge of x̂ for fp16 and int8"};
+    const option_spec drift{"drift", std::string("auto"),
+                            "what the policy's drift is measured from: \"sent\" (x at the last send), \"held\" (the x̂ the freshest "
+                            "target holds, so what the codec has not delivered counts), \"auto\" (held for topk and randomk, sent otherwise)"};
+    const option_spec start{"start", std::string("shared"),
+                            "a stream's first message: \"shared\" (when both ranks started from the same model, checked by fingerprint "
+                            "at connection, both ends start from it and the first message is a compressed change; otherwise the model) "
+                            "or \"model\" (always the model)"};
     auto base = [](const options& o, codec_kind k) {
       codec_settings s;
       s.kind = k;
@@ -895,6 +908,15 @@ codec_registry_t& codec_registry() {
       const double g = o.real("step");
       if (!(g >= 0 && g <= 1)) throw config_error(fmt::format("{}: key 'step' must be in [0, 1] (0: automatic), got {}", o.where("step"), g));
       s.step = g;
+      const auto& st = o.string("start");
+      if (st != "shared" && st != "model")
+        throw config_error(fmt::format("{}: key 'start' must be \"shared\" or \"model\", got \"{}\"", o.where("start"), st));
+      s.shared_start = st == "shared";
+      const auto& dr = o.string("drift");
+      if (dr == "auto") s.drift = codec_settings::drift_reference::automatic;
+      else if (dr == "sent") s.drift = codec_settings::drift_reference::sent;
+      else if (dr == "held") s.drift = codec_settings::drift_reference::held;
+      else throw config_error(fmt::format("{}: key 'drift' must be \"auto\", \"sent\" or \"held\", got \"{}\"", o.where("drift"), dr));
       return s;
     };
     auto block = [](const options& o) {
@@ -909,10 +931,10 @@ codec_registry_t& codec_registry() {
       return r;
     };
     c.add({"none", "the model in fp32, as without a codec (default)", {}, [](const options&) { return codec(); }});
-    c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements, step},
+    c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements, step, start, drift},
            [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
     c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",
-           {{"block", std::int64_t{256}, "values per scale"}, min_elements, step},
+           {{"block", std::int64_t{256}, "values per scale"}, min_elements, step, start, drift},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::int8);
              s.block = block(o);
@@ -926,7 +948,7 @@ codec_registry_t& codec_registry() {
       return v == "fp16";
     };
     c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
-           {{"ratio", 0.01, "fraction of each tensor's values sent"}, values, min_elements, step},
+           {{"ratio", 0.01, "fraction of each tensor's values sent"}, values, min_elements, step, start, drift},
            [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::topk);
              s.ratio = ratio(o);
@@ -935,7 +957,7 @@ codec_registry_t& codec_registry() {
            }});
     c.add({"randomk", "changes at random positions (one per stratum), positions as bitmap or gaps",
            {{"ratio", 0.01, "fraction of each tensor's values sent"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
-            values, min_elements, step},
+            values, min_elements, step, start, drift},
            [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::randomk);
              s.ratio = ratio(o);
@@ -947,7 +969,7 @@ codec_registry_t& codec_registry() {
            {{"rank", std::int64_t{4}, "rank of each matrix's change"},
             {"fallback", std::string("fp16"), "codec for 1-D tensors and matrices too small to gain: none, fp16 or int8"},
             {"block", std::int64_t{256}, "values per scale, when the fallback is int8"},
-            min_elements, step},
+            min_elements, step, start, drift},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::lowrank);
              const auto rk = o.integer("rank");

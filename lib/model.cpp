@@ -1,5 +1,8 @@
 #include "gossip/model.hpp"
 
+#include <bit>
+#include <cstring>
+
 namespace gossip {
 
 std::optional<std::string> layout_difference(const model_layout& mine, const model_layout& theirs) {
@@ -43,6 +46,32 @@ std::uint64_t fingerprint(const model_layout& layout) noexcept {
     mix(&e.dtype, sizeof e.dtype);
   }
   return h;
+}
+
+std::uint64_t fingerprint(std::span<const float> values) noexcept {
+  // Two values per 64-bit word, each word multiplied in and rotated (the
+  // round of xxHash64), then the length and a final avalanche.
+  constexpr std::uint64_t p1 = 0x9e3779b185ebca87ull, p2 = 0xc2b2ae3d27d4eb4full;
+  std::uint64_t h = 0x27d4eb2f165667c5ull;
+  const std::size_t n = values.size();
+  std::size_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    std::uint64_t w;
+    std::memcpy(&w, values.data() + i, sizeof w);
+    h = std::rotl(h ^ (w * p2), 31) * p1;
+  }
+  if (i < n) {
+    std::uint32_t w;
+    std::memcpy(&w, values.data() + i, sizeof w);
+    h = std::rotl(h ^ (w * p2), 31) * p1;
+  }
+  h ^= static_cast<std::uint64_t>(n);
+  h ^= h >> 33;
+  h *= p2;
+  h ^= h >> 29;
+  h *= p1;
+  h ^= h >> 32;
+  return h ? h : 1;
 }
 
 }  // namespace gossip

@@ -529,6 +529,17 @@ TEST_CASE("codec config: names and keys are checked, settings are listed, the sw
     CHECK(std::string(e.what()).find("'fallback' must be") != std::string::npos);
   }
   CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"lowrank\"\nrank = 2\nfallback = \"int8\"\n")).codec).settings().rank == 2);
+  CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"int8\"\n")).codec).settings().shared_start);
+  CHECK(!make_codec(engine_spec::from(config::parse("[codec]\nname = \"topk\"\nstart = \"model\"\n")).codec).settings().shared_start);
+  CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"topk\"\n")).codec).drift_from_held());
+  CHECK(!make_codec(engine_spec::from(config::parse("[codec]\nname = \"topk\"\ndrift = \"sent\"\n")).codec).drift_from_held());
+  CHECK(!make_codec(engine_spec::from(config::parse("[codec]\nname = \"int8\"\n")).codec).drift_from_held());
+  CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"int8\"\ndrift = \"held\"\n")).codec).drift_from_held());
+  CHECK(codec_config_error("[codec]\nname = \"topk\"\ndrift = \"target\"\n").find("'drift' must be \"auto\", \"sent\" or \"held\"") !=
+        std::string::npos);
+  const std::string start = codec_config_error("[codec]\nname = \"fp16\"\nstart = \"zero\"\n");
+  CHECK(start.find("run.toml [codec]") != std::string::npos);
+  CHECK(start.find("'start' must be \"shared\" or \"model\"") != std::string::npos);
 
   config c;
   c.apply_override("codec.name=int8");
@@ -611,6 +622,151 @@ TEST_CASE("push-sum mass is exact under every codec and random skipped sends; th
       }
     CHECK(std::sqrt(spread / norm) < 0.05);
   }
+}
+
+TEST_CASE("streams between ranks that began from the same model start from it; others carry the model in their first message") {
+  // Ranks 0–2 start from one model, rank 3 from another; each then moves its
+  // model by a change of its own before the first step.
+  const int world = 4;
+  const std::vector<std::size_t> sizes{3000, 40};
+  for (const char* name : {"fp16", "int8", "topk"})
+    for (const bool shared : {true, false}) {
+      INFO("codec ", std::string(name), std::string(shared ? ", start shared" : ", start model"));
+      const bool sparse = std::string(name) == "topk";
+      loopback_fabric fabric(world);
+      std::vector<std::vector<float>> start(world), models(world);
+      std::vector<engine_stats> stats(world);
+      std::vector<double> weights(world);
+      run_ranks(world, [&](int r) {
+        toy_model m(sizes, r < 3 ? 7 : 8);
+        auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential");
+        spec.codec.name = name;
+        if (sparse) spec.codec.opts.set("ratio", 0.05);
+        if (!shared) spec.codec.opts.set("start", std::string("model"));
+        engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+        std::mt19937_64 g(static_cast<std::uint64_t>(100 + r));
+        std::normal_distribution<float> n(0.0f, 0.1f);
+        for (auto& t : m.tensors)
+          for (auto& v : t) v += n(g);
+        start[static_cast<std::size_t>(r)] = m.flat();
+        for (int s = 0; s < (sparse ? 800 : 60); ++s) e.step();
+        e.finish(200);
+        models[static_cast<std::size_t>(r)] = m.flat();
+        stats[static_cast<std::size_t>(r)] = e.stats();
+        weights[static_cast<std::size_t>(r)] = e.weight();
+      });
+      for (int r = 0; r < world; ++r)
+        for (const auto& p : stats[static_cast<std::size_t>(r)].peers) {
+          INFO("rank ", r, ", peer ", p.rank);
+          CHECK(p.shared_start == (shared && r < 3 && p.rank < 3));
+        }
+      // Bytes: with a shared start rank 0's targets (1, 2) never get the
+      // model in fp32; rank 3's (0, 1) get it once each, as every target does
+      // under start = "model".
+      const std::uint64_t raw = sizeof(wire_header) + (3000 + 40) * sizeof(float);
+      if (sparse) {
+        const auto& s0 = stats[0];
+        if (shared)
+          CHECK(s0.bytes_sent < s0.messages_sent * raw / 4);
+        else
+          CHECK(s0.bytes_sent > 2 * raw);
+        CHECK(stats[3].bytes_sent > 2 * raw);
+      }
+      // Push-sum mass is exact and the ranks agree. fp16 and int8 merge the
+      // x̂ both ends hold, so they end at the average of where the ranks
+      // started; top-k's lag-corrected merges estimate what is not yet sent,
+      // which keeps the mass but not the average exactly.
+      double total = 0;
+      for (double w : weights) total += w;
+      CHECK(total == doctest::Approx(world).epsilon(1e-12));
+      std::vector<double> mean(start[0].size(), 0.0);
+      for (const auto& x : start)
+        for (std::size_t i = 0; i < x.size(); ++i) mean[i] += x[i] / world;
+      double err = 0, spread = 0, norm = 0;
+      for (const auto& x : models)
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          err += (x[i] - mean[i]) * (x[i] - mean[i]);
+          spread += (x[i] - models[0][i]) * (x[i] - models[0][i]);
+          norm += mean[i] * mean[i];
+        }
+      CHECK(std::sqrt(spread / norm) < 1e-4);
+      if (!sparse) CHECK(std::sqrt(err / norm) < 0.005);
+    }
+}
+
+namespace {
+// Fires at one step only and records the drift it is shown at every step.
+struct record_policy {
+  std::uint64_t fire_at = 1;
+  std::vector<double>* seen = nullptr;
+  decision decide(const signal& s) noexcept {
+    (*seen)[s.step] = s.diff_sq;
+    return s.step == fire_at ? decision::fire(reason::period) : decision::skip(reason::period);
+  }
+};
+static_assert(gossip::policy<record_policy>);
+}  // namespace
+
+TEST_CASE("the policy's drift: from x at the last send, or from the x̂ its target holds (topk and randomk by default)") {
+  struct variant {
+    const char* name;
+    const char* drift;  // "" for the default
+    bool held;
+  };
+  for (const auto& [name, drift, held] : {variant{"none", "", false}, variant{"fp16", "", false}, variant{"topk", "", true},
+                                          variant{"randomk", "", true}, variant{"lowrank", "", false}, variant{"topk", "sent", false},
+                                          variant{"lowrank", "held", true}}) {
+    INFO("codec ", std::string(name), " drift ", std::string(drift));
+    const int world = 2;
+    loopback_fabric fabric(world);
+    std::vector<double> seen(4, -1.0), ignored(4);
+    run_ranks(world, [&](int r) {
+      toy_model m({2000}, 7);
+      m.view.matrix("t0", 40, 50);
+      // Rank 0 sends once, at step 1; rank 1 never sends, so rank 0 merges nothing.
+      auto spec = spec_of(any_policy(record_policy{r == 0 ? 1u : 1000u, r == 0 ? &seen : &ignored}, "record"), "ring");
+      spec.codec.name = name;
+      if (*drift) spec.codec.opts.set("drift", std::string(drift));
+      engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+      e.step();
+      if (r == 0) {
+        std::mt19937_64 g(3);
+        std::normal_distribution<float> n(0.0f, 0.1f);
+        for (auto& v : m.tensors[0]) v += n(g);
+      }
+      for (int s = 1; s < 4; ++s) e.step();
+    });
+    CHECK(seen[0] == 0);
+    CHECK(seen[1] > 0);
+    if (held) {
+      // Against the x̂ rank 1 holds: what the codec has not delivered yet.
+      CHECK(seen[2] > 0.5 * seen[1]);
+      CHECK(seen[2] < seen[1]);
+      CHECK(seen[3] == seen[2]);
+    } else {
+      // Against x at the send: nothing moved since.
+      CHECK(seen[2] == 0);
+    }
+  }
+}
+
+TEST_CASE("model fingerprints: equal values give equal fingerprints, any bit changed gives another") {
+  std::vector<float> a(1001);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i) * 0.25f - 3.0f;
+  const auto fa = gossip::fingerprint(std::span<const float>(a));
+  CHECK(fa != 0);
+  CHECK(gossip::fingerprint(std::span<const float>(std::vector<float>(a))) == fa);
+  for (std::size_t i : {std::size_t{0}, std::size_t{500}, std::size_t{1000}}) {
+    auto b = a;
+    b[i] = std::nextafter(b[i], 1e9f);
+    CHECK(gossip::fingerprint(std::span<const float>(b)) != fa);
+  }
+  auto z = a;
+  z[3] = -0.0f;
+  auto p = a;
+  p[3] = 0.0f;
+  CHECK(gossip::fingerprint(std::span<const float>(z)) != gossip::fingerprint(std::span<const float>(p)));
+  CHECK(gossip::fingerprint(std::span<const float>(a).first(1000)) != fa);
 }
 
 namespace {

@@ -823,14 +823,17 @@ TEST_CASE("ucx: a source that finished releases max_lead's bound") {
   });
 }
 
-TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved, fewer bytes after the codec") {
+TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved, fewer bytes after the codec, shared start when alike") {
   require_ucx();
+  for (const bool alike : {false, true})
   for (const std::string codec_name : {"int8", "topk", "lowrank"}) {
     CAPTURE(codec_name);
+    CAPTURE(alike);
     const std::uint16_t port = free_port();
     const auto out = run_procs(2, "tcp", 60, [&](int r) {
       auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
-      test::toy_model m({1000, 37}, static_cast<std::uint64_t>(r + 1));
+      // Ranks that begin from the same model start their streams from it (no model-sized first message).
+      test::toy_model m({1000, 37}, alike ? 1 : static_cast<std::uint64_t>(r + 1));
       m.view.matrix("t0", 40, 25);  // lowrank factors it; the rest go by each codec's rules
       auto spec = test::spec_of(any_policy(periodic_until{}, "periodic-until"), "exponential", "push-sum", 20);
       spec.codec.name = codec_name;
@@ -848,6 +851,9 @@ TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved
       const auto c = e.stats();
       if (sent < 10 || !(c.bytes_sent < c.bytes_raw / 2))
         throw error(fmt::format("rank {}: {} sends, {} bytes after the codec of {} before", r, sent, c.bytes_sent, c.bytes_raw));
+      if (c.peers.size() != 1 || c.peers[0].shared_start != alike)
+        throw error(fmt::format("rank {}: shared_start {} with {} peers, expected {}", r, c.peers.empty() ? false : c.peers[0].shared_start,
+                                c.peers.size(), alike));
       final_barrier(*boot, "end", {0, 1});
       e.finish(0);
       return 0;

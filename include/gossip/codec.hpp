@@ -10,6 +10,8 @@
 ///     ratio = 0.01       # fraction of values kept per tensor
 ///     values = "fp32"    # or "fp16": 2 bytes a kept value
 ///     step = 0           # merge step towards the lag-corrected x̂; 0: measured
+///     start = "shared"   # or "model": the first message on a stream carries the model
+///     drift = "auto"     # the policy's drift from: "sent" (x at the last send), "held" (the target's x̂)
 ///
 ///     [codec]
 ///     name = "lowrank"
@@ -21,11 +23,14 @@
 /// C(x − x̂); both sides add exactly the decoded message to their x̂, so they
 /// stay bit-identical (CHOCO, Koloskova et al. 2019). What C dropped stays in
 /// x − x̂ and goes out with a later message: the error-feedback residual of
-/// EF21 (Richtárik et al. 2021), one per stream. A stream's first message
-/// starts x̂ from nothing, so ranks need not share an initial model: a dense
-/// codec (fp16, int8) encodes x − 0, a sparse one (topk, randomk) sends the
-/// tensor in fp32 (a fraction of it would leave x̂ mostly zero), as does
-/// lowrank. The receiver merges its x̂ of the sender in
+/// EF21 (Richtárik et al. 2021), one per stream. Ranks that started from the
+/// same model (equal fingerprints of their values when the engine was built,
+/// exchanged when the transport connects) start both ends of their streams
+/// with x̂ = that model, so the first message is already a compressed change
+/// (`start = "shared"`, the default). Otherwise a stream's first message
+/// starts x̂ from nothing: a dense codec (fp16, int8) encodes x − 0, a sparse
+/// one (topk, randomk) sends the tensor in fp32 (a fraction of it would
+/// leave x̂ mostly zero), as does lowrank. The receiver merges its x̂ of the sender in
 /// place of the sender's model (fp16, int8), or for the codecs that leave
 /// most of a change for later (topk, randomk, lowrank) a lag-corrected
 /// estimate, moved towards by a step γ (`step`; see corrects_merge and the
@@ -101,6 +106,17 @@ struct codec_settings {
   std::size_t rank = 4;            ///< lowrank: rank of each matrix's change
   codec_kind fallback = codec_kind::fp16;  ///< lowrank: none, fp16 or int8, for what is not a matrix worth factoring
   double step = 0;                 ///< merge step towards a sender's corrected x̂ (0: auto, see codec::corrects_merge)
+  /// Streams between ranks that started from the same model (the transport
+  /// compares fingerprints at connection) start x̂ from that model instead of
+  /// with a message carrying it. False: every stream's first message carries
+  /// the model.
+  bool shared_start = true;
+  /// What the policy's drift is measured from: x at the last send (`sent`),
+  /// or the x̂ this rank's freshest target holds (`held`), so that what the
+  /// codec has not delivered yet counts as drift. `automatic`: held for topk
+  /// and randomk, sent for the others (codec::drift_from_held).
+  enum class drift_reference : std::uint8_t { automatic, sent, held };
+  drift_reference drift = drift_reference::automatic;
 };
 
 /// One codec with its preallocated scratch. Not thread-safe; one per engine.
@@ -121,6 +137,10 @@ class codec {
   /// rather than its x̂ alone: for the codecs that do not send the whole
   /// change, and for any codec given a `step`.
   bool corrects_merge() const noexcept { return compresses() && (!sends_whole_change() || m_settings.step > 0); }
+  /// Whether the policy's drift is measured from the x̂ a target holds rather
+  /// than from x at the last send (codec_settings::drift; automatic: topk
+  /// and randomk, whose messages carry a few percent of a change's energy).
+  bool drift_from_held() const noexcept;
   /// ‖change encode() added to x̂‖² for the last tensor it encoded, or a
   /// negative value when it did not measure it (fp32, fp16 and int8 keep
   /// all of a change but their rounding: count the whole change as kept).

@@ -39,6 +39,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   using mm = engine_settings::momentum_mode;
   m_codec = make_codec(spec.codec);
   m_corrected_merge = m_codec.corrects_merge() && (m_protocol.type() == protocol::kind::push_sum || m_protocol.type() == protocol::kind::pairwise);
+  m_drift_from_held = m_codec.drift_from_held();
   m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();
   const bool lockstep = caps.copies_on_post || m_shared_schedule;
   const bool every_step_pairwise = !m_shared_schedule && m_policy.fixed_period() == 1;
@@ -109,6 +110,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       m_codec_snapshot.resize(m_elements);
       m_snapshot = m_codec_snapshot.data();
       for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
+      if (m_codec.settings().shared_start) m_model_fingerprint = fingerprint(std::span<const float>(m_codec_snapshot));
     } else if (m_protocol.sends_delta()) {
       m_snapshot = reinterpret_cast<float*>(buffer(buffers) + sizeof(wire_header));
       std::fill(m_snapshot, m_snapshot + m_elements, 0.0f);
@@ -182,6 +184,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   setup.layout = layout;
   setup.layout_fingerprint = m_layout_fingerprint;
   setup.config_fingerprint = m_config_fingerprint;
+  setup.model_fingerprint = m_model_fingerprint;
   setup.sources = m_topology.sources();
   setup.targets = targets;
   setup.message_bytes = m_message_bytes;
@@ -191,7 +194,34 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // twice per max_lead steps, also while the policy sends no model.
   if (m_settings.max_lead > 0) setup.step_beacon = std::max<std::uint64_t>(1, m_settings.max_lead / 2);
   m_transport.attach(setup);
+  if (m_model_fingerprint) start_shared_streams();
   m_start = m_last_send_time = std::chrono::steady_clock::now();
+}
+
+// Streams to and from peers that started from this rank's model (equal
+// fingerprints, exchanged by the transport at attach) start x̂ at that model
+// on both ends, so their first message is a compressed change like any
+// other. Both ends decide from the same two fingerprints. x̂ of the others
+// starts from nothing, and their first message carries the model.
+inline void engine::start_shared_streams() {
+  const float* x0 = m_codec_snapshot.data();  // the model when built: what the fingerprint covers
+  auto shared = [&](int peer) {
+    if (m_transport.peer_model(peer) != m_model_fingerprint) return false;
+    if (const int k = m_peer_index[static_cast<std::size_t>(peer)]; k >= 0) m_stats.peers[static_cast<std::size_t>(k)].shared_start = true;
+    return true;
+  };
+  const auto& dests = m_topology.destinations();
+  for (std::size_t k = 0; k < dests.size(); ++k)
+    if (shared(dests[k])) {
+      std::memcpy(m_out_hat.data() + k * m_elements, x0, m_elements * sizeof(float));
+      m_out_primed[k] = 1;
+    }
+  const auto& sources = m_topology.sources();
+  for (std::size_t k = 0; k < sources.size(); ++k)
+    if (shared(sources[k])) {
+      std::memcpy(m_in_hat.data() + k * m_elements, x0, m_elements * sizeof(float));
+      m_in_primed[k] = 1;
+    }
 }
 
 inline engine::~engine() {
@@ -319,13 +349,19 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     // since the merge before it (qgm_args::merge_share).
     const float merge_share = m_merge_steps > 0 && !m_merge_full ? qgm_merge_share(m_settings.momentum_beta, m_merge_steps) : 1.0f;
     m_merge_steps = 0;
+    // The policy's reference: x at the last send, or (codec::drift_from_held:
+    // topk and randomk by default) the x̂ the freshest target holds, so that
+    // what the codec has not delivered yet counts as drift (README, "Codecs").
+    const float* ref_base = m_drift_from_held && m_fresh_stream >= 0
+                                ? m_out_hat.data() + static_cast<std::size_t>(m_fresh_stream) * m_elements
+                                : m_snapshot;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
       const drift_sums d = qgm && m_momentum[i]
-                               ? drift_pass(s.data, m_snapshot + s.offset, prev + s.offset, s.count,
+                               ? drift_pass(s.data, ref_base + s.offset, prev + s.offset, s.count,
                                             qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr),
                                                      m_settings.momentum_beta, merge_share})
-                               : drift_pass(s.data, m_snapshot + s.offset, prev ? prev + s.offset : nullptr, s.count);
+                               : drift_pass(s.data, ref_base + s.offset, prev ? prev + s.offset : nullptr, s.count);
       m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
       diff += d.diff_sq;
       ref += d.ref_sq;

@@ -165,6 +165,7 @@ class engine {
   bool buffer_busy(int i) noexcept;  // any of buffer i's messages still on the wire
   std::uint32_t send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes, std::uint64_t& raw);
   void decode_inbound(std::size_t n);
+  void start_shared_streams();
   void handle_failures();
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
@@ -180,6 +181,7 @@ class engine {
   protocol m_protocol;
   engine_settings m_settings;
   std::uint64_t m_config_fingerprint = 0, m_layout_fingerprint = 0;
+  std::uint64_t m_model_fingerprint = 0;  // the model when built, for a codec's shared start (0: not offered)
   std::vector<std::string> m_tensor_names;
 
   // Buffers, all allocated by the constructor.
@@ -217,13 +219,14 @@ class engine {
   bool m_corrected_merge = false;
   std::vector<float> m_in_estimate;
   int m_fresh_stream = -1;
+  bool m_drift_from_held = false;  // drift measured from the freshest target's x̂ (codec::drift_from_held)
   double m_merge_step = 0;
   double m_kept_energy = 1;
   bool m_kept_measured = false;
   std::size_t m_corrected_in_collect = 0;       // messages of the last collect merged as corrected estimates…
   double m_collect_gamma = 0;                   // …with this step
   std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
-  std::vector<char> m_out_primed, m_in_primed;  // the stream's first (full) message went through
+  std::vector<char> m_out_primed, m_in_primed;  // both ends hold the same x̂: the shared start model, or a full message went through
   std::vector<std::size_t> m_counts;            // tensor sizes, layout order
   std::vector<std::size_t> m_rows;              // per tensor: rows of a declared matrix, else 0
   std::vector<std::size_t> m_state_offset;      // per tensor: its codec state in a stream's share of m_out_state

@@ -80,6 +80,10 @@ void check_layouts(const model_layout& mine, int my_rank, const model_layout& th
 /// A stable 64-bit fingerprint of a layout (FNV-1a over names, counts, dtypes).
 std::uint64_t fingerprint(const model_layout& layout) noexcept;
 
+/// A 64-bit fingerprint of values, bit for bit (-0 and 0, NaN payloads
+/// differ); never 0. Hosts of one byte order give equal values equal fingerprints.
+std::uint64_t fingerprint(std::span<const float> values) noexcept;
+
 class device_backend;  // gossip/device.hpp
 
 class model_view {

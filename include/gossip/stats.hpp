@@ -18,6 +18,9 @@ struct peer_stats {
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   std::uint64_t bytes_raw = 0;  ///< what bytes_sent would have been without the codec
   bool dead = false;
+  /// A codec's streams with it started from the model both ranks began with
+  /// (no full first message; codec_settings::shared_start).
+  bool shared_start = false;
   // Push-sum mass (zero for other protocols).
   double weight_sent = 0;          ///< shares posted to this peer
   double weight_unconfirmed = 0;   ///< of which posted after the last message merged from it

@@ -110,6 +110,10 @@ struct transport_setup {
   model_layout layout;
   std::uint64_t layout_fingerprint = 0;
   std::uint64_t config_fingerprint = 0;
+  /// Fingerprint of the model's values when the engine was built (0: not
+  /// told). Peers that report the same one started from the same model, and
+  /// a codec's streams between them start from it (engine: shared start).
+  std::uint64_t model_fingerprint = 0;
   std::vector<int> sources;  ///< ranks that may send to us
   std::vector<int> targets;  ///< ranks we may send to (union over rounds)
   std::size_t message_bytes = 0;
@@ -193,6 +197,9 @@ class any_transport {
   /// the transport knows it), for timeout messages; "" when the transport
   /// cannot say.
   std::string waiting_on() const { return m_self->waiting_on(); }
+  /// The model_fingerprint a neighbour attached with, once attach() has
+  /// returned; 0 when it told none or the transport does not exchange it.
+  std::uint64_t peer_model(int rank) const { return m_self->peer_model(rank); }
 
  private:
   struct concept_t {
@@ -210,6 +217,7 @@ class any_transport {
     virtual transport_counters counters() const = 0;
     virtual bool drained() = 0;
     virtual std::string waiting_on() const = 0;
+    virtual std::uint64_t peer_model(int) const = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -236,6 +244,12 @@ class any_transport {
         return m_t.waiting_on();
       else
         return {};
+    }
+    std::uint64_t peer_model(int rank) const override {
+      if constexpr (requires { m_t.peer_model(rank); })
+        return m_t.peer_model(rank);
+      else
+        return 0;
     }
     T m_t;
   };

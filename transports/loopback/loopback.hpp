@@ -49,6 +49,7 @@ struct loopback_rank {
   gossip::inbox* in = nullptr;
   model_layout layout;
   std::uint64_t config_fingerprint = 0;
+  std::uint64_t model_fingerprint = 0;
   std::atomic<std::uint64_t> bytes_received{0}, messages_received{0};
 };
 
@@ -91,6 +92,7 @@ class loopback_transport {
     me.in = s.inbox;
     me.layout = s.layout;
     me.config_fingerprint = s.config_fingerprint;
+    me.model_fingerprint = s.model_fingerprint;
     me.attached.store(true, std::memory_order_release);
 
     m_neighbours = s.sources;
@@ -235,6 +237,13 @@ class loopback_transport {
       c.messages_received = me.messages_received.load();
     }
     return c;
+  }
+
+  /// The model fingerprint neighbour `j` attached with (0: none, or it never attached).
+  std::uint64_t peer_model(int j) const noexcept {
+    if (!m_shared || j < 0 || j >= static_cast<int>(m_shared->ranks.size())) return 0;
+    const auto& p = m_shared->ranks[static_cast<std::size_t>(j)];
+    return p.attached.load(std::memory_order_acquire) ? p.model_fingerprint : 0;
   }
 
  private:

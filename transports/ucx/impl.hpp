@@ -57,6 +57,7 @@ struct ucx_transport::impl {
     int rank = -1;
     bool target = false;
     std::string name;       // "rank J (host H)", for messages; set by attach
+    std::uint64_t model_fp = 0;  // the model fingerprint it attached with; set by attach
     ucp_ep_h ep = nullptr;  // progress thread after attach
     std::atomic<bool> dead{false};
     // It said goodbye (left after its drain handshake): its endpoint closing

@@ -23,7 +23,7 @@ using namespace ucx_detail;
 
 namespace {
 
-constexpr std::uint32_t blob_magic = 0x58435547;  // "GUCX"
+constexpr std::uint32_t blob_magic = 0x32435547;  // "GUC2": since the model fingerprint
 
 // Little serialiser for the rendezvous blob.
 struct writer {
@@ -68,7 +68,7 @@ struct reader {
 
 struct peer_blob {
   int rank = -1, world = 0;
-  std::uint64_t config_fp = 0, layout_fp = 0, message_bytes = 0;
+  std::uint64_t config_fp = 0, layout_fp = 0, model_fp = 0, message_bytes = 0;
   std::vector<int> sources, targets;
   model_layout layout;
   std::vector<std::byte> address;
@@ -88,6 +88,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
   w.pod<std::int32_t>(s.world);
   w.pod(s.config_fingerprint);
   w.pod(s.layout_fingerprint);
+  w.pod(s.model_fingerprint);
   w.pod<std::uint64_t>(s.message_bytes);
   w.bytes(s.sources.data(), s.sources.size() * sizeof(int));
   w.bytes(s.targets.data(), s.targets.size() * sizeof(int));
@@ -116,6 +117,7 @@ std::optional<peer_blob> decode(const bootstrap::blob& b) {
   p.world = r.pod<std::int32_t>();
   p.config_fp = r.pod<std::uint64_t>();
   p.layout_fp = r.pod<std::uint64_t>();
+  p.model_fp = r.pod<std::uint64_t>();
   p.message_bytes = r.pod<std::uint64_t>();
   p.sources = ints(r.bytes());
   p.targets = ints(r.bytes());
@@ -271,6 +273,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
                                         s.rank, j));
     auto& p = *peers[static_cast<std::size_t>(j)];
     p.name = fmt::format("rank {} (host {})", j, pb->host);
+    p.model_fp = pb->model_fp;
     if (pb->world != s.world)
       throw config_error(
           fmt::format("ucx: {} was started in a world of {} ranks but {} in a world of {}", self_name, s.world, p.name, pb->world));

@@ -111,6 +111,10 @@ transport_capabilities ucx_transport::capabilities() const noexcept {
 }
 bool ucx_transport::drained() { return m->drained(); }
 std::string ucx_transport::waiting_on() const { return m->attached ? m->waiting_on() : std::string("no peer (not attached)"); }
+std::uint64_t ucx_transport::peer_model(int rank) const noexcept {
+  const auto* p = m && m->attached ? m->peer(rank) : nullptr;
+  return p ? p->model_fp : 0;
+}
 std::size_t ucx_transport::dead_peers(std::span<received> out) { return m->dead_peers(out); }
 std::size_t ucx_transport::held_bytes_per_peer() const noexcept {
   if (!m->attached || m->neighbours.empty()) return 0;

@@ -91,6 +91,8 @@ class ucx_transport {
   /// The peers this rank still waits for (sends in flight, drain counts), each
   /// as "rank J (host H)", for timeout messages.
   std::string waiting_on() const;
+  /// The model fingerprint neighbour `rank` attached with (0: none, or not a neighbour).
+  std::uint64_t peer_model(int rank) const noexcept;
   transport_counters counters() const noexcept;
   /// Bytes this transport allocates per neighbour after attach: its peer
   /// record (send contexts), and per source the backlog ring and receive
