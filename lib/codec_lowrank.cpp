@@ -43,8 +43,8 @@ void lowrank_apply(const float* p, const float* q, std::size_t rows, std::size_t
 std::size_t codec::encode_lowrank(const float* x, float* hat, std::size_t rows, std::size_t cols, std::byte* out, std::uint64_t seed,
                                   float* state) noexcept {
   const std::size_t r = m_settings.rank;
-  // No directions to warm-start from: the stream's first change (both ends
-  // began from the shared model), or a zero change that left Q zero.
+  // No directions to warm-start from: the stream's first change when both
+  // ends began from the shared model (no full first message seeded them).
   if (std::all_of(state, state + cols * r, [](float v) { return v == 0.0f; })) detail::seed_directions(state, cols * r, seed);
   double* P = m_factors.data();
   double* Q = P + rows * r;

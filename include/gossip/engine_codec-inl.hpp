@@ -67,15 +67,16 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     h.payload_bytes = at;
     h.layout_fingerprint = m_layout_fingerprint;
     std::memcpy(msg_buf, &h, sizeof h);
-    // x_s (the snapshot of this send) minus this stream's x̂ is now exactly
-    // what the codec left unsent, posted or not; an fp32 first message leaves
-    // nothing and says nothing about the codec, so it does not count.
-    if (!absolute) m_fresh_stream = static_cast<int>(stream);
     const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
     m_last_message_bytes = msg.size();
     auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
     if (m_transport.post(to, msg, t) == post_status::ok) {
       m_out_primed[stream] = 1;
+      // x_s (the snapshot of this send) minus this stream's x̂ is now exactly
+      // what the codec left unsent, and this x̂ is what the target holds (the
+      // held drift reference); an fp32 first message leaves nothing and says
+      // nothing about the codec, so it does not count.
+      if (!absolute) m_fresh_stream = static_cast<int>(stream);
       bytes += msg.size();
       raw += raw_message;
       ++sent_to;
@@ -113,6 +114,12 @@ inline void engine::decode_inbound(std::size_t n) {
     if (si < 0)
       throw transport_error(fmt::format("rank {}: received a message from rank {}, which is not among its sources", m_rank, m.sender));
     const auto source = static_cast<std::size_t>(si);
+    if (m.gap)
+      throw transport_error(fmt::format(
+          "rank {}: the transport dropped a message rank {} sent before step {}: its messages came faster than this rank merged "
+          "them and the receive backlog overflowed. A codec's stream cannot skip a message (both ends must keep the same x̂); "
+          "keep [engine] max_lead > 0 so that ranks pace each other, or set [codec] name = \"none\"",
+          m_rank, m.sender, m.step));
     const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
     m_received_bytes[i] = sizeof(wire_header) + payload.size();
     float* hat = m_in_hat.data() + source * m_elements;

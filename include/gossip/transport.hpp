@@ -60,6 +60,10 @@ struct received {
   const float* data = nullptr;
   std::size_t elements = 0;
   bool departed = false;  ///< dead_peers(): the rank left on purpose after its drain handshake; not a failure
+  /// collect(): the transport dropped a message of this source since the
+  /// last one it delivered (UCX: its backlog overflowed while this rank did
+  /// not collect). Harmless to a full model; a codec's stream cannot skip one.
+  bool gap = false;
 };
 
 /// Engine-owned receive buffers: `depth` slots per source rank.

@@ -92,7 +92,7 @@ class loopback_transport {
     me.in = s.inbox;
     me.layout = s.layout;
     me.config_fingerprint = s.config_fingerprint;
-    me.model_fingerprint = s.model_fingerprint;
+    me.model_fingerprint = me.killed.load() ? 0 : s.model_fingerprint;  // killed before attaching: neighbours may have skipped it
     me.attached.store(true, std::memory_order_release);
 
     m_neighbours = s.sources;

@@ -97,6 +97,7 @@ struct ucx_transport::impl {
     std::uint64_t write = 0;            // progress thread: next slot to fill
     std::uint64_t read = 0, taken = 0;  // engine thread: first slot not released; returned by last collect
     std::uint64_t consumed = 0;         // engine thread: slots handed to the engine (or skipped as failed)
+    std::uint64_t gaps_told = 0;        // engine thread: discarded messages already flagged by collect (received::gap)
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
     std::vector<pending> backlog;       // progress thread: ring of `backlog` entries

@@ -51,7 +51,8 @@ post_status ucx_transport::impl::post(int to, std::span<const std::byte> msg, st
 std::size_t ucx_transport::impl::collect(std::span<received> out) {
   std::size_t n = 0;
   const std::size_t depth = setup.inbox->depth();
-  for (auto& src : sources) {
+  for (std::size_t si = 0; si < sources.size(); ++si) {
+    auto& src = sources[si];
     while (src.taken < depth) {  // taken slots stay full until release()
       auto& slot = setup.inbox->at(src.index, src.read + src.taken);
       if (slot.state.load(std::memory_order_acquire) != inbox::full) break;
@@ -60,8 +61,13 @@ std::size_t ucx_transport::impl::collect(std::span<received> out) {
       if (slot.bytes > 0) {
         wire_header h;
         std::memcpy(&h, slot.data, sizeof h);
-        out[n++] = received{h.sender, h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof(wire_header)),
-                            h.payload_bytes / sizeof(float)};
+        out[n] = received{h.sender, h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof(wire_header)),
+                          h.payload_bytes / sizeof(float)};
+        if (const auto d = discarded[si].load(std::memory_order_acquire); d != src.gaps_told) {
+          out[n].gap = true;
+          src.gaps_told = d;
+        }
+        ++n;
       }
       ++src.taken;
     }

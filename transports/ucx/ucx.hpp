@@ -37,7 +37,9 @@
 /// (persistent eager data, or an unstarted rendezvous — whose sender then
 /// stays busy(), which is natural back-pressure) in a backlog of
 /// `backlog` messages per source; when that overflows too, the oldest is
-/// dropped and counted in counters().dropped.
+/// dropped and counted in counters().dropped, and the next message collected
+/// from that source says so (received::gap: an engine with a codec then
+/// refuses the stream, which cannot skip a message).
 ///
 /// Peer failure. A failed peer is reported once by dead_peers() and logged
 /// once on stderr as "rank J (host H)" with UCX's reason. tcp sees a killed peer as a reset connection; shared memory
