@@ -773,9 +773,24 @@ TEST_CASE("model fingerprints: equal values give equal fingerprints, any bit cha
 }
 
 namespace {
-// Loopback, except that rank 1's second and later messages claim 2 tensors.
-struct corrupting_transport {
+// Loopback, every call passed on; the wrappers below change one of them.
+struct loopback_forward {
   loopback_transport t;
+  void attach(const transport_setup& s) { t.attach(s); }
+  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return t.post(peer, msg, step); }
+  std::size_t collect(std::uint64_t s, std::span<received> o) { return t.collect(s, o); }
+  void release(std::uint64_t s) { t.release(s); }
+  void end_step(std::uint64_t s) { t.end_step(s); }
+  bool busy(const std::byte* b) const { return t.busy(b); }
+  void flush(std::chrono::duration<double> d) { t.flush(d); }
+  void leave() { t.leave(); }
+  transport_capabilities capabilities() const { return t.capabilities(); }
+  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
+  transport_counters counters() const { return t.counters(); }
+};
+
+// Loopback, except that rank 1's second and later messages claim 2 tensors.
+struct corrupting_transport : loopback_forward {
   int rank = 0;
   int posts = 0;
   std::vector<std::byte> copy;
@@ -790,15 +805,6 @@ struct corrupting_transport {
     std::memcpy(copy.data() + sizeof(wire_header) + 4, &two, sizeof two);
     return t.post(peer, {copy.data(), msg.size()}, step);
   }
-  std::size_t collect(std::uint64_t s, std::span<received> o) { return t.collect(s, o); }
-  void release(std::uint64_t s) { t.release(s); }
-  void end_step(std::uint64_t s) { t.end_step(s); }
-  bool busy(const std::byte* b) const { return t.busy(b); }
-  void flush(std::chrono::duration<double> d) { t.flush(d); }
-  void leave() { t.leave(); }
-  transport_capabilities capabilities() const { return t.capabilities(); }
-  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
-  transport_counters counters() const { return t.counters(); }
 };
 static_assert(gossip::transport<corrupting_transport>);
 }  // namespace
@@ -811,7 +817,7 @@ TEST_CASE("a receiver refuses a malformed message, naming the sender") {
     toy_model m({64}, 1);
     auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "push-sum", 5);
     spec.codec.name = "int8";
-    engine e(m.view, r, world, std::move(spec), corrupting_transport{fabric.endpoint(r), r, 0, {}});
+    engine e(m.view, r, world, std::move(spec), corrupting_transport{{fabric.endpoint(r)}, r, 0, {}});
     try {
       for (int s = 0; s < 3; ++s) e.step();
     } catch (const gossip::error& x) {
@@ -825,25 +831,14 @@ TEST_CASE("a receiver refuses a malformed message, naming the sender") {
 namespace {
 // Loopback, except that the third message collected is reported as coming
 // after one the transport dropped (received::gap).
-struct gap_transport {
-  loopback_transport t;
+struct gap_transport : loopback_forward {
   int collected = 0;
-  void attach(const transport_setup& s) { t.attach(s); }
-  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return t.post(peer, msg, step); }
   std::size_t collect(std::uint64_t s, std::span<received> o) {
     const std::size_t n = t.collect(s, o);
     for (std::size_t i = 0; i < n; ++i)
       if (++collected == 3) o[i].gap = true;
     return n;
   }
-  void release(std::uint64_t s) { t.release(s); }
-  void end_step(std::uint64_t s) { t.end_step(s); }
-  bool busy(const std::byte* b) const { return t.busy(b); }
-  void flush(std::chrono::duration<double> d) { t.flush(d); }
-  void leave() { t.leave(); }
-  transport_capabilities capabilities() const { return t.capabilities(); }
-  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
-  transport_counters counters() const { return t.counters(); }
 };
 static_assert(gossip::transport<gap_transport>);
 }  // namespace
@@ -858,7 +853,7 @@ TEST_CASE("a codec stream that lost a message in the transport is refused, namin
       toy_model m({64}, 1);
       auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "ring", "push-sum", 5);
       spec.codec.name = name;
-      engine e(m.view, r, world, std::move(spec), gap_transport{fabric.endpoint(r)});
+      engine e(m.view, r, world, std::move(spec), gap_transport{{fabric.endpoint(r)}});
       try {
         for (int s = 0; s < 6; ++s) e.step();
       } catch (const gossip::error& x) {
