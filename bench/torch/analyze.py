@@ -35,6 +35,7 @@ def main():
     ap.add_argument("--rate", type=float, required=True)
     ap.add_argument("--momentum", required=True)
     ap.add_argument("--delay-ms", type=float, required=True)
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="the gossip runs' --set keys (recorded)")
     a = ap.parse_args()
 
     torch.set_num_threads(2)
@@ -143,6 +144,7 @@ def main():
             "methods": {m: LABELS[m] for m in METHODS},
             "gossip_configs": {"periodic": {"policy": {"name": "periodic", "every": 1}}, "default": {}},
             "gossip_momentum": a.momentum,
+            "gossip_config_set": a.sets,
             "gossip_notes": "UCX over TCP (UCX_TLS=tcp, UCX_NET_DEVICES=eth0); " + {"auto": "optimizer= registered, [engine] momentum = auto (local over UCX)",
                                 "quasi-global": "optimizer= registered, [engine] momentum = quasi-global",
                                 "local": "optimizer's momentum kept local (no optimizer=)"}[a.momentum] + "; eng.finish() counted in the training time",

@@ -25,8 +25,11 @@ expect 2 "--seeds takes an integer" "$BUILD" --seeds 0
 expect 2 "--epochs takes an integer" "$BUILD" --epochs x
 expect 2 "--momentum takes" "$BUILD" --momentum global
 expect 2 "usage|run.sh" "$BUILD" --out
+expect 2 "--set takes section.key=value" "$BUILD" --set codec
+expect 2 "--set takes section.key=value" "$BUILD" --set "codec.name=int 8"
 expect 1 "Python module is missing" /nonexistent --check-args
 if compgen -G "$BUILD/python/gossip*.so" >/dev/null; then
   expect 0 "quick — 4 ranks.*1 seed.*250 Mbit/s" "$BUILD" --quick --rate 250 --check-args --out /tmp/unused
+  expect 0 "gossip config: --set codec.name=int8 --set policy.name=periodic" "$BUILD" --check-args --set codec.name=int8 --set policy.name=periodic
 fi
 exit $fail

@@ -5,6 +5,7 @@
 #
 #   bash bench/torch/run.sh BUILD [--quick] [--rate MBIT] [--seeds N] [--out DIR] [--check-args]
 #                                 [--delay-ms MS] [--train-limit N] [--epochs N] [--momentum auto|quasi-global|local]
+#                                 [--set SECTION.KEY=VALUE]...
 #
 # Runs, each with the same CNN (examples/03_libtorch_cnn: two 5x5 conv layers,
 # 16 and 32 channels, fc 128, about 215k parameters) on iid shards of
@@ -38,15 +39,17 @@
 # loaded cores); otherwise the full 60000, 2 epochs, 3 seeds. --momentum:
 # the gossip runs pass SGD to the engine (optimizer=, as README's script
 # does) with [engine] momentum = auto (the default: local over UCX) or
-# quasi-global, or keep the optimizer to themselves (local). --check-args validates
+# quasi-global, or keep the optimizer to themselves (local). --set adds a
+# config key to both gossip runs (policy.* to the default run only), e.g.
+# --set codec.name=int8; the JSON records them. --check-args validates
 # the arguments and the build, prints the plan and exits (no root needed).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 HERE=$SRC/bench/torch
-usage() { sed -n '4,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
-QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto
+QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto; SETS=()
 num() { [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" 'BEGIN{exit !(v > 0)}' || { echo "bench/torch: $1 takes a number > 0, not '$2'" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case $1 in
@@ -58,6 +61,8 @@ while [[ $# -gt 0 ]]; do
     --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --epochs takes an integer >= 1" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
     --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
+    --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_]+=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
+      SETS+=(--set "$2"); shift 2 ;;
     --check-args) CHECK=1; shift ;;
     -h|--help) usage ;;
     *) echo "bench/torch: unknown option $1" >&2; usage ;;
@@ -76,7 +81,7 @@ if [[ -x $PY ]] && ! $PY -c 'import torch.distributed.run' 2>/dev/null; then pro
 if [[ -n $MODULE && -x $PY ]] && ! PYTHONPATH=$BUILD/python $PY -c 'import gossip, sys; sys.exit(0 if gossip.has_ucx else 1)' 2>/dev/null; then
   problems+=("the gossip module in $BUILD/python does not load or was built without UCX (-Ducx=enabled)")
 fi
-echo "bench/torch: $( ((QUICK)) && echo quick || echo full ) — 4 ranks, train_limit $LIMIT, $EPOCHS epochs, $SEEDS seed(s), ${RATE} Mbit/s per link (tbf)$( [[ $DELAY != 0 ]] && echo ", ${DELAY} ms delay (netem, if present)"), out $OUT"
+echo "bench/torch: $( ((QUICK)) && echo quick || echo full ) — 4 ranks, train_limit $LIMIT, $EPOCHS epochs, $SEEDS seed(s), ${RATE} Mbit/s per link (tbf)$( [[ $DELAY != 0 ]] && echo ", ${DELAY} ms delay (netem, if present)")$( ((${#SETS[@]})) && echo ", gossip config: ${SETS[*]}"), out $OUT"
 if ((${#problems[@]})); then
   printf 'bench/torch: %s\n' "${problems[@]}" >&2
   exit 1
@@ -150,17 +155,17 @@ done
 # The bridge forwards between ports; netfilter on bridged traffic (br_netfilter) would be in the way.
 [[ -w /proc/sys/net/bridge/bridge-nf-call-iptables ]] && [[ $(cat /proc/sys/net/bridge/bridge-nf-call-iptables) == 1 ]] && \
   echo "bench/torch: note: bridge-nf-call-iptables is on; host firewall rules see the ranks' traffic"
-ip netns exec "${P}r0" ping -q -c 3 -i 0.2 -W 2 "$NET.2" >/dev/null || { echo "bench/torch: namespace r0 cannot reach r1" >&2; exit 1; }
 
-# Measured link speed: 4 MB through r0 → r1 (python sockets, no extra tools).
-LINK_MBIT=$(ip netns exec "${P}r1" $PY - "$NET" "${P}r0" <<'PY' 2>/dev/null || echo null
+# Measured link speed: 4 MB through r0 → r1 (python sockets, no extra tools);
+# also the check that the namespaces reach each other.
+LINK_MBIT=$(timeout -k 5 60 ip netns exec "${P}r1" $PY - "$NET" "${P}r0" <<'PY' 2>/dev/null || echo null
 import socket, subprocess, sys, time
 net, ns0 = sys.argv[1], sys.argv[2]
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((f"{net}.2", 45123)); s.listen(1)
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((f"{net}.2", 45123)); s.listen(1); s.settimeout(30)
 n = 4 << 20
 sender = subprocess.Popen(["ip", "netns", "exec", ns0, sys.executable, "-c",
-    f"import socket; c = socket.create_connection(('{net}.2', 45123)); c.sendall(b'x' * {n}); c.close()"])
-c, _ = s.accept(); got = 0; t0 = time.perf_counter()
+    f"import socket; c = socket.create_connection(('{net}.2', 45123), timeout=20); c.sendall(b'x' * {n}); c.close()"])
+c, _ = s.accept(); c.settimeout(30); got = 0; t0 = time.perf_counter()
 while True:
     b = c.recv(1 << 20)
     if not b: break
@@ -170,6 +175,7 @@ sender.wait()
 print(f"{8 * got / dt / 1e6:.1f}")
 PY
 )
+[[ $LINK_MBIT != null ]] || { echo "bench/torch: namespace r0 cannot reach r1 ($NET.2) through bridge $BR" >&2; exit 1; }
 echo "  links: $NET.1-4 behind bridge $BR ($NET.254), tbf ${RATE}mbit each way; measured r0→r1 TCP stream: ${LINK_MBIT} Mbit/s"
 
 cat >"$TMP/in_netns.sh" <<SH
@@ -193,7 +199,7 @@ run_one() {  # METHOD SEED
     $PY -m torch.distributed.run --nnodes 1 --nproc_per_node 4 --master_addr "$NET.254" --master_port "$port" \
     --max_restarts 0 --monitor_interval 0.5 --redirects 2 --tee 2 --log_dir "$o/logs" --no_python \
     "$TMP/in_netns.sh" $PY "$HERE/worker.py" --method "$m" --momentum "$MOMENTUM" --seed "$s" --epochs "$EPOCHS" --train-limit "$LIMIT" \
-    --data "$DATA" --out "$o" >"$o/out.txt" 2>&1 &
+    "${SETS[@]}" --data "$DATA" --out "$o" >"$o/out.txt" 2>&1 &
   local tp=$!
   BG+=("$tp")
   local rc=0
@@ -219,4 +225,4 @@ echo "  evaluating the ranks' average models..."
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 $PY "$HERE/analyze.py" --runs "$TMP" --out "$OUT" --data "$DATA" --seeds "$SEEDS" --quick "$QUICK" \
   --train-limit "$LIMIT" --epochs "$EPOCHS" --rate "$RATE" --delay-ms "$DELAY" --netem "$NETEM" \
-  --link-mbit "$LINK_MBIT" --momentum "$MOMENTUM" --load "$LOAD" --bridge-net "$NET.0/24"
+  --link-mbit "$LINK_MBIT" --momentum "$MOMENTUM" --load "$LOAD" --bridge-net "$NET.0/24" "${SETS[@]}"

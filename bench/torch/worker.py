@@ -4,6 +4,8 @@
 #   ddp       torch DistributedDataParallel (gloo): gradients all-reduced every step
 #   periodic  libgossip, policy periodic every = 1 (push-sum, default codec)
 #   default   libgossip with the config's defaults (config = {})
+# --set section.key=value (repeatable) goes into both gossip runs' config
+# (policy.* only into the default run's: periodic keeps its policy).
 #   none      no communication at all (each rank alone: the speed limit)
 # At evaluation points it keeps a copy of its parameters (and push-sum weight),
 # the training time so far and the bytes its eth0 has sent; at the end it saves
@@ -71,6 +73,26 @@ def tx_bytes(dev):
         return -1
 
 
+def config_value(text):
+    """A --set value as TOML would read it: integer, float, true/false, else a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text, text)
+
+
+def apply_sets(cfg, sets):
+    for item in sets:
+        key, eq, value = item.partition("=")
+        path = key.split(".")
+        if not eq or len(path) != 2 or not all(path):
+            raise SystemExit(f"worker: --set takes section.key=value (e.g. codec.name=int8), not '{item}'")
+        cfg.setdefault(path[0], {})[path[1]] = config_value(value)
+    return cfg
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--method", required=True, choices=["ddp", "periodic", "default", "none"])
@@ -84,6 +106,8 @@ def main():
     ap.add_argument("--evals", type=int, default=12, help="evaluation points besides step 0")
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--dev", default="eth0")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config key for the gossip runs (section.key=value, e.g. codec.name=int8)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -111,10 +135,11 @@ def main():
     elif a.method in ("periodic", "default"):
         import gossip
         cfg = {"policy": {"name": "periodic", "every": 1}} if a.method == "periodic" else {}
+        cfg = apply_sets(cfg, [x for x in a.sets if not (a.method == "periodic" and x.startswith("policy."))])
         if a.momentum_mode != "local":
             # optimizer=, as README's PyTorch script has it: [engine] momentum decides (auto: local over UCX)
             if a.momentum_mode == "quasi-global":
-                cfg["engine"] = {"momentum": "quasi-global"}
+                cfg.setdefault("engine", {})["momentum"] = "quasi-global"
             eng = gossip.Engine(model.named_parameters(), optimizer=opt, config=cfg)
         else:
             eng = gossip.Engine(model.named_parameters(), config=cfg)
