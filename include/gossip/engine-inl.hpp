@@ -535,8 +535,9 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   return result;
 }
 
-inline void engine::merge_received(std::size_t n) {
-  const std::span<const received> msgs(m_received.data(), n);
+inline void engine::merge_received(std::size_t lo, std::size_t hi) {
+  const std::size_t n = hi - lo;
+  const std::span<const received> msgs(m_received.data() + lo, n);
   if (!m_device) {
     const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot);
     if (sums.models > 0 && sums.ref_sq > 0) {
@@ -633,8 +634,27 @@ inline void engine::wait_for_buffer(int i) {
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
-    if (m_codec.compresses()) decode_inbound(n);
-    merge_received(n);
+    if (m_codec.compresses()) {
+      // A message decodes into its sender's x̂, which the merge then reads: a
+      // second message of the same sender in this collect would overwrite the
+      // x̂ that the first one's push-sum share must carry (the sum of the
+      // ranks' weighted models would move by that share times the sender's
+      // change between its two sends). Merge in runs with no sender twice.
+      const auto in_run = [&](std::size_t lo, std::size_t hi, int sender) {
+        for (std::size_t j = lo; j < hi; ++j)
+          if (m_received[j].sender == sender) return true;
+        return false;
+      };
+      for (std::size_t lo = 0; lo < n;) {
+        std::size_t hi = lo + 1;
+        while (hi < n && !in_run(lo, hi, m_received[hi].sender)) ++hi;
+        decode_inbound(lo, hi);
+        merge_received(lo, hi);
+        lo = hi;
+      }
+    } else {
+      merge_received(0, n);
+    }
     if (m_shared_schedule && std::isfinite(m_received[n - 1].weight)) m_group_drift_sq = m_received[n - 1].weight;
     if (m_merge_steps == 0) {  // the first merge since the last drift pass
       m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);

@@ -164,13 +164,13 @@ class engine {
   }
   bool buffer_busy(int i) noexcept;  // any of buffer i's messages still on the wire
   std::uint32_t send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes, std::uint64_t& raw);
-  void decode_inbound(std::size_t n);
+  void decode_inbound(std::size_t lo, std::size_t hi);  // m_received[lo, hi), no sender twice
   void start_shared_streams();
   void handle_failures();
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release
-  void merge_received(std::size_t n);
+  void merge_received(std::size_t lo, std::size_t hi);  // m_received[lo, hi)
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
   int m_rank, m_world;
