@@ -885,6 +885,14 @@ decode_status decode_payload(std::span<const std::byte> payload, std::span<const
   return {};
 }
 
+codec codec::resolve(bool network) const {
+  if (!m_settings.automatic) return *this;
+  if (!network) return codec();
+  codec_settings s = m_settings;
+  s.automatic = false;
+  return codec(s);
+}
+
 codec_registry_t& codec_registry() {
   static codec_registry_t r = [] {
     codec_registry_t c("codec");
@@ -930,7 +938,17 @@ codec_registry_t& codec_registry() {
       if (!(r > 0 && r <= 1)) throw config_error(fmt::format("{}: key 'ratio' must be in (0, 1], got {}", o.where("ratio"), r));
       return r;
     };
-    c.add({"none", "the model in fp32, as without a codec (default)", {}, [](const options&) { return codec(); }});
+    c.add({"auto",
+           "int8 where messages cross a network between processes (UCX, ranks paced by [engine] max_lead > 0), none in-process "
+           "(loopback), through the switch and for device models (default)",
+           {{"block", std::int64_t{256}, "int8: values per scale"}, min_elements, step, start, drift},
+           [base, block](const options& o) {
+             auto s = base(o, codec_kind::int8);
+             s.block = block(o);
+             s.automatic = true;
+             return codec(s, "auto");
+           }});
+    c.add({"none", "the model in fp32, as without a codec", {}, [](const options&) { return codec(); }});
     c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements, step, start, drift},
            [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
     c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",

@@ -179,7 +179,7 @@ std::uint64_t config::fingerprint() const {
     s += "}";
   }
   // The codec joins the fingerprint only when set, so configs without one keep theirs.
-  if (codec.name != "none" || !codec.opts.values().empty()) {
+  if (codec.name != "auto" || !codec.opts.values().empty()) {
     s += "codec:" + codec.name + "{";
     for (const auto& [k, v] : codec.opts.values()) s += k + "=" + to_string(v) + ";";
     s += "}";

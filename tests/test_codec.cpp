@@ -546,11 +546,28 @@ TEST_CASE("codec config: names and keys are checked, settings are listed, the sw
   c.apply_override("codec.block=64");
   CHECK(make_codec(c.codec).settings().block == 64);
   CHECK(c.fingerprint() != config().fingerprint());
-  CHECK(config::parse("[codec]\nname = \"none\"\n").fingerprint() == config().fingerprint());
+  CHECK(config::parse("[codec]\nname = \"auto\"\n").fingerprint() == config().fingerprint());
+  CHECK(config::parse("[codec]\nname = \"none\"\n").fingerprint() != config().fingerprint());
+
+  // auto (the default): int8 with its settings where the engine says the messages cross a network, none elsewhere.
+  CHECK(config().codec.name == "auto");
+  CHECK(engine_spec{}.codec.name == "auto");
+  const codec automatic = make_codec(engine_spec::from(config::parse("[codec]\nblock = 64\n", "run.toml")).codec);
+  CHECK(automatic.automatic());
+  CHECK(automatic.name() == "auto");
+  const codec over_network = automatic.resolve(true);
+  CHECK(!over_network.automatic());
+  CHECK(over_network.name() == "int8");
+  CHECK(over_network.settings().kind == codec_kind::int8);
+  CHECK(over_network.settings().block == 64);
+  CHECK(!automatic.resolve(false).compresses());
+  CHECK(automatic.resolve(false).name() == "none");
+  CHECK(make_codec(engine_spec::from(config::parse("[codec]\nname = \"topk\"\n")).codec).resolve(false).name() == "topk");
 
   config sw;
   sw.transport.name = "switch";
   sw.protocol.name = "switch-aggregate";
+  CHECK_NOTHROW((void)engine_spec::from(sw));  // the default codec (auto) is none through the switch
   sw.codec.name = "int8";
   try {
     (void)engine_spec::from(sw);
@@ -878,6 +895,19 @@ TEST_CASE("the switch-aggregate protocol refuses a codec when the engine is buil
   auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "switch-aggregate");
   spec.codec.name = "fp16";
   CHECK_THROWS_AS(engine(m.view, 0, 1, std::move(spec), fabric.endpoint(0)), config_error);
+}
+
+TEST_CASE("the default codec (auto) is none in-process and through the switch protocol") {
+  toy_model m({16}, 1);
+  {
+    loopback_fabric fabric(1);
+    engine e(m.view, 0, 1, spec_of(any_policy(policies::periodic{.every = 1}, "periodic")), fabric.endpoint(0));
+    CHECK(e.stats().codec == "none");
+  }
+  loopback_fabric fabric(1);
+  engine e(m.view, 0, 1, spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "switch-aggregate"),
+           fabric.endpoint(0));
+  CHECK(e.stats().codec == "none");
 }
 
 TEST_CASE("stats count bytes before and after the codec per rank, peer and tensor; the trace names the codec and its ratio") {

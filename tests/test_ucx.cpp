@@ -823,6 +823,40 @@ TEST_CASE("ucx: a source that finished releases max_lead's bound") {
   });
 }
 
+TEST_CASE("ucx: the default codec (auto) is int8 between processes paced by max_lead, none when they are not") {
+  require_ucx();
+  for (const std::uint64_t lead : {std::uint64_t{4}, std::uint64_t{0}}) {
+    CAPTURE(lead);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(2, "tcp", 60, [&](int r) {
+      auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+      test::toy_model m({1000, 37}, 1);
+      auto spec = test::spec_of(any_policy(periodic_until{}, "periodic-until"), "exponential", "push-sum", 20);
+      spec.settings.max_lead = lead;
+      engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+      for (int s = 0; s < 50; ++s) {
+        for (auto& t : m.tensors)
+          for (std::size_t i = 0; i < t.size(); ++i) t[i] += 0.001f * static_cast<float>((r + 1) * static_cast<int>(i % 5));
+        e.step({.lr = 0.1});
+        std::this_thread::sleep_for(2ms);
+      }
+      e.flush();
+      drain_and_check_weight(e, *boot, r);
+      const auto c = e.stats();
+      const std::string want = lead > 0 ? "int8" : "none";
+      // int8: about a byte a value (a scale per 256 values, a header per tensor); none: the fp32 model.
+      const bool bytes_ok = lead > 0 ? c.bytes_sent * 3 < c.bytes_raw : c.bytes_sent == c.bytes_raw;
+      if (c.codec != want || c.messages_sent < 5 || !bytes_ok)
+        throw error(fmt::format("rank {}: codec '{}' (expected '{}'), {} messages, {} bytes of {} before the codec", r, c.codec, want,
+                                c.messages_sent, c.bytes_sent, c.bytes_raw));
+      final_barrier(*boot, "end", {0, 1});
+      e.finish(0);
+      return 0;
+    });
+    check_all_ok(out);
+  }
+}
+
 TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved, fewer bytes after the codec, shared start when alike") {
   require_ucx();
   for (const bool alike : {false, true})

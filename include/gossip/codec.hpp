@@ -2,7 +2,7 @@
 /// Codecs: what a message carries, once the policy has decided to send.
 ///
 ///     [codec]
-///     name = "int8"      # none (default), fp16, int8, topk, randomk
+///     name = "int8"      # auto (default: int8 between processes, none in-process), none, fp16, int8, topk, randomk
 ///     block = 256        # int8: values per scale
 ///
 ///     [codec]
@@ -117,6 +117,10 @@ struct codec_settings {
   /// and randomk, sent for the others (codec::drift_from_held).
   enum class drift_reference : std::uint8_t { automatic, sent, held };
   drift_reference drift = drift_reference::automatic;
+  /// The `auto` codec: int8 (with these settings) where messages cross a
+  /// network between processes, none elsewhere; the engine resolves it when
+  /// it sees the transport (codec::resolve).
+  bool automatic = false;
 };
 
 /// One codec with its preallocated scratch. Not thread-safe; one per engine.
@@ -129,6 +133,12 @@ class codec {
   const std::string& name() const noexcept { return m_name; }
   /// False for "none": the engine then ships the model exactly as without a codec.
   bool compresses() const noexcept { return m_settings.kind != codec_kind::none; }
+  /// The `auto` codec (the default) before the engine resolved it.
+  bool automatic() const noexcept { return m_settings.automatic; }
+  /// What `auto` becomes: int8 with its settings when `network` (the engine
+  /// says where: messages cross a network between processes), none
+  /// otherwise. Any other codec returns itself.
+  codec resolve(bool network) const;
   /// Whether each message carries the whole change but rounding (none, fp16,
   /// int8), rather than leaving most of it for later messages (topk,
   /// randomk, lowrank).

@@ -46,7 +46,7 @@ struct config {
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
   component_config transport{"loopback", options("<code> [transport]")};
-  component_config codec{"none", options("<code> [codec]")};  ///< see gossip/codec.hpp
+  component_config codec{"auto", options("<code> [codec]")};  ///< see gossip/codec.hpp
   options engine{"<code> [engine]"};
   /// The program's own sections, besides policy, topology, protocol,
   /// transport, codec and engine; load(), parse() and apply_override() refuse others.

@@ -95,7 +95,7 @@ struct engine_spec {
   any_policy policy{policies::consensus{}, "consensus"};  ///< the shipped default
   component_config topology{"exponential", options("<code> [topology]")};
   component_config protocol{"push-sum", options("<code> [protocol]")};
-  component_config codec{"none", options("<code> [codec]")};  ///< what a message carries (gossip/codec.hpp)
+  component_config codec{"auto", options("<code> [codec]")};  ///< what a message carries (gossip/codec.hpp; auto: int8 over a network)
   engine_settings settings;
   std::uint64_t config_fingerprint = 0;  ///< ranks with different fingerprints refuse to connect
 

@@ -64,7 +64,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
   s.protocol = cfg.protocol;
   s.codec = cfg.codec;
   const gossip::codec c = make_codec(cfg.codec);  // an unknown name or key is refused here, with the file and key
-  if (c.compresses() && cfg.transport.name == "switch")
+  if (c.compresses() && !c.automatic() && cfg.transport.name == "switch")
     throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
                                    "compressed messages; set [codec] name = \"none\"",
                                    cfg.codec.opts.where(), cfg.codec.name));

@@ -1,9 +1,10 @@
 # One rank of a test run under torchrun (tests/python/test_torch.py starts it).
 #
-#   torch_worker.py average OUT_DIR STEPS [DEVICE]
+#   torch_worker.py average OUT_DIR STEPS [DEVICE] [CODEC]
 #                                           rank-seeded tensors on DEVICE (default cpu; "cuda": the GPU of
-#                                           LOCAL_RANK), periodic gossip, no local updates; saves the final
-#                                           tensors (on the CPU), weight and stats to OUT_DIR/rank<R>.pt
+#                                           LOCAL_RANK), periodic gossip with [codec] name = CODEC (default
+#                                           auto), no local updates; saves the final tensors (on the CPU),
+#                                           weight and stats to OUT_DIR/rank<R>.pt
 #   torch_worker.py train OUT_DIR STEPS [MOMENTUM]
 #                                           SGD with momentum on rank-shifted data, optimizer= given and
 #                                           [engine] momentum = MOMENTUM (default quasi-global)
@@ -36,7 +37,8 @@ def main():
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
             torch.cuda.set_device(device)
         params = {k: torch.nn.Parameter(v.to(device)) for k, v in initial_tensors(rank).items()}
-        eng = gossip.Engine(params.items(), config={"policy": {"name": "periodic", "every": 1}})
+        codec = sys.argv[5] if len(sys.argv) > 5 else "auto"
+        eng = gossip.Engine(params.items(), config={"policy": {"name": "periodic", "every": 1}, "codec": {"name": codec}})
         for _ in range(steps):
             eng.step(lr=0.1)
             time.sleep(0.01)  # the ranks' steps overlap in time, as training steps would
