@@ -642,12 +642,13 @@ inline void engine::wait_for_buffer(int i) {
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
-    if (m_codec.compresses()) {
+    if (m_codec.compresses() && m_protocol.type() == protocol::kind::push_sum) {
       // A message decodes into its sender's x̂, which the merge then reads: a
       // second message of the same sender in this collect would overwrite the
       // x̂ that the first one's push-sum share must carry (the sum of the
       // ranks' weighted models would move by that share times the sender's
       // change between its two sends). Merge in runs with no sender twice.
+      // (Pairwise and stale-copy carry no mass: they merge the latest x̂.)
       const auto in_run = [&](std::size_t lo, std::size_t hi, int sender) {
         for (std::size_t j = lo; j < hi; ++j)
           if (m_received[j].sender == sender) return true;
@@ -661,6 +662,7 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
         lo = hi;
       }
     } else {
+      if (m_codec.compresses()) decode_inbound(0, n);
       merge_received(0, n);
     }
     if (m_shared_schedule && std::isfinite(m_received[n - 1].weight)) m_group_drift_sq = m_received[n - 1].weight;

@@ -104,8 +104,9 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
 
 // Each message updates this rank's x̂ of its sender, which is then merged in
 // place of the sender's model. Checked before use: a malformed message is
-// refused with the sender named. The range holds no sender twice
-// (merge_inbound), so each share is merged with the x̂ its own message made.
+// refused with the sender named. Under push-sum the range holds no sender
+// twice (merge_inbound), so each share is merged with the x̂ its own message
+// made; pairwise and stale-copy merge a sender's latest x̂.
 inline void engine::decode_inbound(std::size_t lo, std::size_t hi) {
   m_corrected_in_collect = 0;
   for (std::size_t i = lo; i < hi; ++i) {
