@@ -129,7 +129,7 @@ std::string toml_value(const py::handle& v, const std::string& where) {
     return out + "]";
   }
   throw config_error(fmt::format("config dict: {} is a {}; values are bool, int, float, str or a list of them", where,
-                                 py_str(v.get_type().attr("__name__"))));
+                                 py_str(py::type::of(v).attr("__name__"))));
 }
 
 config config_from(const py::handle& cfg, const std::vector<std::string>& app_sections) {
@@ -140,7 +140,7 @@ config config_from(const py::handle& cfg, const std::vector<std::string>& app_se
       const std::string name = py_str(section);
       if (!py::isinstance<py::dict>(body))
         throw config_error(fmt::format("config dict: ['{}'] must be a dict of settings (a section), got a {}", name,
-                                       py_str(body.get_type().attr("__name__"))));
+                                       py_str(py::type::of(body).attr("__name__"))));
       text += fmt::format("[{}]\n", name);
       for (const auto& [key, value] : body.cast<py::dict>())
         text += fmt::format("{} = {}\n", py_str(key), toml_value(value, fmt::format("['{}']['{}']", name, py_str(key))));
@@ -178,7 +178,7 @@ std::pair<std::size_t, tensor_place> check_tensor(const std::string& what, const
   for (const char* attr : {"data_ptr", "is_contiguous", "dtype", "device", "numel"})
     if (!py::hasattr(t, attr))
       throw py::type_error(fmt::format("gossip.Engine: {} is a {}, not a torch tensor (no .{})", what,
-                                       py_str(t.get_type().attr("__name__")), attr));
+                                       py_str(py::type::of(t).attr("__name__")), attr));
   const std::string dtype = py_str(t.attr("dtype"));
   if (dtype != "torch.float32")
     throw py::type_error(fmt::format("gossip.Engine: {} is {}; the engine exchanges torch.float32 tensors (convert the model with "
@@ -207,7 +207,7 @@ std::pair<std::size_t, tensor_place> check_tensor(const std::string& what, const
 
 // The heavy-ball settings of an SGD optimizer's group, or an error naming it.
 double group_momentum(const py::handle& optimizer, const py::handle& group, std::size_t index) {
-  const auto type = py_str(optimizer.get_type().attr("__name__"));
+  const auto type = py_str(py::type::of(optimizer).attr("__name__"));
   if (!group.contains("momentum"))
     throw py::value_error(fmt::format("gossip.Engine: optimizer= takes torch.optim.SGD (heavy-ball momentum buffers); a {} has none. "
                                       "Leave optimizer= out: its state stays local",
@@ -381,7 +381,7 @@ class py_engine {
   void register_momentum(const py::object& optimizer, config& cfg, model_view& view) {
     if (!py::hasattr(optimizer, "param_groups") || !py::hasattr(optimizer, "state"))
       throw py::type_error(fmt::format("gossip.Engine: optimizer= must be a torch.optim optimizer (param_groups, state), got a {}",
-                                       py_str(optimizer.get_type().attr("__name__"))));
+                                       py_str(py::type::of(optimizer).attr("__name__"))));
     const auto engine_opts = cfg.engine.resolved(engine_option_specs(), "[engine]");
     if (engine_opts.string("momentum") == "local") return;
     // A device model keeps its momentum local under auto: nothing to register
@@ -543,11 +543,11 @@ PYBIND11_MODULE(gossip, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const gossip::config_error& e) {
-      config_error(e.what());
+      PyErr_SetString(config_error.ptr(), e.what());
     } catch (const gossip::timeout_error& e) {
-      timeout_error(e.what());
+      PyErr_SetString(timeout_error.ptr(), e.what());
     } catch (const gossip::error& e) {
-      error(e.what());
+      PyErr_SetString(error.ptr(), e.what());
     }
   });
 
