@@ -384,9 +384,6 @@ class py_engine {
                                        py_str(py::type::of(optimizer).attr("__name__"))));
     const auto engine_opts = cfg.engine.resolved(engine_option_specs(), "[engine]");
     if (engine_opts.string("momentum") == "local") return;
-    // A device model keeps its momentum local under auto: nothing to register
-    // (asked for quasi-global, the engine refuses it, naming the tensor).
-    if (on_cuda() && engine_opts.string("momentum") == "auto") return;
     py::dict group_of;  // param → its group's momentum
     std::optional<double> beta;
     std::size_t gi = 0;

@@ -121,7 +121,7 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
 
     std::vector<tensor_drift> got(sizes.size());
     double step = -1;
-    model->drift(got, step);
+    model->drift(got, step, nullptr);
     std::vector<float> prev(hx0);
     double want_step = 0;
     for (std::size_t t = 0; t < sizes.size(); ++t) {
@@ -144,7 +144,7 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
     x.upload(padded);
     std::vector<tensor_drift> again(sizes.size());
     double step_again = -1, drift_before = 0;
-    model->drift(again, step_again);
+    model->drift(again, step_again, nullptr);
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       INFO("tensor ", t);
       CHECK(again[t].diff_sq == 0.0);
@@ -177,7 +177,7 @@ TEST_CASE("staged snapshot: the pinned payload is x bit for bit, and x̂ follows
   CHECK(std::memcmp(second, hx.data(), n * sizeof(float)) == 0);
   tensor_drift d{};
   double step = 0;
-  model->drift({&d, 1}, step);
+  model->drift({&d, 1}, step, nullptr);
   CHECK(d.diff_sq == 0.0);
   double ref = 0;
   for (float v : hx) ref += static_cast<double>(v) * v;
@@ -270,6 +270,94 @@ TEST_CASE("engine steps on device tensors match the host engine (push-sum and pa
       double worst = 0;
       for (std::size_t i = 0; i < h.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(h[i] - d[i])));
       CHECK(worst <= 1e-5);  // the same merges, applied as one linear combination instead of in sequence
+    }
+  }
+}
+
+TEST_CASE("quasi-global momentum on device tensors matches the host engine (spread and full merges, loopback)") {
+  using mm = engine_settings::merge_momentum;
+  for (const mm merge : {mm::spread, mm::full}) {
+    CAPTURE(merge == mm::full);
+    const int world = 4, steps = 24;
+    const float lr = 0.05f, beta = 0.9f;
+    const std::vector<std::size_t> shape = {300, 4097, 20};
+    std::vector<std::vector<float>> host_final(world), device_final(world);
+    std::vector<std::string> momentum_of(2 * world);
+    for (bool on_device : {false, true}) {
+      loopback_fabric fabric(world);
+      test::run_ranks(world, [&](int r) {
+        test::toy_model m(shape, 200 + static_cast<std::uint64_t>(r));
+        std::vector<std::vector<float>> velocity;
+        for (std::size_t n : shape) velocity.emplace_back(n, 0.0f);
+        stream st;
+        std::vector<std::unique_ptr<device_floats>> dev, dev_v;
+        model_view view;
+        for (std::size_t i = 0; i < shape.size(); ++i) {
+          const auto name = fmt::format("t{}", i);
+          if (on_device) {
+            dev.push_back(std::make_unique<device_floats>(shape[i]));
+            dev.back()->upload(m.tensors[i]);
+            dev_v.push_back(std::make_unique<device_floats>(shape[i]));
+            dev_v.back()->upload(velocity[i]);
+            view.add(name, {dev.back()->p, shape[i]}, memory_kind::cuda).momentum(name, {dev_v.back()->p, shape[i]});
+          } else {
+            view.add(name, m.tensors[i]).momentum(name, velocity[i]);
+          }
+        }
+        if (on_device) view.on_device(cuda::device(st.s));
+        // every 3 steps: spread merges under auto for a fixed schedule, or full when asked
+        auto spec = test::spec_of(policy_registry().make("periodic", options("t").set("every", std::int64_t{3})), "exponential");
+        spec.settings.momentum_merge = merge;
+        spec.settings.momentum_beta = beta;
+        engine e(view, r, world, std::move(spec), fabric.endpoint(r));
+        for (int t = 0; t < steps; ++t) {
+          // Heavy-ball SGD on the host, as torch.optim.SGD: v ← β·v + g, x ← x − lr·v,
+          // with g = x − c_r (each rank pulls towards its own point).
+          for (std::size_t i = 0; i < shape.size(); ++i) {
+            auto x = on_device ? dev[i]->download() : m.tensors[i];
+            auto v = on_device ? dev_v[i]->download() : velocity[i];
+            for (std::size_t k = 0; k < x.size(); ++k) {
+              const float g = x[k] - 0.1f * static_cast<float>(r + 1);
+              v[k] = beta * v[k] + g;
+              x[k] -= lr * v[k];
+            }
+            if (on_device) {
+              cuda_ok(cudaMemcpyAsync(dev[i]->p, x.data(), x.size() * sizeof(float), cudaMemcpyHostToDevice, st.s));
+              cuda_ok(cudaMemcpyAsync(dev_v[i]->p, v.data(), v.size() * sizeof(float), cudaMemcpyHostToDevice, st.s));
+              cuda_ok(cudaStreamSynchronize(st.s));
+            } else {
+              m.tensors[i] = x;
+              velocity[i] = v;
+            }
+          }
+          e.step({.lr = lr});
+        }
+        e.flush();
+        std::vector<float> flat;
+        for (std::size_t i = 0; i < shape.size(); ++i) {
+          const auto x = on_device ? dev[i]->download() : m.tensors[i];
+          const auto v = on_device ? dev_v[i]->download() : velocity[i];
+          flat.insert(flat.end(), x.begin(), x.end());
+          flat.insert(flat.end(), v.begin(), v.end());
+        }
+        (on_device ? device_final : host_final)[static_cast<std::size_t>(r)] = flat;
+        momentum_of[static_cast<std::size_t>(r + (on_device ? world : 0))] = e.stats().momentum + "/" + e.stats().momentum_merge;
+      });
+    }
+    const std::string want = merge == mm::full ? "quasi-global/full" : "quasi-global/spread";
+    for (int r = 0; r < world; ++r) {
+      INFO("rank ", r);
+      CHECK(momentum_of[static_cast<std::size_t>(r)] == want);
+      CHECK(momentum_of[static_cast<std::size_t>(r + world)] == want);
+      const auto& h = host_final[static_cast<std::size_t>(r)];
+      const auto& d = device_final[static_cast<std::size_t>(r)];
+      REQUIRE(h.size() == d.size());
+      double worst = 0, scale = 0;
+      for (std::size_t i = 0; i < h.size(); ++i) {
+        worst = std::max(worst, static_cast<double>(std::abs(h[i] - d[i])));
+        scale = std::max(scale, static_cast<double>(std::abs(h[i])));
+      }
+      CHECK(worst <= 1e-4 * (1 + scale));  // parameters and momentum buffers, after merges carried on in momentum
     }
   }
 }

@@ -74,7 +74,7 @@ drift_run device_run(std::size_t n, const drift_bench_settings& s) {
   }
   tensor_drift got{};
   double step = 0;
-  model->drift({&got, 1}, step);
+  model->drift({&got, 1}, step, nullptr);
   auto close = [&](double a, double b) { return std::abs(a - b) <= s.tolerance * std::max(std::abs(b), 1e-30); };
   if (!close(got.diff_sq, want_diff) || !close(got.ref_sq, want_ref))
     throw error(fmt::format("bench/drift: device drift kernel is wrong at {} elements: ‖x − x̂‖² = {} (reference {}), ‖x̂‖² = {} "
@@ -94,7 +94,7 @@ drift_run device_run(std::size_t n, const drift_bench_settings& s) {
     } while (reps < 3 || clock::now() < stop);
     return std::pair{t, reps};
   };
-  const auto [t_drift, reps] = best([&] { model->drift({&got, 1}, step); });
+  const auto [t_drift, reps] = best([&] { model->drift({&got, 1}, step, nullptr); });
   const auto [t_copy, copy_reps] = best([&] {
     check(cudaMemcpyAsync(dst.p, x.p, n * sizeof(float), cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
     check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");

@@ -101,9 +101,12 @@ class gpu_mlp {
   gpu_mlp(const gpu_mlp&) = delete;
   gpu_mlp& operator=(const gpu_mlp&) = delete;
 
-  /// The parameters as named device tensors of a model view.
+  /// The parameters as named device tensors of a model view, each with its
+  /// momentum buffer (the engine may make it quasi-global: [engine] momentum).
   void register_tensors(model_view& view) {
-    for (const auto& t : m_tensors) view.add(t.name, {m_params.data() + t.offset, t.count}, memory_kind::cuda);
+    for (const auto& t : m_tensors)
+      view.add(t.name, {m_params.data() + t.offset, t.count}, memory_kind::cuda)
+          .momentum(t.name, {m_velocity.data() + t.offset, t.count});
   }
 
   /// Forward, softmax cross-entropy, backward and an SGD step, all queued on

@@ -208,8 +208,9 @@ inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
 ///   - host parameters: params() (one contiguous span) and tensors(), whose
 ///     momentum is opt.velocity (examples/03_libtorch_cnn), or
 ///   - device parameters: `static constexpr bool on_device = true` and
-///     download(std::vector<float>&); the model keeps its own momentum
-///     (examples/02_fashion_mnist_cuda).
+///     download(std::vector<float>&); the model keeps its own momentum in
+///     device memory and registers it with its tensors, so the engine can make
+///     it quasi-global there too (examples/02_fashion_mnist_cuda).
 /// A factory may also refuse settings it cannot train with: check(cfg, s),
 /// called once before any worker starts, throws config_error.
 struct mlp_factory {

@@ -34,6 +34,19 @@ struct device_setup {
   bool transport_takes_device_memory = false;  ///< the transport can post device buffers
   std::size_t max_merge = 1;             ///< most messages one merge() call gets
   std::span<std::byte> inbox;            ///< host memory received payloads land in (pinned if possible)
+  /// Per tensor: the optimizer's momentum buffer in device memory (same count
+  /// as the tensor), or null. Empty, or all null: no quasi-global momentum.
+  /// Non-empty implies measure_step (quasi-global momentum needs x_{t−1}).
+  std::span<float* const> momentum;
+  float momentum_beta = 0.9f;            ///< β of quasi-global momentum
+};
+
+/// One step's quasi-global momentum update, fused into the drift pass (see
+/// gossip::qgm_args): d = (1 − merge_share)·v − merge_share·(x − x_{t−1})/lr,
+/// m̂ ← β·m̂ + (1 − β)·d, and the optimizer's buffer v ← m̂.
+struct momentum_step {
+  float inv_lr = 0;          ///< 1 / the step's learning rate
+  float merge_share = 1.0f;  ///< qgm_args::merge_share
 };
 
 /// Per-engine device state: x̂ (and x_{t−1}) in device memory, the send
@@ -48,8 +61,10 @@ class device_model {
   /// True when send buffers live in device memory and go to the transport as they are.
   virtual bool direct() const noexcept = 0;
   /// ‖x − x̂‖² and ‖x̂‖² of every tensor (and ‖x − x_{t−1}‖² in total, updating
-  /// x_{t−1}, when setup.measure_step) in one pass over the model.
-  virtual void drift(std::span<tensor_drift> per_tensor, double& step_sq) = 0;
+  /// x_{t−1}, when setup.measure_step) in one pass over the model; with `qgm`
+  /// (only when setup.momentum registered buffers) the same pass updates m̂ and
+  /// the momentum buffers.
+  virtual void drift(std::span<tensor_drift> per_tensor, double& step_sq, const momentum_step* qgm) = 0;
   /// x̂ ← x in one pass, and the payload of a send buffer ← x (an async copy
   /// from x̂ when staged); returns when the payload is complete.
   virtual void snapshot(std::byte* payload) = 0;

@@ -25,8 +25,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
   // that delivers at step boundaries (loopback), or the switch's sync
   // all-reduce, which every member merges at the step after it posted — and
-  // local over an asynchronous exchange (UCX, the switch's async aggregate)
-  // and for a device model (host models only). Gossip with peers at every
+  // local over an asynchronous exchange (UCX, the switch's async aggregate).
+  // A device model gets it from its backend's drift kernel. Gossip with peers at every
   // step (a fixed period of 1) keeps local momentum under auto too: merging
   // every step leaves little shard bias for momentum to gather, and carrying
   // each pairwise average on in momentum slows the pair's consensus
@@ -53,7 +53,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   const bool every_step_pairwise = !m_shared_schedule && m_policy.fixed_period() == 1;
   const bool sparse_corrected = m_corrected_merge && !m_codec.sends_whole_change();
   const bool quasi_global = m_settings.momentum == mm::quasi_global ||
-                            (m_settings.momentum == mm::automatic && lockstep && !model.device() && !every_step_pairwise && !sparse_corrected);
+                            (m_settings.momentum == mm::automatic && lockstep && !every_step_pairwise && !sparse_corrected);
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));
@@ -66,9 +66,6 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      model.device()->name()));
     m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
     m_momentum.push_back(quasi_global ? t.momentum : nullptr);
-    if (t.momentum && model.device() && quasi_global)
-      throw config_error(fmt::format("engine (rank {}): tensor '{}' registered a momentum buffer, but quasi-global momentum is available for "
-                                     "host models only; set [engine] momentum = \"auto\" or \"local\", or do not register it", rank, t.name));
     m_tensor_names.push_back(t.name);
     m_rows.push_back(t.rows);
     m_elements += t.count;
@@ -132,14 +129,16 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
     }
     if (qgm) {  // m̂ starts as the optimizer's momentum (normally zero)
-      using mm = engine_settings::merge_momentum;
-      m_merge_full = m_settings.momentum_merge == mm::full || (m_settings.momentum_merge == mm::automatic && m_policy.closed_loop());
       m_mhat.assign(m_elements, 0.0f);
       for (std::size_t i = 0; i < m_slots.size(); ++i)
         if (m_momentum[i]) std::memcpy(m_mhat.data() + m_slots[i].offset, m_momentum[i], m_slots[i].count * sizeof(float));
     }
   }
 
+  {
+    using mm = engine_settings::merge_momentum;
+    m_merge_full = m_settings.momentum_merge == mm::full || (m_settings.momentum_merge == mm::automatic && m_policy.closed_loop());
+  }
   m_tensor_drift.resize(m_slots.size());
   m_received.resize(std::max<std::size_t>(m_topology.sources().size(), static_cast<std::size_t>(world)));
   if (m_codec.compresses()) {
@@ -168,8 +167,9 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_stats.topology = m_topology.name();
   m_stats.protocol = m_protocol.name();
   m_stats.transport = caps.name;
-  m_stats.momentum = !m_mhat.empty() ? "quasi-global" : "local";
-  m_stats.momentum_merge = m_mhat.empty() ? "" : m_merge_full ? "full" : "spread";
+  const bool qgm = !m_mhat.empty() || m_device_qgm;
+  m_stats.momentum = qgm ? "quasi-global" : "local";
+  m_stats.momentum_merge = !qgm ? "" : m_merge_full ? "full" : "spread";
   m_stats.codec = m_codec.name();
   if (model.device()) m_stats.device = std::string(model.device()->name());
   m_peer_index.assign(static_cast<std::size_t>(world), -1);
@@ -345,7 +345,13 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   double diff = 0, ref = 0, step_sq = 0;
   float* prev = m_prev.empty() ? nullptr : m_prev.data();
   if (m_device) {
-    m_device->drift(m_tensor_drift, step_sq);  // one fused kernel over all tensors
+    // One fused kernel over all tensors, with the quasi-global momentum update
+    // of the host pass below when buffers were registered.
+    momentum_step q;
+    const bool qgm = m_device_qgm && std::isfinite(info.lr) && info.lr > 0;
+    if (qgm) q = {static_cast<float>(1.0 / info.lr), m_merge_steps > 0 && !m_merge_full ? qgm_merge_share(m_settings.momentum_beta, m_merge_steps) : 1.0f};
+    m_merge_steps = 0;
+    m_device->drift(m_tensor_drift, step_sq, qgm ? &q : nullptr);
     for (const auto& d : m_tensor_drift) {
       diff += d.diff_sq;
       ref += d.ref_sq;
@@ -596,7 +602,10 @@ inline void engine::attach_device(const device_backend& backend, bool transport_
   s.elements = m_elements;
   s.message_bytes = m_message_bytes;
   s.send_buffers = m_settings.send_buffers;
-  s.measure_step = m_policy.wants_step_change();
+  m_device_qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
+  s.momentum = m_momentum;  // null where a tensor has no buffer, or momentum stays local
+  s.momentum_beta = static_cast<float>(m_settings.momentum_beta);
+  s.measure_step = m_policy.wants_step_change() || m_device_qgm;
   s.transport_takes_device_memory = transport_takes_device_memory;
   s.max_merge = m_received.size();
   const auto sources = m_inbox.sources().size();

@@ -207,6 +207,7 @@ class engine {
   std::byte* m_send_base = nullptr;            // m_device's send storage, else null
   std::vector<double> m_merge_coefficients;
   bool m_device_step = false;                  // m_device measures ‖x_t − x_{t−1}‖²
+  bool m_device_qgm = false;                   // m_device updates quasi-global momentum in its drift pass
   // Codec state (empty for "none"). Per outgoing stream, the x̂ its target
   // holds of this rank; per source, this rank's x̂ of it (what is merged).
   codec m_codec;

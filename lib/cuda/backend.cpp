@@ -55,8 +55,10 @@ class cuda_model final : public device_model {
       for (std::size_t t = 0; t < s.tensors.size(); ++t) {
         first.push_back(static_cast<std::uint32_t>(blocks.size()));
         const auto& slot = s.tensors[t];
+        float* momentum = t < s.momentum.size() ? s.momentum[t] : nullptr;
+        if (momentum) m_qgm = true;
         for (std::size_t b = 0; b < slot.count; b += detail::block_elements)
-          blocks.push_back({slot.data + b, slot.offset + b,
+          blocks.push_back({slot.data + b, momentum ? momentum + b : nullptr, slot.offset + b,
                             static_cast<std::uint32_t>(std::min(detail::block_elements, slot.count - b)),
                             static_cast<std::uint32_t>(t)});
       }
@@ -67,7 +69,22 @@ class cuda_model final : public device_model {
       alloc(m_d_blocks, blocks.size() * sizeof(block_desc), "cudaMalloc (block table)");
       alloc(m_d_first, first.size() * sizeof(std::uint32_t), "cudaMalloc (tensor table)");
       alloc(m_d_ref, m_elements * sizeof(float), "cudaMalloc (x̂)");
+      if (m_qgm && !s.measure_step)
+        throw error(fmt::format("libgossip CUDA backend (rank {}): momentum buffers were registered without measure_step; quasi-global "
+                                "momentum needs x_{{t-1}}",
+                                m_rank));
       if (s.measure_step) alloc(m_d_prev, m_elements * sizeof(float), "cudaMalloc (x_{t-1})");
+      if (m_qgm) {
+        // m̂ starts as the optimizer's momentum (normally zero); tensors without a buffer leave their part unused.
+        alloc(m_d_mhat, m_elements * sizeof(float), "cudaMalloc (quasi-global momentum)");
+        check(cudaMemsetAsync(m_d_mhat, 0, m_elements * sizeof(float), m_stream), "cudaMemsetAsync (quasi-global momentum)", m_rank);
+        for (std::size_t t = 0; t < s.tensors.size() && t < s.momentum.size(); ++t)
+          if (s.momentum[t] && s.tensors[t].count > 0)
+            check(cudaMemcpyAsync(static_cast<float*>(m_d_mhat) + s.tensors[t].offset, s.momentum[t], s.tensors[t].count * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, m_stream),
+                  "cudaMemcpyAsync (momentum buffer to m̂)", m_rank);
+        m_beta = s.momentum_beta;
+      }
       alloc(m_d_partials, std::max<std::size_t>(m_blocks, 1) * 3 * sizeof(double), "cudaMalloc (partial sums)");
       alloc(m_d_arrivals, std::max<std::uint32_t>(m_tensors, 1) * sizeof(std::uint32_t), "cudaMalloc (block arrivals)");
       m_merge_batch = static_cast<std::size_t>(std::clamp(merge_batch, 1, detail::max_merge_sources));
@@ -124,10 +141,13 @@ class cuda_model final : public device_model {
   std::byte* send_storage() noexcept override { return static_cast<std::byte*>(m_storage); }
   bool direct() const noexcept override { return m_direct; }
 
-  void drift(std::span<tensor_drift> per_tensor, double& step_sq) override {
+  void drift(std::span<tensor_drift> per_tensor, double& step_sq, const momentum_step* qgm) override {
     const device_guard g(m_device);
+    detail::qgm_params q{};
+    if (qgm && m_d_mhat)
+      q = {static_cast<float*>(m_d_mhat), 1.0f - qgm->merge_share, qgm->merge_share * qgm->inv_lr, m_beta, 1.0f - m_beta};
     check(detail::launch_drift(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<std::uint32_t*>(m_d_first),
-                               static_cast<float*>(m_d_ref), static_cast<float*>(m_d_prev), static_cast<double*>(m_d_partials),
+                               static_cast<float*>(m_d_ref), static_cast<float*>(m_d_prev), q, static_cast<double*>(m_d_partials),
                                static_cast<std::uint32_t*>(m_d_arrivals), m_sums_target, m_stream),
           "drift kernel", m_rank);
     if (m_d_sums)
@@ -200,12 +220,12 @@ class cuda_model final : public device_model {
     }
     if (m_inbox) cudaHostUnregister(m_inbox);
     m_inbox = nullptr;
-    for (void* p : {m_d_blocks, m_d_first, m_d_ref, m_d_prev, m_d_partials, m_d_arrivals, m_d_sums})
+    for (void* p : {m_d_blocks, m_d_first, m_d_ref, m_d_prev, m_d_mhat, m_d_partials, m_d_arrivals, m_d_sums})
       if (p) cudaFree(p);
     for (void* p : m_d_recv)
       if (p) cudaFree(p);
     m_d_recv.clear();
-    m_d_blocks = m_d_first = m_d_ref = m_d_prev = m_d_partials = m_d_arrivals = m_d_sums = nullptr;
+    m_d_blocks = m_d_first = m_d_ref = m_d_prev = m_d_mhat = m_d_partials = m_d_arrivals = m_d_sums = nullptr;
     m_sums_target = nullptr;
     if (m_h_sums) cudaFreeHost(m_h_sums);
     m_h_sums = nullptr;
@@ -219,7 +239,9 @@ class cuda_model final : public device_model {
   bool m_direct;
   std::size_t m_elements, m_storage_bytes, m_merge_batch = 1;
   std::uint32_t m_blocks = 0, m_tensors = 0;
-  void *m_d_blocks = nullptr, *m_d_first = nullptr, *m_d_ref = nullptr, *m_d_prev = nullptr, *m_d_partials = nullptr,
+  bool m_qgm = false;  // some tensor registered a momentum buffer
+  float m_beta = 0.9f;
+  void *m_d_blocks = nullptr, *m_d_first = nullptr, *m_d_ref = nullptr, *m_d_prev = nullptr, *m_d_mhat = nullptr, *m_d_partials = nullptr,
        *m_d_arrivals = nullptr, *m_d_sums = nullptr, *m_storage = nullptr;
   std::vector<void*> m_d_recv;
   double* m_h_sums = nullptr;

@@ -29,17 +29,20 @@ __device__ inline double block_sum(double v, double* scratch) {
 // partials in block order, writes the three sums and re-arms the counter for
 // the next pass (ordered after this one on the stream).
 __global__ void __launch_bounds__(block_threads) drift_kernel(const block_desc* blocks, const std::uint32_t* first_block,
-                                                              const float* ref, float* prev, double* partials,
-                                                              std::uint32_t* arrivals, double* sums) {
+                                                              const float* ref, float* prev, const qgm_params q,
+                                                              double* partials, std::uint32_t* arrivals, double* sums) {
   __shared__ double scratch[warps];
   __shared__ bool last;
   const block_desc d = blocks[blockIdx.x];
   const float* x = d.data;
   const float* r = ref + d.offset;
   float* p = prev ? prev + d.offset : nullptr;
+  // Quasi-global momentum where this block's tensor registered a buffer (it needs x_{t−1}).
+  float* v = p && q.mhat ? d.momentum : nullptr;
+  float* mh = v ? q.mhat + d.offset : nullptr;
   float diff = 0.0f, refs = 0.0f, step = 0.0f;
   std::uint32_t scalar_from = 0;
-  if (aligned16(x) && aligned16(r) && (!p || aligned16(p))) {
+  if (aligned16(x) && aligned16(r) && (!p || aligned16(p)) && (!v || (aligned16(v) && aligned16(mh)))) {
     const std::uint32_t n4 = d.count / 4;
 #pragma unroll 4
     for (std::uint32_t i = threadIdx.x; i < n4; i += block_threads) {
@@ -53,6 +56,17 @@ __global__ void __launch_bounds__(block_threads) drift_kernel(const block_desc* 
         const float s0 = xv.x - pv.x, s1 = xv.y - pv.y, s2 = xv.z - pv.z, s3 = xv.w - pv.w;
         step += s0 * s0 + s1 * s1 + s2 * s2 + s3 * s3;
         reinterpret_cast<float4*>(p)[i] = xv;
+        if (v) {
+          const float4 vv = reinterpret_cast<const float4*>(v)[i];
+          const float4 m0 = reinterpret_cast<const float4*>(mh)[i];
+          float4 m;
+          m.x = q.beta * m0.x + q.rest * (q.own * vv.x - s0 * q.shared);
+          m.y = q.beta * m0.y + q.rest * (q.own * vv.y - s1 * q.shared);
+          m.z = q.beta * m0.z + q.rest * (q.own * vv.z - s2 * q.shared);
+          m.w = q.beta * m0.w + q.rest * (q.own * vv.w - s3 * q.shared);
+          reinterpret_cast<float4*>(mh)[i] = m;
+          reinterpret_cast<float4*>(v)[i] = m;
+        }
       }
     }
     scalar_from = n4 * 4;
@@ -65,6 +79,11 @@ __global__ void __launch_bounds__(block_threads) drift_kernel(const block_desc* 
       const float s = xv - p[i];
       step += s * s;
       p[i] = xv;
+      if (v) {
+        const float m = q.beta * mh[i] + q.rest * (q.own * v[i] - s * q.shared);
+        mh[i] = m;
+        v[i] = m;
+      }
     }
   }
   const double total_diff = block_sum(diff, scratch);
@@ -126,8 +145,9 @@ __global__ void __launch_bounds__(block_threads) merge_kernel(const block_desc* 
 }  // namespace
 
 cudaError_t launch_drift(const block_desc* blocks, std::uint32_t n_blocks, const std::uint32_t* first_block, const float* ref,
-                         float* prev, double* partials, std::uint32_t* arrivals, double* sums, cudaStream_t stream) {
-  if (n_blocks > 0) drift_kernel<<<n_blocks, block_threads, 0, stream>>>(blocks, first_block, ref, prev, partials, arrivals, sums);
+                         float* prev, const qgm_params& qgm, double* partials, std::uint32_t* arrivals, double* sums,
+                         cudaStream_t stream) {
+  if (n_blocks > 0) drift_kernel<<<n_blocks, block_threads, 0, stream>>>(blocks, first_block, ref, prev, qgm, partials, arrivals, sums);
   return cudaGetLastError();
 }
 

@@ -21,13 +21,24 @@ inline constexpr int max_merge_sources = 8;
 /// (x̂, x_{t−1}, payloads). Built once per engine, uploaded once.
 struct block_desc {
   float* data;
+  float* momentum;  ///< the optimizer's momentum buffer at the same element as data, or null
   std::uint64_t offset;
   std::uint32_t count;
   std::uint32_t tensor;
 };
 
+/// Quasi-global momentum in the drift pass (mhat null: none this pass). For
+/// each element of a block with a momentum buffer v, e = x − prev:
+/// d = own·v − shared·e, m̂ ← beta·m̂ + rest·d, v ← m̂ (own = 1 − merge share,
+/// shared = merge share / lr, rest = 1 − beta: gossip::qgm_args on the host).
+struct qgm_params {
+  float* mhat;  ///< m̂ at the payload offsets, like prev
+  float own, shared, beta, rest;
+};
+
 /// Fused drift pass, one kernel launch. Per block: Σ(x − x̂)², Σx̂² and, when
-/// prev is not null, Σ(x − prev)² (then prev ← x) into partials[3·block]; the
+/// prev is not null, Σ(x − prev)² (then prev ← x, and the momentum update of
+/// `qgm` where qgm.mhat and the block's momentum are set) into partials[3·block]; the
 /// last block of tensor t to finish adds its blocks' partials (first_block[t]
 /// .. first_block[t+1]) into sums[3·t] and sets arrivals[t] back to 0.
 /// `arrivals` (one counter per tensor) must be zero before the first launch;
@@ -36,7 +47,8 @@ struct block_desc {
 /// and sums are double and added in block order, so results are reproducible
 /// run to run.
 cudaError_t launch_drift(const block_desc* blocks, std::uint32_t n_blocks, const std::uint32_t* first_block, const float* ref,
-                         float* prev, double* partials, std::uint32_t* arrivals, double* sums, cudaStream_t stream);
+                         float* prev, const qgm_params& qgm, double* partials, std::uint32_t* arrivals, double* sums,
+                         cudaStream_t stream);
 
 /// Fused snapshot: ref[offset + i] ← x and, when second is not null, second[offset + i] ← x.
 cudaError_t launch_snapshot(const block_desc* blocks, std::uint32_t n_blocks, float* ref, float* second,

@@ -242,13 +242,39 @@ def test_cuda_model_steps_on_its_device(one_rank):
             opt.step()
             eng.step(lr=0.05, loss=loss.item())
     s = eng.stats()
-    # A device model keeps its momentum local under "auto"; one rank's merges leave it as it is.
-    assert (s["device"], s["momentum"], s["steps"]) == ("cuda", "local", 6)
+    # One rank over loopback merges in lockstep: under "auto" the drift kernel makes the momentum quasi-global.
+    assert (s["device"], s["momentum"], s["steps"]) == ("cuda", "quasi-global", 6)
     assert model.weight.is_cuda and torch.isfinite(model.weight).all()
+    assert opt.state[model.weight]["momentum_buffer"].is_cuda
     with pytest.raises(ValueError, match=r"parameter 'bias' is on device 'cpu' but parameter 'weight' is on 'cuda:0'"):
         gossip.Engine([("weight", model.weight), ("bias", torch.zeros(4))])
-    with pytest.raises(gossip.ConfigError, match=r"quasi-global momentum is available for host models only"):
-        gossip.Engine(model.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    with gossip.Engine(model.named_parameters(), optimizer=opt, config={"engine": {"momentum": "local"}}) as eng:
+        eng.step(lr=0.05)
+    assert eng.stats()["momentum"] == "local"
+
+
+@needs_cuda
+def test_cuda_quasi_global_momentum_matches_the_cpu(one_rank):
+    """The drift kernel's momentum update against the host pass: the same model, data and steps on the GPU and the CPU."""
+    finals = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(3)
+        model = torch.nn.Linear(16, 8).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(64, 16).to(device), torch.randn(64, 8).to(device)
+        with gossip.Engine(model.named_parameters(), optimizer=opt,
+                           config={"policy": {"name": "periodic", "every": 3}, "engine": {"momentum": "quasi-global"}}) as eng:
+            for _ in range(20):
+                loss = (model(x) - y).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                eng.step(lr=0.1)
+        assert eng.stats()["momentum"] == "quasi-global"
+        finals[device] = ([p.detach().cpu() for p in model.parameters()],
+                          [opt.state[p]["momentum_buffer"].detach().cpu() for p in model.parameters()])
+    for cpu, gpu in zip(finals["cpu"][0] + finals["cpu"][1], finals["cuda"][0] + finals["cuda"][1]):
+        assert torch.allclose(cpu, gpu, rtol=1e-3, atol=1e-4), (cpu - gpu).abs().max()
 
 
 def test_storage_reallocated_after_registration(one_rank):
