@@ -29,12 +29,18 @@ for case in ("iid4", "label8"):
         assert k in s, k
     assert 0 < s["traffic_reduction"] < 1 and s["never"]["bytes_sent"] == 0
     runs = [r for r in d["runs"] if r["case"] == case]
+    deltas = {"equal_bytes": [], "periodic-1": []}
     for seed in (1, 2):
         by = {r["role"]: r for r in runs if r["seed"] == seed}
         # the fixed period sends no more bytes than the default run it matches
         assert by["equal_bytes"]["bytes_sent"] <= by["default"]["bytes_sent"], by
         assert by["equal_bytes"]["every"] >= 1 and by["periodic-1"]["sends"] == by["periodic-1"]["steps"]
-        delta = 100 * (by["default"]["accuracy"] - by["equal_bytes"]["accuracy"])
-        assert abs(delta) < 100
+        for other in deltas:
+            deltas[other].append(100 * (by["default"]["accuracy"] - by[other]["accuracy"]))
+    # the summary's deltas are the means of the per-seed differences in runs
+    assert abs(s["equal_traffic_accuracy_delta_pt"] - sum(deltas["equal_bytes"]) / 2) < 1e-9, (s, deltas)
+    assert abs(s["accuracy_delta_pt"] - sum(deltas["periodic-1"]) / 2) < 1e-9, (s, deltas)
+    mean_bytes = lambda role: sum(r["bytes_sent"] for r in runs if r["role"] == role) / 2
+    assert abs(s["traffic_reduction"] - (1 - mean_bytes("default") / mean_bytes("periodic-1"))) < 1e-12, s
 print("bench/cuda smoke: OK on", d["device"])
 PY
