@@ -782,6 +782,19 @@ TEST_CASE("ucx: step beacons let max_lead pace ranks that send no model") {
   });
 }
 
+TEST_CASE("ucx: ranks that step fast send a step beacon per beacon_interval_ms, not per max_lead/2 steps, and still pace each other") {
+  // 3000 steps of a few µs each: a beacon every 2 steps would wake both
+  // progress threads 1500 times (what made a skipped step cost 1.4-3x the
+  // drift pass in bench/transport). Thinned to one per 5 ms, with the steps
+  // it came late added to the lead, neither rank gives up waiting.
+  never_group({3000, 3000}, {0ms, 0ms}, [](int r, const engine_stats& st, double seconds) {
+    const double allowed = 4 + 2 * seconds / 0.005 + static_cast<double>(st.lead_waits);  // per interval, plus one per wait
+    if (st.lead_timeouts != 0 || static_cast<double>(st.step_beacons) > allowed || st.step_beacons >= 1500)
+      throw error(fmt::format("rank {}: {} step beacons in {:.3f} s ({} lead waits, {} timed out)", r, st.step_beacons, seconds,
+                              st.lead_waits, st.lead_timeouts));
+  });
+}
+
 TEST_CASE("ucx: max_lead paces by the slowest source, not the fastest") {
   // Three ranks, each a source of the other two; rank 2 takes 3 ms per step.
   // Ranks 0 and 1 hear each other at once, but must not run ahead of rank 2:

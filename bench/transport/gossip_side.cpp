@@ -205,7 +205,11 @@ struct rank_process {
     for (std::size_t i = 0; i < elements; i += 7) x[i] += 1e-3f;
     const float* hat = e.snapshot().data();
     volatile double sink = 0;
-    std::vector<double> step_us, drift_us;
+    // A step may wait for the other rank ([engine] max_lead paces the faster
+    // one to the slower); that wait is timed too, and also subtracted
+    // (unpaced: what the step itself costs).
+    std::vector<double> step_us, drift_us, unpaced_us;
+    double waited_s = e.stats().lead_wait_seconds;
     const int warm = std::max(2, steps / 10);
     for (int k = 0; k < warm + steps; ++k) {
       // Alternate which goes first, so neither always runs right after the other.
@@ -223,17 +227,22 @@ struct rank_process {
         const double us = std::chrono::duration<double, std::micro>(clock_type::now() - a).count();
         (do_step ? ts : td) = us;
       }
+      const double w = e.stats().lead_wait_seconds;
+      const double wait_us = (w - waited_s) * 1e6;
+      waited_s = w;
       if (k >= warm) {
         step_us.push_back(ts);
         drift_us.push_back(td);
+        unpaced_us.push_back(ts - wait_us);
       }
     }
     const auto median = [](std::vector<double> v) {
       std::sort(v.begin(), v.end());
       return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
     };
+    const auto st = e.stats();
     e.finish(0);
-    return fmt::format("ok {:.3f} {:.3f}", median(step_us), median(drift_us));
+    return fmt::format("ok {:.3f} {:.3f} {:.3f} {} {}", median(step_us), median(drift_us), median(unpaced_us), st.lead_waits, st.step_beacons);
   }
 
   // Rank 0 serves the rendezvous, so it leaves last.

@@ -176,15 +176,20 @@ int run(settings& s) {
       const auto replies = pair.both(fmt::format("step {} {}", elements, s.steps), fmt::format("step cost at {} elements", elements));
       for (int rank = 0; rank < 2; ++rank) {
         std::istringstream in(replies[static_cast<std::size_t>(rank)].substr(3));
-        double step_us = 0, drift_us = 0;
-        in >> step_us >> drift_us;
+        double step_us = 0, drift_us = 0, unpaced_us = 0;
+        std::uint64_t lead_waits = 0, beacons = 0;
+        in >> step_us >> drift_us >> unpaced_us >> lead_waits >> beacons;
         step_cost.push_back({{"tls", tls},
                              {"rank", rank},
                              {"elements", elements},
                              {"steps", s.steps},
                              {"step_us", step_us},
                              {"drift_us", drift_us},
-                             {"ratio", step_us / drift_us}});
+                             {"ratio", step_us / drift_us},
+                             {"unpaced_us", unpaced_us},
+                             {"ratio_unpaced", unpaced_us / drift_us},
+                             {"lead_waits", lead_waits},
+                             {"step_beacons", beacons}});
       }
     }
   }

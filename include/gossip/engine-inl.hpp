@@ -314,6 +314,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   if (const std::uint64_t h = paced && (m_beacon_pacing || ahead(m_heard_step)) ? heard() : t; ahead(h) && h != m_lead_released_at) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
+    m_transport.waiting();  // a step beacon held back goes out: ranks waiting on each other hear it
     try {
       detail::wait_for(
           [&] {

@@ -123,10 +123,12 @@ struct transport_setup {
   std::size_t message_bytes = 0;
   gossip::inbox* inbox = nullptr;
   std::chrono::duration<double> timeout{60.0};
-  /// Tell every target this rank's step at least every this many steps, in a
-  /// message of a few bytes apart from the model's ([engine] max_lead paces
-  /// by the steps it hears; 0: never). Transports whose ranks step together
-  /// (copies_on_post) or that aggregate ignore it.
+  /// Tell every target this rank's step every this many steps, in a message
+  /// of a few bytes apart from the model's ([engine] max_lead paces by the
+  /// steps it hears; 0: never). A transport may send them less often when
+  /// steps are short, saying how late they are
+  /// (transport_counters::source_step_heard). Transports whose ranks step
+  /// together (copies_on_post) or that aggregate ignore it.
   std::uint64_t step_beacon = 0;
 };
 
@@ -149,8 +151,11 @@ struct transport_counters {
   std::uint64_t beacons_sent = 0;       ///< step beacons (transport_setup::step_beacon) posted
   /// Transports with step beacons: the least, over this rank's live sources,
   /// of the newest step each one's beacons or model headers carried: every
-  /// live source has reached it. 0 until every source has been heard from;
-  /// a source that died or finished no longer counts (none left: ~0).
+  /// live source has reached it, or is presumed to have, when its beacons
+  /// come fewer than step_beacon asks because it steps faster than the
+  /// transport sends them (then that source counts as its step plus the
+  /// steps its last beacon came late). 0 until every source has been heard
+  /// from; a source that died or finished no longer counts (none left: ~0).
   std::uint64_t source_step_heard = 0;
 };
 
@@ -204,6 +209,10 @@ class any_transport {
   /// The model_fingerprint a neighbour attached with, once attach() has
   /// returned; 0 when it told none or the transport does not exchange it.
   std::uint64_t peer_model(int rank) const { return m_self->peer_model(rank); }
+  /// This rank is about to wait for its sources ([engine] max_lead): a
+  /// transport that held back a step beacon (steps shorter than it sends
+  /// them) sends it now, so that ranks waiting on each other hear it.
+  void waiting() noexcept { m_self->waiting(); }
 
  private:
   struct concept_t {
@@ -222,6 +231,7 @@ class any_transport {
     virtual bool drained() = 0;
     virtual std::string waiting_on() const = 0;
     virtual std::uint64_t peer_model(int) const = 0;
+    virtual void waiting() noexcept = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -254,6 +264,9 @@ class any_transport {
         return m_t.peer_model(rank);
       else
         return 0;
+    }
+    void waiting() noexcept override {
+      if constexpr (requires { m_t.waiting(); }) m_t.waiting();
     }
     T m_t;
   };

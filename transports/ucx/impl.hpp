@@ -28,7 +28,10 @@ inline constexpr unsigned step_id = 0x49;                // a step beacon: heade
 
 struct step_beacon_header {
   std::int32_t rank = -1;
-  std::uint32_t reserved = 0;
+  /// Steps by which this beacon comes later than transport_setup::step_beacon
+  /// asks, because the sender steps faster than one beacon per
+  /// ucx_options::beacon_interval_ms allows (0 from older senders).
+  std::uint32_t late = 0;
   std::uint64_t step = 0;
 };
 inline constexpr std::size_t max_buffers = 64;           // distinct send buffers tracked by busy()
@@ -100,6 +103,7 @@ struct ucx_transport::impl {
     std::uint64_t gaps_told = 0;        // engine thread: discarded messages already flagged by collect (received::gap)
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
+    std::uint32_t late = 0;             // progress thread: its last beacon's `late` (the source may be that far past `heard`)
     std::vector<pending> backlog;       // progress thread: ring of `backlog` entries
     std::size_t head = 0, count = 0;
     std::vector<recv_ctx> recv;  // one per slot
@@ -138,11 +142,23 @@ struct ucx_transport::impl {
 
   std::atomic<std::uint64_t> bytes_sent{0}, messages_sent{0}, bytes_received{0}, messages_received{0}, dropped{0};
   // Step beacons (transport_setup::step_beacon): the engine thread publishes
-  // its step every `step_beacon` steps and wakes the progress thread, which
+  // its step every `step_beacon` steps, but not more often than every
+  // ucx_options::beacon_interval_ms, and wakes the progress thread, which
   // tells every live target. A source's beacon or model header raises its
-  // `heard`; heard_step is the least over sources (slowest live source).
+  // `heard`; heard_step is the least over sources of heard + late (slowest
+  // live source).
   std::atomic<std::uint64_t> beacon_step{0}, beacons_sent{0}, heard_step{0};
-  std::uint64_t next_beacon = 0;  // engine thread
+  // A step held back by beacon_interval_ms, and when it is due (steady_clock
+  // ticks): written by the engine thread without waking the progress thread.
+  std::atomic<std::uint64_t> held_step{0};
+  std::atomic<std::int64_t> held_due{0};
+  std::uint64_t next_beacon = 0;                             // engine thread
+  std::chrono::steady_clock::time_point next_beacon_time{};  // engine thread
+  std::uint64_t told = 0;                                    // progress thread: the step of the newest beacon it sends
+  std::uint32_t told_late = 0;                               // progress thread: that beacon's `late`
+  // Progress thread: the step to tell targets now (published, or held and
+  // due), updating told / told_late; 0: none.
+  std::uint64_t beacon_to_tell(std::int64_t now_ticks) noexcept;
   // Per source: messages UCX delivered that never reached a slot (backlog overflow,
   // unkeepable eager data). Written by the progress thread, read by drained().
   std::unique_ptr<std::atomic<std::uint64_t>[]> discarded;
@@ -171,6 +187,8 @@ struct ucx_transport::impl {
   std::size_t collect(std::span<received> out);
   void release();
   void end_step(std::uint64_t step) noexcept;
+  void waiting() noexcept;
+  void publish_step(std::uint64_t step, std::chrono::steady_clock::time_point now) noexcept;
 
   // Drain handshake: publish how many messages we posted to each rank, then
   // report true once every live source's count has been consumed (or lost

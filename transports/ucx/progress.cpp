@@ -108,13 +108,17 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   std::memcpy(&b, header, sizeof b);
   if (b.rank < 0 || static_cast<std::size_t>(b.rank) >= self->source_of.size() || self->source_of[static_cast<std::size_t>(b.rank)] < 0)
     return UCS_OK;
-  self->heard_from(self->sources[static_cast<std::size_t>(self->source_of[static_cast<std::size_t>(b.rank)])], b.step);
+  auto& src = self->sources[static_cast<std::size_t>(self->source_of[static_cast<std::size_t>(b.rank)])];
+  if (b.step > src.heard) src.late = b.late;
+  self->heard_from(src, b.step);
   return UCS_OK;
 }
 
 std::uint64_t ucx_transport::impl::slowest_source() const noexcept {
+  // A source that beacons less often than asked (it steps fast) may be its
+  // last beacon's `late` steps past what it said: that much more lead.
   std::uint64_t slowest = ~std::uint64_t{0};
-  for (const auto& s : sources) slowest = std::min(slowest, s.heard);
+  for (const auto& s : sources) slowest = std::min(slowest, s.heard > ~std::uint64_t{0} - s.late ? ~std::uint64_t{0} : s.heard + s.late);
   return slowest;
 }
 
@@ -126,8 +130,23 @@ void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noex
   if (slowest != heard_step.load(std::memory_order_relaxed)) heard_step.store(slowest, std::memory_order_release);
 }
 
+std::uint64_t ucx_transport::impl::beacon_to_tell(std::int64_t now_ticks) noexcept {
+  std::uint64_t step = beacon_step.load(std::memory_order_acquire);
+  if (const std::uint64_t held = held_step.load(std::memory_order_acquire);
+      held > step && now_ticks >= held_due.load(std::memory_order_relaxed))
+    step = held;
+  if (step > told) {
+    // Later than step_beacon asks (the rank steps faster than
+    // beacon_interval_ms lets it tell): say by how much; the first counts from 0.
+    const std::uint64_t late = step == ~std::uint64_t{0} || step - told <= setup.step_beacon ? 0 : step - told - setup.step_beacon;
+    told_late = static_cast<std::uint32_t>(std::min<std::uint64_t>(late, 0xffffffffu));
+    told = step;
+  }
+  return told;
+}
+
 bool ucx_transport::impl::send_beacons() noexcept {
-  const std::uint64_t step = beacon_step.load(std::memory_order_acquire);
+  const std::uint64_t step = beacon_to_tell(std::chrono::steady_clock::now().time_since_epoch().count());
   if (step == 0) return false;
   bool any = false;
   for (int j : neighbours) {
@@ -141,7 +160,7 @@ bool ucx_transport::impl::send_beacons() noexcept {
     }
     if (!p.ep || p.dead.load(std::memory_order_acquire)) continue;
     p.told_step = step;
-    p.beacon = {setup.rank, 0, step};
+    p.beacon = {setup.rank, told_late, step};
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -347,7 +366,14 @@ void ucx_transport::impl::run() noexcept {
     // While a transfer is under way, wake often so that a missed wake-up
     // costs 50 µs rather than 10 ms. Idle, sleep long (keepalive still runs).
     const timespec busy_wait{0, 50'000};
-    const timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
+    timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
+    // A step beacon held back (beacon_interval_ms) goes out when it falls due.
+    if (held_step.load(std::memory_order_acquire) > told) {
+      const std::int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                  clock::duration(held_due.load(std::memory_order_relaxed)) - clock::now().time_since_epoch())
+                                  .count();
+      if (ns < idle_wait.tv_nsec) idle_wait.tv_nsec = std::max<std::int64_t>(ns, 0);
+    }
     ::ppoll(fds, nfds, transfer_under_way() ? &busy_wait : &idle_wait, nullptr);
     if (fds[0].revents & POLLIN) {
       std::uint64_t v;

@@ -101,6 +101,28 @@ void ucx_transport::end_step(std::uint64_t step) noexcept { m->end_step(step); }
 
 void ucx_transport::impl::end_step(std::uint64_t step) noexcept {
   if (setup.step_beacon == 0 || left || step < next_beacon) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_beacon_time) {
+    // Held back without a wake-up: the progress thread sends it once the
+    // interval is over (should this rank stop stepping), waiting() at once.
+    held_due.store(next_beacon_time.time_since_epoch().count(), std::memory_order_relaxed);
+    held_step.store(step, std::memory_order_release);
+    return;
+  }
+  publish_step(step, now);
+}
+
+void ucx_transport::waiting() noexcept { m->waiting(); }
+
+void ucx_transport::impl::waiting() noexcept {
+  if (setup.step_beacon == 0 || left) return;
+  if (const std::uint64_t held = held_step.load(std::memory_order_relaxed); held > beacon_step.load(std::memory_order_relaxed))
+    publish_step(held, std::chrono::steady_clock::now());
+}
+
+void ucx_transport::impl::publish_step(std::uint64_t step, std::chrono::steady_clock::time_point now) noexcept {
+  next_beacon_time = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                               std::chrono::duration<double, std::milli>(opt.beacon_interval_ms));
   next_beacon = step + setup.step_beacon;
   beacon_step.store(step, std::memory_order_release);
   wake();

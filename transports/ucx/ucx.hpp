@@ -69,6 +69,14 @@ struct ucx_options {
   /// its core between polls) for this long after its last progress before it
   /// sleeps on the worker's event fd. 0: sleep at once.
   double spin_us = 200;
+  /// Step beacons ([engine] max_lead) go out at most this often. A rank
+  /// stepping faster than max_lead/2 steps per interval sends one per
+  /// interval and says how many steps late it is; its targets add those
+  /// steps to the lead they allow it, so a skipped step costs no wake-up of
+  /// the progress thread on either side. Steps longer than
+  /// interval / (max_lead/2) are paced exactly. 0: a beacon every
+  /// max_lead/2 steps, however short.
+  double beacon_interval_ms = 5;
 };
 
 class ucx_transport {
@@ -83,6 +91,9 @@ class ucx_transport {
   std::size_t collect(std::uint64_t step, std::span<received> out);
   void release(std::uint64_t step);
   void end_step(std::uint64_t step) noexcept;
+  /// The engine waits for its sources (max_lead): a step beacon held back by
+  /// ucx_options::beacon_interval_ms goes out now.
+  void waiting() noexcept;
   bool busy(const std::byte* buffer) const noexcept;
   void flush(std::chrono::duration<double> timeout);
   void leave();
