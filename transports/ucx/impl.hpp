@@ -25,6 +25,7 @@ namespace ucx_detail {
 inline constexpr unsigned am_id = 0x47;                  // "G"
 inline constexpr unsigned bye_id = 0x48;                 // a rank leaving on purpose: header = its rank
 inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header
+inline constexpr unsigned ask_id = 0x4A;                 // a target waits on this rank (max_lead): header = its rank
 
 struct step_beacon_header {
   std::int32_t rank = -1;
@@ -79,6 +80,7 @@ struct ucx_transport::impl {
     std::uint64_t told_step = 0;   // progress thread: the step of the last beacon to it
     ucx_detail::step_beacon_header beacon;  // progress thread: UCX reads it until beacon_req completes
     void* beacon_req = nullptr;              // progress thread: the beacon still in flight, if any
+    void* ask_req = nullptr;                 // progress thread: the ask (ask_id) still in flight, if any
     std::array<send_ctx, ucx_detail::max_buffers> ctx{};
     impl* owner = nullptr;
   };
@@ -103,7 +105,8 @@ struct ucx_transport::impl {
     std::uint64_t gaps_told = 0;        // engine thread: discarded messages already flagged by collect (received::gap)
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
-    std::uint32_t late = 0;             // progress thread: its last beacon's `late` (the source may be that far past `heard`)
+    std::uint64_t beacon = 0;           // progress thread: the step of its newest beacon
+    std::uint32_t late = 0;             // progress thread: that beacon's `late` (the source may be that far past `beacon`)
     std::vector<pending> backlog;       // progress thread: ring of `backlog` entries
     std::size_t head = 0, count = 0;
     std::vector<recv_ctx> recv;  // one per slot
@@ -156,6 +159,20 @@ struct ucx_transport::impl {
   std::chrono::steady_clock::time_point next_beacon_time{};  // engine thread
   std::uint64_t told = 0;                                    // progress thread: the step of the newest beacon it sends
   std::uint32_t told_late = 0;                               // progress thread: that beacon's `late`
+  // Progress thread → engine thread: the newest step told and when (steady_clock
+  // ticks; told_at is written first). A held step the progress thread told
+  // when it fell due then counts as published for end_step.
+  std::atomic<std::uint64_t> told_step{0};
+  std::atomic<std::int64_t> told_at{0};
+  // A target waits on this rank (on_ask): end_step publishes its next beacon
+  // step at once instead of holding it, then clears this.
+  std::atomic<bool> asked{false};
+  std::atomic<bool> want_beacons{false};   // engine thread → progress thread: ask every source for its step
+  bool ask_now = false;                    // progress thread: a target asked; tell a held step now
+  std::int32_t ask_header = -1;            // this rank, the header of every ask (UCX reads it until the send completes)
+  std::chrono::steady_clock::duration beacon_interval() const noexcept {
+    return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double, std::milli>(opt.beacon_interval_ms));
+  }
   // Progress thread: the step to tell targets now (published, or held and
   // due), updating told / told_late; 0: none.
   std::uint64_t beacon_to_tell(std::int64_t now_ticks) noexcept;
@@ -222,6 +239,10 @@ struct ucx_transport::impl {
   static ucs_status_t on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   static ucs_status_t on_step(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_beacons() noexcept;
+  // A target waits on this rank: tell it the newest step now, and every
+  // step_beacon steps for the next beacon interval.
+  static ucs_status_t on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  bool send_asks() noexcept;
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                             const ucp_am_recv_param_t* param);
@@ -235,6 +256,7 @@ struct ucx_transport::impl {
   void land(source_state& src, const pending& m, bool owned) noexcept;
   // Progress thread: source `src` has reached `step`; heard_step follows the slowest.
   void heard_from(source_state& src, std::uint64_t step) noexcept;
+  void update_heard_step() noexcept;
   // The least `heard` over sources (~0 when there are none): max_lead's slowest source.
   std::uint64_t slowest_source() const noexcept;
   void landed(inbox::slot& slot, std::size_t length) noexcept;

@@ -209,6 +209,10 @@ void ucx_transport::impl::init_ucx() {
   hp.cb = &impl::on_step;
   if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
     throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  hp.id = ask_id;
+  hp.cb = &impl::on_ask;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
 }
 
 void ucx_transport::impl::attach(const transport_setup& s) {
@@ -222,6 +226,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
                     s.rank, s.world, boot->rank(), boot->world()));
   setup = s;
   attached = true;
+  ask_header = s.rank;
   neighbours = s.sources;
   for (int t : s.targets)
     if (!contains(neighbours, t)) neighbours.push_back(t);
@@ -459,6 +464,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   for (int j : neighbours) {  // beacons still in flight complete (or fail) with their endpoints
     auto& p = *peer(j);
     if (p.beacon_req) closing.push_back(std::exchange(p.beacon_req, nullptr));
+    if (p.ask_req) closing.push_back(std::exchange(p.ask_req, nullptr));
   }
   // Goodbye first, on the same endpoints: the graceful close below flushes
   // it, and the peers then know this rank left rather than died. Only after

@@ -109,22 +109,47 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   if (b.rank < 0 || static_cast<std::size_t>(b.rank) >= self->source_of.size() || self->source_of[static_cast<std::size_t>(b.rank)] < 0)
     return UCS_OK;
   auto& src = self->sources[static_cast<std::size_t>(self->source_of[static_cast<std::size_t>(b.rank)])];
-  if (b.step > src.heard) src.late = b.late;
-  self->heard_from(src, b.step);
+  // `late` belongs to its beacon's step, not to a step heard in a model
+  // header since: a newer beacon replaces both.
+  if (b.step > src.beacon) {
+    src.beacon = b.step;
+    src.late = b.late;
+  }
+  if (b.step > src.heard) src.heard = b.step;
+  self->update_heard_step();
+  return UCS_OK;
+}
+
+ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                                        const ucp_am_recv_param_t*) {
+  auto* self = static_cast<impl*>(arg);
+  std::int32_t from = -1;
+  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+  const peer_state* p = self->peer(from);
+  if (!p || !p->target) return UCS_OK;  // foreign: ignored
+  self->asked.store(true, std::memory_order_relaxed);
+  self->ask_now = true;
   return UCS_OK;
 }
 
 std::uint64_t ucx_transport::impl::slowest_source() const noexcept {
   // A source that beacons less often than asked (it steps fast) may be its
-  // last beacon's `late` steps past what it said: that much more lead.
+  // last beacon's `late` steps past that beacon: that much more lead.
   std::uint64_t slowest = ~std::uint64_t{0};
-  for (const auto& s : sources) slowest = std::min(slowest, s.heard > ~std::uint64_t{0} - s.late ? ~std::uint64_t{0} : s.heard + s.late);
+  for (const auto& s : sources) {
+    const std::uint64_t told = s.beacon > ~std::uint64_t{0} - s.late ? ~std::uint64_t{0} : s.beacon + s.late;
+    slowest = std::min(slowest, std::max(s.heard, told));
+  }
   return slowest;
 }
 
 void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noexcept {
   if (step <= src.heard) return;
   src.heard = step;
+  update_heard_step();
+}
+
+void ucx_transport::impl::update_heard_step() noexcept {
   const std::uint64_t slowest = slowest_source();
   // Only this thread writes it.
   if (slowest != heard_step.load(std::memory_order_relaxed)) heard_step.store(slowest, std::memory_order_release);
@@ -132,23 +157,58 @@ void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noex
 
 std::uint64_t ucx_transport::impl::beacon_to_tell(std::int64_t now_ticks) noexcept {
   std::uint64_t step = beacon_step.load(std::memory_order_acquire);
+  // A held step goes out when it falls due, or at once when a target waits on this rank.
   if (const std::uint64_t held = held_step.load(std::memory_order_acquire);
-      held > step && now_ticks >= held_due.load(std::memory_order_relaxed))
+      held > step && (ask_now || now_ticks >= held_due.load(std::memory_order_relaxed)))
     step = held;
+  ask_now = false;
   if (step > told) {
     // Later than step_beacon asks (the rank steps faster than
     // beacon_interval_ms lets it tell): say by how much; the first counts from 0.
-    const std::uint64_t late = step == ~std::uint64_t{0} || step - told <= setup.step_beacon ? 0 : step - told - setup.step_beacon;
+    // A beacon within an interval of the last (a target asked, or this rank
+    // waits) keeps the last one's `late`: the next regular beacon is still
+    // up to an interval away, and a smaller lead would only make the
+    // targets wait, and ask, again.
+    const std::uint64_t fresh = step == ~std::uint64_t{0} || step - told <= setup.step_beacon ? 0 : step - told - setup.step_beacon;
+    const bool early = told > 0 && now_ticks - told_at.load(std::memory_order_relaxed) < beacon_interval().count();
+    const std::uint64_t late = early && step != ~std::uint64_t{0} ? std::max<std::uint64_t>(fresh, told_late) : fresh;
     told_late = static_cast<std::uint32_t>(std::min<std::uint64_t>(late, 0xffffffffu));
     told = step;
+    told_at.store(now_ticks, std::memory_order_relaxed);
+    told_step.store(told, std::memory_order_release);
   }
   return told;
 }
 
-bool ucx_transport::impl::send_beacons() noexcept {
-  const std::uint64_t step = beacon_to_tell(std::chrono::steady_clock::now().time_since_epoch().count());
-  if (step == 0) return false;
+bool ucx_transport::impl::send_asks() noexcept {
   bool any = false;
+  for (int j : neighbours) {
+    if (source_of[static_cast<std::size_t>(j)] < 0) continue;
+    auto& p = *peer(j);
+    if (p.ask_req) {  // one in flight per source is enough
+      if (ucp_request_check_status(p.ask_req) == UCS_INPROGRESS) continue;
+      ucp_request_free(p.ask_req);
+      p.ask_req = nullptr;
+    }
+    if (!p.ep || p.dead.load(std::memory_order_acquire) || p.departed.load(std::memory_order_acquire)) continue;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, ask_id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
+    if (UCS_PTR_IS_ERR(r)) continue;  // a failing endpoint is reported by its error handler
+    p.ask_req = r;                    // null: sent already
+    any = true;
+  }
+  return any;
+}
+
+bool ucx_transport::impl::send_beacons() noexcept {
+  // This rank waits on its sources (max_lead): ask them for their newest step.
+  bool asked = false;
+  if (want_beacons.exchange(false, std::memory_order_acq_rel)) asked = send_asks();
+  const std::uint64_t step = beacon_to_tell(std::chrono::steady_clock::now().time_since_epoch().count());
+  if (step == 0) return asked;
+  bool any = asked;
   for (int j : neighbours) {
     auto& p = *peer(j);
     if (!p.target || p.told_step >= step) continue;
@@ -295,6 +355,7 @@ void ucx_transport::impl::close_dead() noexcept {
       p.closed_at = std::chrono::steady_clock::now();
       // A beacon still queued to it is released to UCX, which frees it when it ends.
       if (p.beacon_req) ucp_request_free(std::exchange(p.beacon_req, nullptr));
+      if (p.ask_req) ucp_request_free(std::exchange(p.ask_req, nullptr));
     }
   }
 }

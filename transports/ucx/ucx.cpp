@@ -86,6 +86,9 @@ void ucx_transport::impl::release() {
 }
 
 ucx_transport::ucx_transport(std::shared_ptr<gossip::bootstrap> boot, ucx_options options) : m(std::make_unique<impl>()) {
+  if (!(options.beacon_interval_ms >= 0 && options.beacon_interval_ms <= 60'000))
+    throw config_error(fmt::format("ucx: ucx_options::beacon_interval_ms = {} is out of range; give 0 (a beacon every max_lead/2 steps) to 60000",
+                                   options.beacon_interval_ms));
   m->boot = std::move(boot);
   m->opt = options;
 }
@@ -101,14 +104,26 @@ void ucx_transport::end_step(std::uint64_t step) noexcept { m->end_step(step); }
 
 void ucx_transport::impl::end_step(std::uint64_t step) noexcept {
   if (setup.step_beacon == 0 || left || step < next_beacon) return;
+  // A held step that the progress thread told when it fell due counts as
+  // published: the next beacon is due a stride and an interval after it, not
+  // at once (which would also tell the targets `late` = 0 mid-interval).
+  if (const std::uint64_t t = told_step.load(std::memory_order_acquire); t > beacon_step.load(std::memory_order_relaxed) && t != ~std::uint64_t{0}) {
+    beacon_step.store(t, std::memory_order_relaxed);
+    next_beacon = t + setup.step_beacon;
+    next_beacon_time =
+        std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(told_at.load(std::memory_order_relaxed))) + beacon_interval();
+    if (step < next_beacon) return;
+  }
   const auto now = std::chrono::steady_clock::now();
-  if (now < next_beacon_time) {
+  // A target that waits on this rank asked for the next one at once.
+  if (now < next_beacon_time && !asked.load(std::memory_order_relaxed)) {
     // Held back without a wake-up: the progress thread sends it once the
     // interval is over (should this rank stop stepping), waiting() at once.
     held_due.store(next_beacon_time.time_since_epoch().count(), std::memory_order_relaxed);
     held_step.store(step, std::memory_order_release);
     return;
   }
+  asked.store(false, std::memory_order_relaxed);
   publish_step(step, now);
 }
 
@@ -116,13 +131,17 @@ void ucx_transport::waiting() noexcept { m->waiting(); }
 
 void ucx_transport::impl::waiting() noexcept {
   if (setup.step_beacon == 0 || left) return;
+  // The sources it waits on may hold their newest step for up to an
+  // interval: ask them for it (and for every stride while this lasts).
+  want_beacons.store(true, std::memory_order_release);
   if (const std::uint64_t held = held_step.load(std::memory_order_relaxed); held > beacon_step.load(std::memory_order_relaxed))
     publish_step(held, std::chrono::steady_clock::now());
+  else
+    wake();
 }
 
 void ucx_transport::impl::publish_step(std::uint64_t step, std::chrono::steady_clock::time_point now) noexcept {
-  next_beacon_time = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                               std::chrono::duration<double, std::milli>(opt.beacon_interval_ms));
+  next_beacon_time = now + beacon_interval();
   next_beacon = step + setup.step_beacon;
   beacon_step.store(step, std::memory_order_release);
   wake();

@@ -73,9 +73,10 @@ struct ucx_options {
   /// stepping faster than max_lead/2 steps per interval sends one per
   /// interval and says how many steps late it is; its targets add those
   /// steps to the lead they allow it, so a skipped step costs no wake-up of
-  /// the progress thread on either side. Steps longer than
-  /// interval / (max_lead/2) are paced exactly. 0: a beacon every
-  /// max_lead/2 steps, however short.
+  /// the progress thread on either side. A rank that waits asks its sources
+  /// for their step, so a wait does not last until a held beacon falls due.
+  /// Steps longer than interval / (max_lead/2) are paced exactly. 0: a
+  /// beacon every max_lead/2 steps, however short. 0 to 60000.
   double beacon_interval_ms = 5;
 };
 
@@ -92,7 +93,8 @@ class ucx_transport {
   void release(std::uint64_t step);
   void end_step(std::uint64_t step) noexcept;
   /// The engine waits for its sources (max_lead): a step beacon held back by
-  /// ucx_options::beacon_interval_ms goes out now.
+  /// ucx_options::beacon_interval_ms goes out now, and the sources are asked
+  /// for theirs (each tells its newest step at once).
   void waiting() noexcept;
   bool busy(const std::byte* buffer) const noexcept;
   void flush(std::chrono::duration<double> timeout);
