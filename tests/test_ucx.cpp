@@ -807,8 +807,8 @@ TEST_CASE("ucx: ranks that step fast send a step beacon per beacon_interval_ms, 
   // progress threads up to 1500 times (what made a skipped step cost 1.4-3x
   // the drift pass in bench/transport). Thinned to one per 5 ms, with the
   // steps it came late added to the lead, neither rank gives up waiting.
-  // Waits add beacons: the waiting rank's held one, and the two its source
-  // sends when asked (its newest step at once, and its next stride's).
+  // Waits add beacons: the waiting rank's held one, and the one its source
+  // tells when asked (its newest step, at once); twice that is allowed.
   never_group({3000, 3000}, {0ms, 0ms}, [](int r, const engine_stats& st, double seconds) {
     const double allowed = 4 + 1.2 * seconds / 0.005 + static_cast<double>(st.lead_waits + 2 * others_waits);
     if (st.lead_timeouts != 0 || static_cast<double>(st.step_beacons) > allowed || st.step_beacons > 300)

@@ -164,9 +164,6 @@ struct ucx_transport::impl {
   // when it fell due then counts as published for end_step.
   std::atomic<std::uint64_t> told_step{0};
   std::atomic<std::int64_t> told_at{0};
-  // A target waits on this rank (on_ask): end_step publishes its next beacon
-  // step at once instead of holding it, then clears this.
-  std::atomic<bool> asked{false};
   std::atomic<bool> want_beacons{false};   // engine thread → progress thread: ask every source for its step
   bool ask_now = false;                    // progress thread: a target asked; tell a held step now
   std::int32_t ask_header = -1;            // this rank, the header of every ask (UCX reads it until the send completes)

@@ -127,7 +127,6 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
   if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
   const peer_state* p = self->peer(from);
   if (!p || !p->target) return UCS_OK;  // foreign: ignored
-  self->asked.store(true, std::memory_order_relaxed);
   self->ask_now = true;
   return UCS_OK;
 }

@@ -115,15 +115,13 @@ void ucx_transport::impl::end_step(std::uint64_t step) noexcept {
     if (step < next_beacon) return;
   }
   const auto now = std::chrono::steady_clock::now();
-  // A target that waits on this rank asked for the next one at once.
-  if (now < next_beacon_time && !asked.load(std::memory_order_relaxed)) {
+  if (now < next_beacon_time) {
     // Held back without a wake-up: the progress thread sends it once the
     // interval is over (should this rank stop stepping), waiting() at once.
     held_due.store(next_beacon_time.time_since_epoch().count(), std::memory_order_relaxed);
     held_step.store(step, std::memory_order_release);
     return;
   }
-  asked.store(false, std::memory_order_relaxed);
   publish_step(step, now);
 }
 
