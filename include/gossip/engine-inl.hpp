@@ -315,11 +315,19 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     ++m_stats.lead_waits;
     const auto wait_start = clock::now();
     m_transport.waiting();  // a step beacon held back goes out: ranks waiting on each other hear it
+    auto told_waiting = wait_start;
     try {
       detail::wait_for(
           [&] {
             result.merged += poll();
-            return !ahead(heard());
+            if (!ahead(heard())) return true;
+            // Still waiting: say so again each millisecond (the UCX transport
+            // asks its sources for their step; they may have had none newer).
+            if (const auto now = clock::now(); now - told_waiting > std::chrono::milliseconds(1)) {
+              told_waiting = now;
+              m_transport.waiting();
+            }
+            return false;
           },
           m_settings.timeout, [&] {
             return fmt::format(

@@ -209,9 +209,11 @@ class any_transport {
   /// The model_fingerprint a neighbour attached with, once attach() has
   /// returned; 0 when it told none or the transport does not exchange it.
   std::uint64_t peer_model(int rank) const { return m_self->peer_model(rank); }
-  /// This rank is about to wait for its sources ([engine] max_lead): a
+  /// This rank is about to wait, or still waits, for its sources ([engine]
+  /// max_lead; called at the start of a wait and each millisecond of it): a
   /// transport that held back a step beacon (steps shorter than it sends
-  /// them) sends it now, so that ranks waiting on each other hear it.
+  /// them) sends it now, so that ranks waiting on each other hear it, and
+  /// may ask its sources for theirs.
   void waiting() noexcept { m_self->waiting(); }
 
  private:

@@ -236,8 +236,7 @@ struct ucx_transport::impl {
   static ucs_status_t on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   static ucs_status_t on_step(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_beacons() noexcept;
-  // A target waits on this rank: tell it the newest step now, and every
-  // step_beacon steps for the next beacon interval.
+  // A target waits on this rank: tell it the newest (held) step now.
   static ucs_status_t on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_asks() noexcept;
 

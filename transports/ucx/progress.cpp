@@ -160,17 +160,19 @@ std::uint64_t ucx_transport::impl::beacon_to_tell(std::int64_t now_ticks) noexce
   if (const std::uint64_t held = held_step.load(std::memory_order_acquire);
       held > step && (ask_now || now_ticks >= held_due.load(std::memory_order_relaxed)))
     step = held;
-  ask_now = false;
+  ask_now = false;  // nothing newer held: the asking rank asks again if it still waits
   if (step > told) {
     // Later than step_beacon asks (the rank steps faster than
     // beacon_interval_ms lets it tell): say by how much; the first counts from 0.
     // A beacon within an interval of the last (a target asked, or this rank
-    // waits) keeps the last one's `late`: the next regular beacon is still
-    // up to an interval away, and a smaller lead would only make the
-    // targets wait, and ask, again.
+    // waits) keeps the last one's claim, told + told_late, from going down
+    // (without raising it): the next regular beacon is still up to an
+    // interval away, and a smaller lead would only make the targets wait,
+    // and ask, again.
     const std::uint64_t fresh = step == ~std::uint64_t{0} || step - told <= setup.step_beacon ? 0 : step - told - setup.step_beacon;
     const bool early = told > 0 && now_ticks - told_at.load(std::memory_order_relaxed) < beacon_interval().count();
-    const std::uint64_t late = early && step != ~std::uint64_t{0} ? std::max<std::uint64_t>(fresh, told_late) : fresh;
+    const std::uint64_t kept = told + told_late > step ? told + told_late - step : 0;
+    const std::uint64_t late = early && step != ~std::uint64_t{0} ? std::max(fresh, kept) : fresh;
     told_late = static_cast<std::uint32_t>(std::min<std::uint64_t>(late, 0xffffffffu));
     told = step;
     told_at.store(now_ticks, std::memory_order_relaxed);

@@ -130,7 +130,8 @@ void ucx_transport::waiting() noexcept { m->waiting(); }
 void ucx_transport::impl::waiting() noexcept {
   if (setup.step_beacon == 0 || left) return;
   // The sources it waits on may hold their newest step for up to an
-  // interval: ask them for it (and for every stride while this lasts).
+  // interval: ask them for it (the engine calls this again each millisecond
+  // that it goes on waiting).
   want_beacons.store(true, std::memory_order_release);
   if (const std::uint64_t held = held_step.load(std::memory_order_relaxed); held > beacon_step.load(std::memory_order_relaxed))
     publish_step(held, std::chrono::steady_clock::now());
