@@ -265,7 +265,15 @@ struct ucx_transport::impl {
   // Sends to a peer closed as dead that UCX has still not completed a while
   // later are given up on, as failed (see abandon_stuck_sends in progress.cpp).
   void abandon_stuck_sends() noexcept;
-  bool transfer_under_way() const noexcept;
+  // Transfers under way: sends UCX holds, receives into slots, messages
+  // waiting in a backlog for a slot; the smallest one's bytes. The progress
+  // thread polls while one smaller than spin_below is under way.
+  struct transfers {
+    bool any = false;
+    std::size_t smallest = ~std::size_t{0};
+  };
+  static constexpr std::size_t spin_below = std::size_t{16} << 20;
+  transfers under_way() const noexcept;
   void run() noexcept;
 
   // Cancels what is queued, returns held messages to UCX, closes endpoints

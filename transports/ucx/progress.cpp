@@ -382,25 +382,31 @@ void ucx_transport::impl::abandon_stuck_sends() noexcept {
   }
 }
 
-bool ucx_transport::impl::transfer_under_way() const noexcept {
-  for (const auto& b : buffers)
-    if (b.inflight.load(std::memory_order_relaxed) > 0) return true;
-  for (const auto& src : sources) {
-    if (src.count > 0) return true;
-    for (const auto& rc : src.recv)
-      if (rc.request) return true;
+ucx_transport::impl::transfers ucx_transport::impl::under_way() const noexcept {
+  transfers u;
+  const auto take = [&u](std::size_t bytes) {
+    u.any = true;
+    u.smallest = std::min(u.smallest, bytes);
+  };
+  for (std::size_t e = 0; e < buffers.size(); ++e) {
+    if (buffers[e].inflight.load(std::memory_order_relaxed) == 0) continue;
+    u.any = true;  // queued or held; drain_sends has handed every queued one to UCX by now
+    for (int j : neighbours)
+      if (const auto& c = peer(j)->ctx[e]; c.held && !c.abandoned) take(c.length);
   }
-  return false;
+  for (const auto& src : sources) {
+    for (std::size_t k = 0; k < src.count; ++k) take(sizeof(wire_header) + src.backlog[(src.head + k) % src.backlog.size()].length);
+    for (const auto& rc : src.recv)
+      if (rc.request) take(rc.slot->bytes);
+  }
+  return u;
 }
 
 void ucx_transport::impl::run() noexcept {
   using clock = std::chrono::steady_clock;
   pollfd fds[2] = {{wake_fd, POLLIN, 0}, {worker_fd, POLLIN, 0}};
   const nfds_t nfds = worker_fd >= 0 ? 2 : 1;
-  // Not for very large messages: two 16 MiB+ transfers in flight already
-  // saturate memory, and polling then only steals the training's core.
-  const double spin_us = setup.message_bytes >= (std::size_t{16} << 20) ? 0.0 : opt.spin_us;
-  const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(spin_us));
+  const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(opt.spin_us));
   auto last_work = clock::now();
   while (!stop.load(std::memory_order_acquire)) {
     bool work = drain_sends();
@@ -416,7 +422,11 @@ void ucx_transport::impl::run() noexcept {
     // Mid-transfer, poll instead of sleeping: each rendezvous step (RTS, RTR,
     // data, ATS) and each freed slot would otherwise cost a sleep and a
     // wake-up — tens of µs on a busy core, per message.
-    if (spin.count() > 0 && clock::now() - last_work < spin && transfer_under_way()) {
+    // Not for very large messages alone: two 16 MiB+ transfers in flight
+    // already saturate memory, and polling then only steals the training's
+    // core. What counts is each transfer's size, not the slots' (a model of
+    // 64 MiB under a codec sends small messages).
+    if (spin.count() > 0 && clock::now() - last_work < spin && under_way().smallest < spin_below) {
       std::this_thread::yield();
       continue;
     }
@@ -436,7 +446,7 @@ void ucx_transport::impl::run() noexcept {
                                   .count();
       if (ns < idle_wait.tv_nsec) idle_wait.tv_nsec = std::max<std::int64_t>(ns, 0);
     }
-    ::ppoll(fds, nfds, transfer_under_way() ? &busy_wait : &idle_wait, nullptr);
+    ::ppoll(fds, nfds, under_way().any ? &busy_wait : &idle_wait, nullptr);
     if (fds[0].revents & POLLIN) {
       std::uint64_t v;
       [[maybe_unused]] auto n = ::read(wake_fd, &v, sizeof v);

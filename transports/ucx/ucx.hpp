@@ -67,7 +67,9 @@ struct ucx_options {
   double close_timeout_s = 5.0;  ///< bound on the graceful endpoint close in leave()
   /// While a transfer is under way, the progress thread keeps polling (yielding
   /// its core between polls) for this long after its last progress before it
-  /// sleeps on the worker's event fd. 0: sleep at once.
+  /// sleeps on the worker's event fd. 0: sleep at once. Only while one of the
+  /// transfers under way is smaller than 16 MiB: larger ones saturate memory
+  /// by themselves, and polling would only take the training's core.
   double spin_us = 200;
   /// Step beacons ([engine] max_lead) go out at most this often. A rank
   /// stepping faster than max_lead/2 steps per interval sends one per
