@@ -22,15 +22,18 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "../examples/common/batch_stream.hpp"
 #include "../examples/common/data.hpp"
+#include "../examples/common/epoch_exchange.hpp"
 #include "../examples/common/local_sgd.hpp"
 #include "../examples/common/mlp.hpp"
 #include "gossip/error.hpp"
+#include "harness.hpp"
 
 namespace fs = std::filesystem;
 using gossip::data::partition_kind;
@@ -818,5 +821,42 @@ TEST_SUITE("mlp") {
     CHECK(lr_schedule::parse("cosine") == lr_schedule::cosine);
     CHECK(lr_schedule::to_string(lr_schedule::step) == "step");
     CHECK_THROWS_AS(lr_schedule::parse("linear"), gossip::config_error);
+  }
+
+  TEST_CASE("end-of-training barrier: rank 0 learns of a death it cannot see from a survivor's arrival") {
+    // Three ranks in one process. Rank 2 dies before the barrier (it never
+    // arrives); rank 0 is not its neighbour, rank 1's engine found it dead.
+    // Rank 0 must leave it out at once, not wait out the timeout.
+    using namespace gossip;
+    using gossip::examples::bootstrap_exchange;
+    const std::uint16_t port = harness::free_port();
+    const auto timeout = std::chrono::duration<double>(10.0);
+    auto b0 = std::make_shared<bootstrap>(0, 3, "127.0.0.1", port, timeout);
+    auto b1 = std::make_shared<bootstrap>(1, 3, "127.0.0.1", port, timeout);
+    auto b2 = std::make_shared<bootstrap>(2, 3, "127.0.0.1", port, timeout);
+    bootstrap_exchange ex0(b0), ex1(b1), ex2(b2);  // rank 2 posts its host, then is gone
+    engine_stats s1;
+    s1.rank = 1;
+    s1.world = 3;
+    s1.dead_peers = {2};
+    dead_peer d;
+    d.rank = 2;
+    s1.dead = {d};
+    std::thread rank1([&] {
+      gossip::examples::run_report r;
+      ex1.done(1, 1.0, s1, r);
+    });
+    engine_stats s0;
+    s0.world = 3;
+    gossip::examples::run_report r0;
+    const auto t0 = std::chrono::steady_clock::now();
+    ex0.done(0, 1.0, s0, r0);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rank1.join();
+    REQUIRE(r0.dead.size() == 1);
+    CHECK(r0.dead[0].rank == 2);
+    CHECK(r0.dead[0].reason == "found dead by rank 1's engine");
+    CHECK(r0.survivors == 2);
+    CHECK(took < 5.0);  // the deadline is 10 s
   }
 }

@@ -290,34 +290,51 @@ class bootstrap_exchange final : public epoch_exchange {
     double survivors_weight = 0, lost_sent = 0;
     std::map<int, double> own;  // dead rank → largest estimate of its own weight
     std::vector<std::string> final_stats(static_cast<std::size_t>(world));
+    std::vector<char> arrived(static_cast<std::size_t>(world), 0);
+    // A rank that some survivor's engine found dead is not waited for (rank 0
+    // may not be its neighbour); one that arrived first stays a survivor.
+    const auto found_dead = [&](const std::vector<int>& ranks, int by) {
+      for (int d : ranks)
+        if (d > 0 && d < world && !arrived[static_cast<std::size_t>(d)]) declare_dead(d, fmt::format("found dead by rank {}'s engine", by));
+    };
     const auto arrive = [&](int j, const bootstrap::blob& b) {
       std::size_t at = 0;
       survivors_weight += take<double>(b, at);
       lost_sent += take<double>(b, at);
       const auto n = take<std::uint64_t>(b, at);
+      std::vector<int> seen_dead;
       for (std::uint64_t i = 0; i < n && i < 1u << 20; ++i) {
         const int d = take<std::int32_t>(b, at);
         const double e = take<double>(b, at);
         own[d] = std::max(own[d], e);
+        seen_dead.push_back(d);
       }
+      found_dead(seen_dead, j);
       const auto len = take<std::uint64_t>(b, at);
       if (at + len > b.size()) throw error(fmt::format("end-of-training record of rank {} is truncated", j));
       final_stats[static_cast<std::size_t>(j)].assign(reinterpret_cast<const char*>(b.data() + at), len);
     };
-    arrive(0, w);
-    std::vector<char> arrived(static_cast<std::size_t>(world), 0);
     arrived[0] = 1;
+    arrive(0, w);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(m_boot->timeout());
     for (unsigned i = 0;; ++i) {
       bool waiting = false;
       for (int j = 1; j < world; ++j) {
         if (arrived[static_cast<std::size_t>(j)] || m_dead.contains(j)) continue;
         if (auto b = m_boot->try_get(fmt::format("train/done/arrive/{}", j))) {
-          arrive(j, *b);
           arrived[static_cast<std::size_t>(j)] = 1;
+          arrive(j, *b);
         } else {
           waiting = true;
         }
+      }
+      // Deaths posted by ranks still draining (before_finish), not yet in an arrival.
+      for (int k = 1; k < world && waiting; ++k)
+        if (!m_dead.contains(k))
+          if (auto b = m_boot->try_get(fmt::format("train/dead/{}", k))) found_dead(unpack_ranks(*b), k);
+      if (waiting) {
+        waiting = false;
+        for (int j = 1; j < world; ++j) waiting = waiting || (!arrived[static_cast<std::size_t>(j)] && !m_dead.contains(j));
       }
       if (!waiting) break;
       if (std::chrono::steady_clock::now() > deadline) {
