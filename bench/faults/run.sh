@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # bench/faults — the Fashion-MNIST example as UCX processes under gossip-run
 # --on-failure continue, with faults injected from outside:
-#   kill-1-of-4   kill -9 of rank 2 of 4 at 30 % of training (of the fault-free
-#                 run's time from rank 0's table header, printed once the data
-#                 is loaded, to its end: training, evaluation and the barriers)
+#   kill-1-of-4   kill -9 of rank 2 of 4 at 30 % of training (of the same seed's
+#                 fault-free run's time from rank 0's table header, printed once
+#                 the data is loaded, to its end: training, evaluation and the
+#                 barriers; a run that ends before it says "fault not injected")
 #   kill-2-of-8   kill -9 of ranks 3 and 6 of 8 at 30 %
 #   sigstop-20s   SIGSTOP of rank 1 of 4 at 30 %, SIGCONT 20 s later
 #   loss-10pct    every rank in its own network namespace on a bridge, 10 % of
@@ -143,7 +144,8 @@ rank_pids() {
 
 # run NAME WORLD FAULT AT_S [prefix command for each rank]
 #   FAULT: none | kill:R,R | stop:R:SECONDS
-# Writes $TMP/NAME.{json,out,err,res}: res holds rc, wall, hung, detect_s.
+# Writes $TMP/NAME.{json,out,err,res}: res holds rc, wall, hung, detect_s,
+# injected (false when no rank to fault was still running at AT_S).
 run_case() {
   local name=$1 world=$2 fault=$3 at=$4; shift 4
   local cfg; cfg=$(config "$world")
@@ -153,7 +155,7 @@ run_case() {
   timeout -k 10 "$LIMIT_S" env UCX_NET_DEVICES="${FAULTS_NET_DEVICES:-lo}" UCX_TLS=tcp \
     "$RUN" -n "$world" --on-failure continue ${MASTER_ADDR:+--master-addr $MASTER_ADDR} --config "$cfg" -- \
     "$@" "$EXE" --seed "$SEED" --json "$o.json" >"$o.out" 2>"$o.err" &
-  local tp=$! gr="" detect=null t_start t_header=null
+  local tp=$! gr="" detect=null t_start t_header=null injected=true
   t_start=$(date +%s.%N)
   BG+=("$tp")
   for _ in $(seq 1 100); do gr=$(pgrep -P "$tp" -x gossip-run || true); [[ -n $gr ]] && break; sleep 0.05; done
@@ -171,7 +173,9 @@ run_case() {
       kill:*)
         IFS=, read -ra victims <<<"${fault#kill:}"
         t0=$(date +%s.%N)
-        for p in $(rank_pids "$gr" "${victims[@]}"); do kill -9 "$p" 2>/dev/null || true; done
+        local hit=0
+        for p in $(rank_pids "$gr" "${victims[@]}"); do kill -9 "$p" 2>/dev/null && hit=$((hit + 1)); done
+        ((hit > 0)) || injected=false
         # detect_s: until a survivor logs the failure of one of them
         for _ in $(seq 1 1200); do
           if grep -Eq "peer rank ($(IFS='|'; echo "${victims[*]}")) \(host .*\) failed" "$o.err"; then
@@ -183,8 +187,10 @@ run_case() {
       stop:*)
         local r=${fault#stop:}; local secs=${r#*:}; r=${r%%:*}
         local p; p=$(rank_pids "$gr" "$r")
-        if [[ -n $p ]]; then
-          kill -STOP "$p"; sleep "$secs"; kill -CONT "$p"
+        if [[ -n $p ]] && kill -STOP "$p" 2>/dev/null; then
+          sleep "$secs"; kill -CONT "$p" 2>/dev/null || true
+        else
+          injected=false
         fi ;;
     esac
   fi
@@ -192,7 +198,7 @@ run_case() {
   wait "$tp" || rc=$?
   local hung=false
   [[ $rc == 124 || $rc == 137 ]] && hung=true
-  echo "$rc $((SECONDS - start)) $hung $detect" >"$o.res"
+  echo "$rc $((SECONDS - start)) $hung $detect $injected" >"$o.res"
   # From the header to the end: what "30 % of training" is measured against
   awk -v w="$(awk -v a="$(date +%s.%N)" -v b="$t_start" 'BEGIN{print a-b}')" -v h="$t_header" \
     'BEGIN{ if (h == "null") print 5; else printf "%.2f\n", w - h }' >"$o.train_s"
@@ -318,14 +324,14 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
   if wants kill-1-of-4 sigstop-20s loss-10pct; then
     echo "  seed $SEED: fault-free 4 ranks..."
     run_case "base4-s$SEED" 4 none 0
-    [[ -n ${AT[4]:-} ]] || AT[4]=$(awk -v w="$(cat "$TMP/base4-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+    AT[4]=$(awk -v w="$(cat "$TMP/base4-s$SEED.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
   else
     skip_case "base4-s$SEED"
   fi
   if want kill-2-of-8; then
     echo "  seed $SEED: fault-free 8 ranks..."
     run_case "base8-s$SEED" 8 none 0
-    [[ -n ${AT[8]:-} ]] || AT[8]=$(awk -v w="$(cat "$TMP/base8-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+    AT[8]=$(awk -v w="$(cat "$TMP/base8-s$SEED.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
   else
     skip_case "base8-s$SEED"
   fi
@@ -357,7 +363,7 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
   if ((SWITCH_OK)) && want switch-restart; then
     echo "  seed $SEED: through the switch, fault-free and with the switch restarted..."
     run_switch "baseswitch-s$SEED" none 0
-    [[ -n ${AT[switch]:-} ]] || AT[switch]=$(awk -v w="$(cat "$TMP/baseswitch-s1.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
+    AT[switch]=$(awk -v w="$(cat "$TMP/baseswitch-s$SEED.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
     run_switch "switch-restart-s$SEED" restart "${AT[switch]}"
   else
     echo "skip 0 false null" >"$TMP/baseswitch-s$SEED.res"
@@ -373,7 +379,7 @@ only = [s for s in sys.argv[6].split(",") if s]
 rto_max_ms = int(sys.argv[7]) if sys.argv[7] else None
 max_lead = int(sys.argv[8])
 def load(name):
-    rc, wall, hung, detect = open(f"{tmp}/{name}.res").read().split()
+    rc, wall, hung, detect, *rest = open(f"{tmp}/{name}.res").read().split()
     j = None
     if os.path.exists(f"{tmp}/{name}.json"):
         try: j = json.load(open(f"{tmp}/{name}.json"))
@@ -381,7 +387,8 @@ def load(name):
     err = ""
     for ext in ("err", "out"):
         if os.path.exists(f"{tmp}/{name}.{ext}"): err += open(f"{tmp}/{name}.{ext}", errors="replace").read()
-    return dict(rc=rc, wall=float(wall), hung=hung == "true", detect=None if detect == "null" else float(detect), json=j, err=err)
+    return dict(rc=rc, wall=float(wall), hung=hung == "true", detect=None if detect == "null" else float(detect), json=j, err=err,
+                injected=not rest or rest[0] != "false")
 def mean_sd(v):
     v = [x for x in v if x is not None]
     if not v: return None, None
@@ -420,6 +427,7 @@ for name, bkey, world, killed in cases:
         losts.append(lost)
         if r["detect"] is not None: detects.append(r["detect"])
         m = []
+        if not r["injected"]: m.append("fault not injected: the run ended before it (a fault-free pair much slower than this run; rerun on a quieter machine)")
         if r["hung"]: m.append(f"hung: stopped after {r['wall']:.0f} s")
         if r["rc"] != "0": m.append(f"exited {r['rc']}")
         if "internal check failed" in r["err"]: m.append("an internal check failed")
