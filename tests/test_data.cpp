@@ -22,9 +22,9 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <thread>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../examples/common/batch_stream.hpp"

@@ -221,9 +221,7 @@ class bootstrap_exchange final : public epoch_exchange {
         }
       }
       note_dead(progress(), "found dead by rank 0's engine");  // rank j may be waiting for us to take its message
-      for (int k = 1; k < m_boot->world(); ++k)
-        if (!m_dead.contains(k))
-          if (auto b = m_boot->try_get(fmt::format("train/dead/{}", k))) note_dead(unpack_ranks(*b), fmt::format("found dead by rank {}'s engine", k));
+      read_dead_posts(nullptr);
       if (!waiting) break;
       if (std::chrono::steady_clock::now() > deadline) {
         for (int j = 1; j < m_boot->world(); ++j)
@@ -290,26 +288,20 @@ class bootstrap_exchange final : public epoch_exchange {
     double survivors_weight = 0, lost_sent = 0;
     std::map<int, double> own;  // dead rank → largest estimate of its own weight
     std::vector<std::string> final_stats(static_cast<std::size_t>(world));
-    std::vector<char> arrived(static_cast<std::size_t>(world), 0);
     // A rank that some survivor's engine found dead is not waited for (rank 0
     // may not be its neighbour); one that arrived first stays a survivor.
-    const auto found_dead = [&](const std::vector<int>& ranks, int by) {
-      for (int d : ranks)
-        if (d > 0 && d < world && !arrived[static_cast<std::size_t>(d)]) declare_dead(d, fmt::format("found dead by rank {}'s engine", by));
-    };
+    std::vector<char> arrived(static_cast<std::size_t>(world), 0);
     const auto arrive = [&](int j, const bootstrap::blob& b) {
       std::size_t at = 0;
       survivors_weight += take<double>(b, at);
       lost_sent += take<double>(b, at);
       const auto n = take<std::uint64_t>(b, at);
-      std::vector<int> seen_dead;
       for (std::uint64_t i = 0; i < n && i < 1u << 20; ++i) {
         const int d = take<std::int32_t>(b, at);
         const double e = take<double>(b, at);
         own[d] = std::max(own[d], e);
-        seen_dead.push_back(d);
+        if (d > 0 && d < world && !arrived[static_cast<std::size_t>(d)]) declare_dead(d, fmt::format("found dead by rank {}'s engine", j));
       }
-      found_dead(seen_dead, j);
       const auto len = take<std::uint64_t>(b, at);
       if (at + len > b.size()) throw error(fmt::format("end-of-training record of rank {} is truncated", j));
       final_stats[static_cast<std::size_t>(j)].assign(reinterpret_cast<const char*>(b.data() + at), len);
@@ -328,11 +320,8 @@ class bootstrap_exchange final : public epoch_exchange {
           waiting = true;
         }
       }
-      // Deaths posted by ranks still draining (before_finish), not yet in an arrival.
-      for (int k = 1; k < world && waiting; ++k)
-        if (!m_dead.contains(k))
-          if (auto b = m_boot->try_get(fmt::format("train/dead/{}", k))) found_dead(unpack_ranks(*b), k);
-      if (waiting) {
+      if (waiting) {  // deaths posted by ranks still draining (before_finish), not yet in an arrival
+        read_dead_posts(&arrived);
         waiting = false;
         for (int j = 1; j < world; ++j) waiting = waiting || (!arrived[static_cast<std::size_t>(j)] && !m_dead.contains(j));
       }
@@ -446,6 +435,15 @@ class bootstrap_exchange final : public epoch_exchange {
   }
   void note_dead(const std::vector<int>& ranks, const std::string& why) {
     for (int j : ranks) declare_dead(j, why);
+  }
+  // The ranks other ranks posted under train/dead/<k> (their engines found
+  // them dead), except those marked in `keep` (ranks that already arrived).
+  void read_dead_posts(const std::vector<char>* keep) {
+    for (int k = 1; k < m_boot->world(); ++k)
+      if (!m_dead.contains(k))
+        if (auto b = m_boot->try_get(fmt::format("train/dead/{}", k)))
+          for (int d : unpack_ranks(*b))
+            if (!keep || !(*keep)[static_cast<std::size_t>(d)]) declare_dead(d, fmt::format("found dead by rank {}'s engine", k));
   }
   // A rank other than 0: publish at rank 0's rendezvous unless rank 0 is known
   // dead. Returns false (once saying why) when rank 0 is gone.
