@@ -17,3 +17,7 @@ PY
 # Bad input: an unknown policy is refused with the known names.
 if "$exe" --policy sometimes --epochs 1 2>"$out/err"; then echo "unknown policy was accepted" >&2; exit 1; fi
 grep -q "unknown policy 'sometimes'; known policies: periodic, drift" "$out/err"
+# A bad [policy] key is refused before the report's header and the data load.
+if "$exe" --set policy.threshold=-1 --epochs 1 >"$out/stdout" 2>"$out/err"; then echo "policy.threshold = -1 was accepted" >&2; exit 1; fi
+grep -q "key 'threshold' of policy 'consensus' must be" "$out/err"
+if [ -s "$out/stdout" ]; then echo "the report began before the bad key was refused:" >&2; cat "$out/stdout" >&2; exit 1; fi
