@@ -73,9 +73,14 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
     for (const auto& o : overrides) cfg.apply_override(o);
     const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
-    // A bad [policy], [codec] or [engine] key is refused now, before the
-    // header and the data: train() builds the same spec again.
-    (void)detail::engine_spec_for(cfg, settings);
+    // A bad [policy], [topology], [protocol], [codec] or [engine] key is
+    // refused now, before the header and the data: train() builds them again.
+    {
+      const engine_spec spec = detail::engine_spec_for(cfg, settings);
+      // The switch transport checks its own topology ('switch', which it registers).
+      if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, settings.workers);
+      (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+    }
 
     const bool quiet = runs_as_processes(cfg) && bootstrap::identity_from_env().rank != 0;
     if (!quiet)
