@@ -33,16 +33,16 @@ topology_registry_t& topology_registry() {
              const auto& flat = o.integers("edges");
              if (flat.empty() || flat.size() % 2 != 0)
                throw config_error(fmt::format("{}: key 'edges' must list pairs of ranks, e.g. [[0, 1], [1, 2]]; got {} integers",
-                                              o.where(), flat.size()));
+                                              o.where("edges"), flat.size()));
              std::vector<std::pair<int, int>> list;
              for (std::size_t i = 0; i < flat.size(); i += 2) {
                // Checked before narrowing to int: 2^32 + 1 is not rank 1.
                if (flat[i] < 0 || flat[i] >= world || flat[i + 1] < 0 || flat[i + 1] >= world)
                  throw config_error(fmt::format("{}: edge [{}, {}] is invalid for a world of {} ranks (ranks are 0..{}, no self-loops)",
-                                                o.where(), flat[i], flat[i + 1], world, world - 1));
+                                                o.where("edges"), flat[i], flat[i + 1], world, world - 1));
                list.emplace_back(static_cast<int>(flat[i]), static_cast<int>(flat[i + 1]));
              }
-             return topology(topologies::edges(rank, world, list, o.boolean("directed"), o.where()), rank, world, "edges");
+             return topology(topologies::edges(rank, world, list, o.boolean("directed"), o.where("edges")), rank, world, "edges");
            }});
     return t;
   }();
@@ -60,7 +60,7 @@ protocol_registry_t& protocol_registry() {
            {{"gamma", 1.0, "consensus step size (0 < gamma <= 1)"}},
            [](const options& o) {
              const double g = o.real("gamma");
-             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where(), g));
+             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where("gamma"), g));
              return protocol(protocol::kind::stale_copy, g, "stale-copy");
            }});
     p.add({"switch-aggregate", "through an aggregation switch: all-reduce (sync) or shared aggregate of deltas (async); transport 'switch'",
@@ -68,10 +68,10 @@ protocol_registry_t& protocol_registry() {
             {"gamma", 1.0, "step towards the group average (0 < gamma <= 1)"}},
            [](const options& o) {
              const double g = o.real("gamma");
-             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where(), g));
+             if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where("gamma"), g));
              const auto& m = o.string("mode");
              if (m != "auto" && m != "sync" && m != "async")
-               throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", o.where(), m));
+               throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", o.where("mode"), m));
              // "auto" reaching here was not resolved from a config's policy (engine built in code): async.
              return protocol(protocol::kind::switch_aggregate, g, "switch-aggregate",
                              m == "sync" ? protocol::payload::model : protocol::payload::delta);

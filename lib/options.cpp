@@ -124,7 +124,7 @@ options options::resolved(std::span<const option_spec> specs, std::string_view c
   }
   for (const auto& s : specs) {
     if (!s.env.empty())
-      if (const char* e = std::getenv(s.env.c_str()); e && *e) out.set(s.key, parse_env(s, e));
+      if (const char* e = std::getenv(s.env.c_str()); e && *e) out.set(s.key, parse_env(s, e), fmt::format("environment variable {}={}", s.env, e));
     if (!out.has(s.key)) out.set(s.key, s.default_value);
   }
   return out;

@@ -95,19 +95,19 @@ class budget {
     const double fraction = o.real("fraction");
     if (!(fraction > 0 && fraction <= 1))
       throw config_error(fmt::format("{}: key 'fraction' of policy 'budget' must be a number in (0, 1], got {}",
-                                     o.where(), fraction));
+                                     o.where("fraction"), fraction));
     const double initial = o.real("initial_threshold");
     if (!(std::isfinite(initial) && initial > 0))
       throw config_error(fmt::format(
-          "{}: key 'initial_threshold' of policy 'budget' must be a finite number > 0, got {}", o.where(), initial));
+          "{}: key 'initial_threshold' of policy 'budget' must be a finite number > 0, got {}", o.where("initial_threshold"), initial));
     const double gain = o.real("gain");
     if (!(std::isfinite(gain) && gain > 0))
       throw config_error(
-          fmt::format("{}: key 'gain' of policy 'budget' must be a finite number > 0, got {}", o.where(), gain));
+          fmt::format("{}: key 'gain' of policy 'budget' must be a finite number > 0, got {}", o.where("gain"), gain));
     const std::int64_t min_interval = o.integer("min_interval");
     if (min_interval < 1)
       throw config_error(fmt::format("{}: key 'min_interval' of policy 'budget' must be an integer >= 1, got {}",
-                                     o.where(), min_interval));
+                                     o.where("min_interval"), min_interval));
     return budget(fraction, initial, gain, static_cast<std::uint64_t>(min_interval));
   }
 

@@ -116,7 +116,7 @@ class consensus {
     auto real_in = [&](const char* key, double lo, double hi, bool open_lo) {
       const double v = o.real(key);
       if (!std::isfinite(v) || (open_lo ? !(v > lo) : !(v >= lo)) || v > hi)
-        throw config_error(fmt::format("{}: key '{}' of policy 'consensus' must be a number in {}{}, {}], got {}", o.where(), key,
+        throw config_error(fmt::format("{}: key '{}' of policy 'consensus' must be a number in {}{}, {}], got {}", o.where(key), key,
                                        open_lo ? "(" : "[", lo, hi, v));
       return v;
     };
@@ -125,13 +125,13 @@ class consensus {
     p.balance = real_in("balance", 0, 4, false);
     const std::int64_t min_interval = o.integer("min_interval");
     if (min_interval < 1)
-      throw config_error(fmt::format("{}: key 'min_interval' of policy 'consensus' must be an integer >= 1, got {}", o.where(), min_interval));
+      throw config_error(fmt::format("{}: key 'min_interval' of policy 'consensus' must be an integer >= 1, got {}", o.where("min_interval"), min_interval));
     const std::int64_t max_interval = o.integer("max_interval");
     if (max_interval < 0)
       throw config_error(
-          fmt::format("{}: key 'max_interval' of policy 'consensus' must be an integer >= 0 (0 = no limit), got {}", o.where(), max_interval));
+          fmt::format("{}: key 'max_interval' of policy 'consensus' must be an integer >= 0 (0 = no limit), got {}", o.where("max_interval"), max_interval));
     if (max_interval > 0 && max_interval < min_interval)
-      throw config_error(fmt::format("{}: key 'max_interval' of policy 'consensus' ({}) must be >= min_interval ({}) or 0", o.where(),
+      throw config_error(fmt::format("{}: key 'max_interval' of policy 'consensus' ({}) must be >= min_interval ({}) or 0", o.where("max_interval"),
                                      max_interval, min_interval));
     p.min_interval = static_cast<std::uint64_t>(min_interval);
     p.max_interval = static_cast<std::uint64_t>(max_interval);

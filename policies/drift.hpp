@@ -55,11 +55,11 @@ struct drift {
     const double threshold = o.real("threshold");
     if (!(std::isfinite(threshold) && threshold > 0))
       throw config_error(fmt::format("{}: key 'threshold' of policy 'drift' must be a finite number > 0, got {}",
-                                     o.where(), threshold));
+                                     o.where("threshold"), threshold));
     const std::int64_t max_interval = o.integer("max_interval");
     if (max_interval < 0)
       throw config_error(fmt::format(
-          "{}: key 'max_interval' of policy 'drift' must be an integer >= 0 (0 = no limit), got {}", o.where(),
+          "{}: key 'max_interval' of policy 'drift' must be an integer >= 0 (0 = no limit), got {}", o.where("max_interval"),
           max_interval));
     return drift{.threshold = threshold,
                  .relative = o.boolean("relative"),

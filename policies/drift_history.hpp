@@ -94,11 +94,11 @@ class drift_history {
     const double xi = o.real("xi");
     if (!(std::isfinite(xi) && xi > 0))
       throw config_error(
-          fmt::format("{}: key 'xi' of policy 'drift-history' must be a finite number > 0, got {}", o.where(), xi));
+          fmt::format("{}: key 'xi' of policy 'drift-history' must be a finite number > 0, got {}", o.where("xi"), xi));
     const std::int64_t window = o.integer("window");
     if (window < 1 || window > static_cast<std::int64_t>(max_window))
       throw config_error(fmt::format("{}: key 'window' of policy 'drift-history' must be an integer in [1, {}], got {}",
-                                     o.where(), max_window, window));
+                                     o.where("window"), max_window, window));
     return drift_history(xi, static_cast<std::size_t>(window));
   }
 

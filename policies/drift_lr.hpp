@@ -60,16 +60,16 @@ struct drift_lr {
     const double c0 = o.real("c0");
     if (!(std::isfinite(c0) && c0 > 0))
       throw config_error(
-          fmt::format("{}: key 'c0' of policy 'drift-lr' must be a finite number > 0, got {}", o.where(), c0));
+          fmt::format("{}: key 'c0' of policy 'drift-lr' must be a finite number > 0, got {}", o.where("c0"), c0));
     // SPARQ needs c_t non-decreasing; a falling threshold is a different rule.
     const double epsilon = o.real("epsilon");
     if (!(std::isfinite(epsilon) && epsilon >= 0))
       throw config_error(
-          fmt::format("{}: key 'epsilon' of policy 'drift-lr' must be a finite number >= 0, got {}", o.where(), epsilon));
+          fmt::format("{}: key 'epsilon' of policy 'drift-lr' must be a finite number >= 0, got {}", o.where("epsilon"), epsilon));
     const std::int64_t min_interval = o.integer("min_interval");
     if (min_interval < 1)
       throw config_error(fmt::format("{}: key 'min_interval' of policy 'drift-lr' must be an integer >= 1, got {}",
-                                     o.where(), min_interval));
+                                     o.where("min_interval"), min_interval));
     return drift_lr{.c0 = c0, .epsilon = epsilon, .min_interval = static_cast<std::uint64_t>(min_interval)};
   }
 };

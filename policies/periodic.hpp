@@ -53,7 +53,7 @@ struct periodic {
   static periodic from_options(const options& o) {
     const std::int64_t every = o.integer("every");
     if (every < 1)
-      throw config_error(fmt::format("{}: key 'every' of policy 'periodic' must be an integer >= 1, got {}", o.where(),
+      throw config_error(fmt::format("{}: key 'every' of policy 'periodic' must be an integer >= 1, got {}", o.where("every"),
                                      every));
     return periodic{.every = static_cast<std::uint64_t>(every), .stagger = o.boolean("stagger")};
   }

@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
     examples::train_settings rounds_probe = settings;
     rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
     if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
-      throw config_error(fmt::format("{}: key 'rounds' must be >= 1, or -1 for automatic", bl.where()));
+      throw config_error(fmt::format("{}: key 'rounds' must be >= 1, or -1 for automatic", bl.where("rounds")));
     const int avg_rounds = rounds_probe.rounds_per_average();
     const double outer_lr = bl.real("outer_lr"), outer_momentum = bl.real("outer_momentum");
     const int max_attempts = std::max<int>(1, static_cast<int>(bl.integer("max_attempts")));

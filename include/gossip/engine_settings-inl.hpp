@@ -15,7 +15,7 @@ inline engine_settings engine_settings::from(const options& o) {
   // Integers are checked before they are narrowed, so 2^32 + 2 is refused rather than read as 2.
   const auto in_range = [&](std::string_view key, std::int64_t lo, std::int64_t hi, std::string_view expected) {
     const std::int64_t v = o.integer(key);
-    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(), key, expected, v));
+    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(key), key, expected, v));
     return v;
   };
   // A deadline is steady_clock::now() + timeout in nanoseconds: bounded so that it cannot overflow.
@@ -36,7 +36,7 @@ inline engine_settings engine_settings::from(const options& o) {
     const std::string v = o.string(key);
     for (const auto& [name, value] : choices)
       if (v == name) return value;
-    throw config_error(fmt::format("{}: key '{}' must be \"{}\", \"{}\" or \"{}\", got \"{}\"", o.where(), key, choices[0].first,
+    throw config_error(fmt::format("{}: key '{}' must be \"{}\", \"{}\" or \"{}\", got \"{}\"", o.where(key), key, choices[0].first,
                                    choices[1].first, choices[2].first, v));
   };
   using mode = engine_settings::momentum_mode;
@@ -44,15 +44,15 @@ inline engine_settings engine_settings::from(const options& o) {
                                       {{"auto", mode::automatic}, {"quasi-global", mode::quasi_global}, {"local", mode::local}}});
   const double beta = o.real("momentum_beta");
   if (!(beta >= 0 && beta < 1))
-    throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where(), beta));
+    throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where("momentum_beta"), beta));
   s.momentum_beta = static_cast<float>(beta);
   using merge = engine_settings::merge_momentum;
   s.momentum_merge = choice("momentum_merge", std::array<std::pair<std::string_view, merge>, 3>{
                                                   {{"auto", merge::automatic}, {"full", merge::full}, {"spread", merge::spread}}});
   if (!(s.timeout.count() > 0))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where(), s.timeout.count()));
+    throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where("timeout_s"), s.timeout.count()));
   if (!(s.timeout.count() <= max_timeout_s))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be at most {} seconds (a year), got {}", o.where(), max_timeout_s,
+    throw config_error(fmt::format("{}: key 'timeout_s' must be at most {} seconds (a year), got {}", o.where("timeout_s"), max_timeout_s,
                                    s.timeout.count()));
   return s;
 }
@@ -68,6 +68,17 @@ inline engine_spec engine_spec::from(const config& cfg) {
     throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
                                    "compressed messages; set [codec] name = \"none\"",
                                    cfg.codec.opts.where(), cfg.codec.name));
+  // The switch's protocol and topology mean nothing without the switch in the path.
+  if (cfg.transport.name != "switch") {
+    if (cfg.protocol.name == "switch-aggregate")
+      throw config_error(fmt::format("{}: protocol 'switch-aggregate' needs transport 'switch' (the aggregation switch), but [transport] "
+                                     "name is '{}'; over it use push-sum, pairwise or stale-copy",
+                                     cfg.protocol.opts.where("name"), cfg.transport.name));
+    if (cfg.topology.name == "switch")
+      throw config_error(fmt::format("{}: topology 'switch' (every member of a switch group) needs transport 'switch', but [transport] "
+                                     "name is '{}'; over it use e.g. exponential, ring or complete",
+                                     cfg.topology.opts.where("name"), cfg.transport.name));
+  }
   // The switch protocol's mode follows the policy unless the config names one.
   if (s.protocol.name == "switch-aggregate") {
     const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";

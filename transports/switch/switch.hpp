@@ -355,7 +355,7 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
                                    cfg.source, o.string("mode"), proto_mode));
   auto in_range = [&](const char* key, std::int64_t lo, std::int64_t hi) {
     const auto v = o.integer(key);
-    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(), key, lo, hi, v));
+    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
     return v;
   };
   switch_transport::settings s;
@@ -369,8 +369,8 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   s.client.rto_s = o.real("rto_ms") / 1000;
   s.client.timeout_s = o.real("timeout_s");
   s.client.bind_address = o.string("bind");
-  if (!(s.client.rto_s > 0) || !(s.client.timeout_s > 0))
-    throw config_error(fmt::format("{}: keys 'rto_ms' and 'timeout_s' must be > 0", o.where()));
+  for (const auto& [key, v] : {std::pair{"rto_ms", s.client.rto_s}, std::pair{"timeout_s", s.client.timeout_s}})
+    if (!(v > 0) || !std::isfinite(v)) throw config_error(fmt::format("{}: key '{}' must be a finite number > 0, got {}", o.where(key), key, o.real(key)));
   return switch_transport(std::move(s));
 }
 
