@@ -2,6 +2,8 @@
 #include "gossip/config.hpp"
 
 #include <algorithm>
+#include <optional>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -10,10 +12,30 @@
 #include <toml++/toml.h>
 
 #include "did_you_mean.hpp"
+#include "gossip/codec.hpp"
 #include "gossip/error.hpp"
+#include "gossip/policy.hpp"
+#include "gossip/protocol.hpp"
+#include "gossip/topology.hpp"
 
 namespace gossip {
 namespace {
+
+// The settings component `name` of `section` declares, where this library
+// knows them (not for the switch transport, or an unknown name).
+std::optional<std::vector<option_spec>> specs_of(const std::string& section, const std::string& name) {
+  const auto in = [&](const auto& registry) -> std::optional<std::vector<option_spec>> {
+    for (const auto& e : registry.entries())
+      if (e.name == name) return e.specs;
+    return std::nullopt;
+  };
+  if (section == "policy") return in(policy_registry());
+  if (section == "topology") return in(topology_registry());
+  if (section == "protocol") return in(protocol_registry());
+  if (section == "codec") return in(codec_registry());
+  if (section == "transport" && name == "loopback") return loopback_option_specs();
+  return std::nullopt;
+}
 
 option_value to_value(const toml::node& n, const std::string& where, const std::string& key) {
   if (auto v = n.as_boolean()) return v->get();
@@ -119,6 +141,9 @@ config config::parse(std::string_view text, const std::string& source, std::vect
 }
 
 config config::load(const std::string& path, std::vector<std::string> app_sections) {
+  // An ifstream opens a directory without complaint on Linux and reads nothing.
+  if (std::error_code ec; std::filesystem::is_directory(path, ec))
+    throw config_error(fmt::format("{}: is a directory, not a config file; give the path of a .toml file", path));
   std::ifstream in(path);
   if (!in) throw config_error(fmt::format("{}: cannot open the config file (does it exist and is it readable?)", path));
   std::stringstream ss;
@@ -153,7 +178,18 @@ void config::apply_override(std::string_view assignment) {
   if (comp && key == "name") {
     auto str = v.as_string();
     if (!str) throw config_error(fmt::format("{}: a component name must be a string", where));
-    if (str->get() != comp->name) *comp = {str->get(), options(fmt::format("{} [{}]", source, section))};
+    if (str->get() != comp->name) {
+      // The old component's settings go with it, but a key set by --set that
+      // the new one also has stays, whatever the order of the --set options
+      // (--set policy.threshold=0.5 --set policy.name=drift).
+      const auto declared = specs_of(section, str->get());
+      options kept(fmt::format("{} [{}]", source, section));
+      for (const auto& [k, val] : comp->opts.values())
+        if (const auto& origin = comp->opts.where(k); origin != comp->opts.where() && declared &&
+            std::any_of(declared->begin(), declared->end(), [&](const option_spec& s) { return s.key == k; }))
+          kept.set(k, val, origin);
+      *comp = {str->get(), std::move(kept)};
+    }
     return;
   }
   options& target = comp ? comp->opts : section == "engine" ? engine
