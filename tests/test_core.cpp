@@ -40,6 +40,11 @@ TEST_CASE("an environment variable overrides the file for specs that name one") 
   ::setenv("GOSSIP_TEST_TIMEOUT", "soon", 1);
   CHECK_THROWS_WITH_AS(o.resolved(specs, "[engine]"), doctest::Contains("GOSSIP_TEST_TIMEOUT=soon (for key 'timeout_s'): expected a number"), config_error);
   ::unsetenv("GOSSIP_TEST_TIMEOUT");
+  // A value from the environment is blamed on the environment, not on the file.
+  ::setenv("GOSSIP_TIMEOUT_S", "-1", 1);
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\ntimeout_s = 5\n", "run.toml")),
+                       "environment variable GOSSIP_TIMEOUT_S=-1: key 'timeout_s' must be > 0 seconds, got -1", config_error);
+  ::unsetenv("GOSSIP_TIMEOUT_S");
 }
 
 TEST_CASE("config files: sections, components and application sections") {
@@ -71,6 +76,7 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
                        "bad.toml: top-level key 'threshold' must be inside a section; known sections: policy, topology, protocol, transport, codec, engine",
                        config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
+  CHECK_THROWS_WITH_AS(config::load("/tmp"), "/tmp: is a directory, not a config file; give the path of a .toml file", config_error);
 
   const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(unknown),
@@ -89,6 +95,13 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\ntrace_capacity = -1\n", "run.toml")),
                        "run.toml [engine]: key 'trace_capacity' must be >= 0, got -1", config_error);
   CHECK_THROWS_AS(engine_spec::from(config::parse("[engine]\nfinish_rounds = 4294967296\n", "run.toml")), config_error);
+  // The switch's protocol and topology are refused without the switch transport.
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[protocol]\nname = \"switch-aggregate\"\n", "run.toml")),
+                       doctest::Contains("run.toml [protocol]: protocol 'switch-aggregate' needs transport 'switch'"), config_error);
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[topology]\nname = \"switch\"\n[transport]\nname = \"ucx\"\n", "run.toml")),
+                       doctest::Contains("run.toml [topology]: topology 'switch' (every member of a switch group) needs transport 'switch', but "
+                                         "[transport] name is 'ucx'"),
+                       config_error);
   const auto engine_key = config::parse("[engine]\ntimeuot_s = 1\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(engine_key), doctest::Contains("unknown key 'timeuot_s' for [engine] (did you mean 'timeout_s'?); known keys: timeout_s,"), config_error);
 }
@@ -131,9 +144,30 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK(cfg.sections.at("train").string("partition") == "by_label");
   CHECK(cfg.topology.name == "ring");
   CHECK(cfg.engine.real("timeout_s") == 5.0);
-  cfg.apply_override("policy.name=periodic");  // switching the policy drops the old one's options
+  cfg.apply_override("policy.name=periodic");  // switching the policy drops the options the new one does not have
   CHECK(cfg.policy.name == "periodic");
   CHECK_FALSE(cfg.policy.opts.has("threshold"));
+  // A --set key the new component has stays, whatever the order of the --set options;
+  // the old component's keys from the file do not.
+  cfg.apply_override("policy.every=5");
+  cfg.apply_override("policy.name=drift");
+  CHECK_FALSE(cfg.policy.opts.has("every"));
+  cfg.apply_override("policy.threshold=0.5");
+  cfg.apply_override("policy.name=periodic");
+  cfg.apply_override("policy.max_interval=7");
+  cfg.apply_override("policy.name=drift");
+  CHECK_FALSE(cfg.policy.opts.has("threshold"));  // dropped on the way through periodic
+  CHECK(cfg.policy.opts.integer("max_interval") == 7);
+  CHECK(cfg.policy.opts.where("max_interval") == "--set policy.max_interval=7");
+  auto file = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\nmax_interval = 9\n", "run.toml");
+  file.apply_override("policy.threshold=0.2");
+  file.apply_override("policy.name=drift-lr");  // drift-lr has no threshold; the file's max_interval goes with drift
+  CHECK_FALSE(file.policy.opts.has("threshold"));
+  CHECK_FALSE(file.policy.opts.has("max_interval"));
+  file.apply_override("policy.name=drift");
+  file.apply_override("policy.threshold=0.2");
+  file.apply_override("policy.name=consensus");  // consensus has a threshold: the --set value stays
+  CHECK(file.policy.opts.real("threshold") == 0.2);
   CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
 }
@@ -175,6 +209,13 @@ TEST_CASE("--set: unknown sections and keys name the override") {
   CHECK_THROWS_WITH_AS(engine_spec::from(cfg),
                        doctest::Contains("--set policy.thresold=0.1: unknown key 'thresold' for policy 'drift' (did you mean 'threshold'?); known keys: "),
                        config_error);
+  // A range error names the override, not the file that holds another value.
+  auto range = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[engine]\ntimeout_s = 5\n", "run.toml");
+  range.apply_override("policy.threshold=-1");
+  CHECK_THROWS_WITH_AS(engine_spec::from(range), doctest::Contains("--set policy.threshold=-1: key 'threshold' of policy 'drift'"), config_error);
+  range.apply_override("policy.threshold=0.1");
+  range.apply_override("engine.timeout_s=-1");
+  CHECK_THROWS_WITH_AS(engine_spec::from(range), "--set engine.timeout_s=-1: key 'timeout_s' must be > 0 seconds, got -1", config_error);
   auto engine_cfg = config::parse("[engine]\ntimeout_s = 5\n", "run.toml");
   engine_cfg.apply_override("engine.timeuot_s=1");
   CHECK_THROWS_WITH_AS(engine_spec::from(engine_cfg),
