@@ -1,7 +1,10 @@
 // JSON report and Chrome-trace output.
 #include "gossip/stats.hpp"
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -17,6 +20,24 @@ std::string expand_rank(std::string path, int rank) {
     path.replace(pos, 6, std::to_string(rank));
   return path;
 }
+
+}  // namespace
+
+void check_output_path(const std::string& path, int rank, int world, std::string_view key) {
+  if (path.empty()) return;
+  if (world > 1 && path.find("{rank}") == std::string::npos)
+    throw config_error(fmt::format("[engine] {} = \"{}\": every one of the {} ranks would write this one file; put {{rank}} in the path, "
+                                   "e.g. \"{}-{{rank}}.json\"",
+                                   key, path, world, key));
+  namespace fs = std::filesystem;
+  const fs::path p(expand_rank(path, rank));
+  const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  if (std::error_code ec; !fs::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0)
+    throw config_error(fmt::format("[engine] {} = \"{}\": the directory {} does not exist or is not writable; create it or change the path",
+                                   key, path, dir.string()));
+}
+
+namespace {
 
 void write_text(const std::string& path, const std::string& text, const char* what) {
   std::ofstream out(path);

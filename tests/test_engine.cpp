@@ -27,7 +27,7 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
       run_ranks(world, [&](int r) {
         toy_model m({300, 20}, 1);
         auto spec = spec_of(policy_registry().make(entry.name, options("test")), "exponential", proto);
-        spec.settings.trace_path = "unused";  // trace buffer on, never written (finish() is not called)
+        spec.settings.trace_path = "unused-{rank}";  // trace buffer on, never written (finish() is not called)
         engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
         t_counting = true;
         for (int s = 0; s < 200; ++s) {
@@ -141,6 +141,17 @@ TEST_CASE("engine construction errors are clear") {
   dev.add("w", x, memory_kind::cuda);
   CHECK_THROWS_WITH_AS(engine(dev, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
                        doctest::Contains("tensor 'w' lives in device memory"), config_error);
+  // Output paths are checked when the engine is built, not after the run in finish().
+  auto one_file = spec_of(any_policy(policies::never{}, "never"));
+  one_file.settings.stats_path = "stats.json";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, one_file, fabric.endpoint(0)),
+                       doctest::Contains("[engine] stats = \"stats.json\": every one of the 2 ranks would write this one file; put {rank} in the path"),
+                       config_error);
+  auto no_dir = spec_of(any_policy(policies::never{}, "never"));
+  no_dir.settings.trace_path = "/nonexistent-dir/trace-{rank}.json";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, no_dir, fabric.endpoint(0)),
+                       doctest::Contains("[engine] trace = \"/nonexistent-dir/trace-{rank}.json\": the directory /nonexistent-dir does not exist"),
+                       config_error);
 }
 
 TEST_CASE("stats: sends per window fold pairwise when the run outgrows the reserved windows") {

@@ -124,6 +124,11 @@ struct trace_event {
 
 /// Writes the report to `path` (throws gossip::error naming the path on failure).
 void write_stats_file(const std::string& path, const engine_stats& stats);
+/// Checks an output path of [engine] `key` (stats, trace) when the engine is
+/// built rather than when finish() writes it: with several ranks it must hold
+/// {rank} (else they would all write one file), and its directory must exist
+/// and be writable. config_error naming the key otherwise.
+void check_output_path(const std::string& path, int rank, int world, std::string_view key);
 
 /// Writes events as Chrome-trace / Perfetto JSON (one track per rank).
 /// A send's args carry `codec` and its `ratio` (bytes after / before the codec).
