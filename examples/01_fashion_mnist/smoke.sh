@@ -21,3 +21,20 @@ grep -q "unknown policy 'sometimes'; known policies: periodic, drift" "$out/err"
 if "$exe" --set policy.threshold=-1 --epochs 1 >"$out/stdout" 2>"$out/err"; then echo "policy.threshold = -1 was accepted" >&2; exit 1; fi
 grep -q "key 'threshold' of policy 'consensus' must be" "$out/err"
 if [ -s "$out/stdout" ]; then echo "the report began before the bad key was refused:" >&2; cat "$out/stdout" >&2; exit 1; fi
+# The same for the other kinds of bad input, each refused before the header with
+# the key (or flag) named: [transport] keys, the report's path, a loopback config
+# in a process started as one of several ranks.
+refused() {  # expected-message args…
+  local want=$1; shift
+  if "$exe" --epochs 1 "$@" >"$out/stdout" 2>"$out/err"; then echo "accepted: $*" >&2; exit 1; fi
+  grep -qF -- "$want" "$out/err" || { echo "for $*: expected '$want', got:" >&2; cat "$out/err" >&2; exit 1; }
+  if [ -s "$out/stdout" ]; then echo "the report began before '$*' was refused:" >&2; cat "$out/stdout" >&2; exit 1; fi
+}
+refused "--set transport.bandwith_gbps=1: unknown key 'bandwith_gbps' for transport 'loopback' (did you mean 'bandwidth_gbps'?)" \
+  --set transport.bandwith_gbps=1
+refused "--set transport.latency_us=-5: key 'latency_us' of transport 'loopback' must be a finite number >= 0" --set transport.latency_us=-5
+refused "unknown transport 'tcp'; known transports: loopback, ucx, switch" --set transport.name=tcp
+refused "--json /nonexistent-dir/run.json: cannot write the report there" --json /nonexistent-dir/run.json
+refused "--set train.lr=inf: key 'lr' must be a finite number > 0" --set train.lr=inf
+refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch-aggregate
+GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"

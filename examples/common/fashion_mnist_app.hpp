@@ -3,8 +3,13 @@
 // config, per-epoch table, final line and --json. examples/01_fashion_mnist
 // (MLP), examples/02_fashion_mnist_cuda (the MLP on the GPU) and
 // examples/03_libtorch_cnn (libtorch CNN) differ only in the model.
+#include <unistd.h>
+
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -44,9 +49,9 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")");
   app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
   app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
-  app.add_option("--seed", seed, "override [train] seed");
+  app.add_option("--seed", seed, "override [train] seed")->check(CLI::NonNegativeNumber);
   app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)");
-  app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)");
+  app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")->check(CLI::NonNegativeNumber);
   app.add_option("--json", json_path, "write the run report as JSON here");
   std::vector<std::string> overrides;
   app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");
@@ -73,16 +78,26 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
     for (const auto& o : overrides) cfg.apply_override(o);
     const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
-    // A bad [policy], [topology], [protocol], [codec] or [engine] key is
-    // refused now, before the header and the data: train() builds them again.
+    // A bad [policy], [topology], [protocol], [codec], [engine] or [transport]
+    // key is refused now, before the header and the data: train() builds them again.
     {
       const engine_spec spec = detail::engine_spec_for(cfg, settings);
+      (void)detail::check_transport(cfg);
       // The switch transport checks its own topology ('switch', which it registers).
       if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, settings.workers);
       (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
     }
 
     const bool quiet = runs_as_processes(cfg) && bootstrap::identity_from_env().rank != 0;
+    // Where the report goes is checked now, not after the run.
+    if (!json_path.empty() && !quiet) {
+      namespace fs = std::filesystem;
+      const fs::path dir = fs::path(json_path).parent_path().empty() ? fs::path(".") : fs::path(json_path).parent_path();
+      if (std::error_code ec; fs::is_directory(json_path, ec))
+        throw config_error(fmt::format("--json {}: is a directory; give the path of a file to write the report to", json_path));
+      if (std::error_code ec; !fs::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0)
+        throw config_error(fmt::format("--json {}: cannot write the report there ({} is not a writable directory)", json_path, dir.string()));
+    }
     if (!quiet)
       fmt::print("libgossip {} — {}, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title,
                settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
@@ -117,7 +132,10 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       for (const auto& e : report.epochs) j["epochs"].push_back({{"epoch", e.epoch}, {"accuracy", e.accuracy}, {"loss", e.train_loss}});
       j["ranks"] = nlohmann::json::array();
       for (const auto& r : report.rank_stats) j["ranks"].push_back(nlohmann::json::parse(r));
-      std::ofstream(json_path) << j.dump(2) << '\n';
+      std::ofstream json_out(json_path);
+      json_out << j.dump(2) << '\n';
+      json_out.close();
+      if (!json_out) throw config_error(fmt::format("--json {}: writing the report failed ({})", json_path, std::strerror(errno)));
     }
   } catch (const gossip::error& e) {
     fmt::print(stderr, "error: {}\n", e.what());

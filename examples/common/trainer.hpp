@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <barrier>
 #include <map>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -19,6 +20,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -91,7 +93,7 @@ struct train_settings {
     train_settings s;
     auto positive = [&](const char* key, std::int64_t lo, std::int64_t hi) {
       const auto v = o.integer(key);
-      if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(), key, lo, hi, v));
+      if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
       return static_cast<int>(v);
     };
     s.workers = positive("workers", 1, 256);
@@ -99,34 +101,41 @@ struct train_settings {
     s.batch = positive("batch", 1, 4096);
     s.hidden.clear();
     for (auto h : o.integers("hidden")) {
-      if (h < 1 || h > 65536) throw config_error(fmt::format("{}: key 'hidden' holds width {}; widths must be in 1..65536", o.where(), h));
+      if (h < 1 || h > 65536) throw config_error(fmt::format("{}: key 'hidden' holds width {}; widths must be in 1..65536", o.where("hidden"), h));
       s.hidden.push_back(static_cast<int>(h));
     }
-    if (s.hidden.empty()) throw config_error(fmt::format("{}: key 'hidden' must list at least one hidden layer width", o.where()));
+    if (s.hidden.empty()) throw config_error(fmt::format("{}: key 'hidden' must list at least one hidden layer width", o.where("hidden")));
     s.lr = o.real("lr");
     s.momentum = o.real("momentum");
     s.weight_decay = o.real("weight_decay");
-    if (!(s.lr > 0)) throw config_error(fmt::format("{}: key 'lr' must be > 0, got {}", o.where(), s.lr));
-    if (!(s.momentum >= 0 && s.momentum < 1)) throw config_error(fmt::format("{}: key 'momentum' must be in [0, 1), got {}", o.where(), s.momentum));
+    if (!(s.lr > 0) || !std::isfinite(s.lr)) throw config_error(fmt::format("{}: key 'lr' must be a finite number > 0, got {}", o.where("lr"), s.lr));
+    if (!(s.weight_decay >= 0) || !std::isfinite(s.weight_decay))
+      throw config_error(fmt::format("{}: key 'weight_decay' must be a finite number >= 0, got {}", o.where("weight_decay"), s.weight_decay));
+    if (!(s.momentum >= 0 && s.momentum < 1)) throw config_error(fmt::format("{}: key 'momentum' must be in [0, 1), got {}", o.where("momentum"), s.momentum));
     try {
       s.schedule = lr_schedule::parse(o.string("schedule"));
+    } catch (const config_error& e) {
+      throw config_error(fmt::format("{}: key 'schedule': {}", o.where("schedule"), e.what()));
+    }
+    try {
       s.partition = data::parse_partition_kind(o.string("partition"));
     } catch (const config_error& e) {
-      throw config_error(fmt::format("{}: {}", o.where(), e.what()));
+      throw config_error(fmt::format("{}: key 'partition': {}", o.where("partition"), e.what()));
     }
     s.warmup_steps = positive("warmup_steps", 0, 1 << 30);
     s.classes_per_worker = positive("classes_per_worker", 1, 10);
     s.dirichlet_alpha = o.real("dirichlet_alpha");
     if (!(s.dirichlet_alpha > 0) || !std::isfinite(s.dirichlet_alpha))
-      throw config_error(fmt::format("{}: key 'dirichlet_alpha' must be > 0, got {}", o.where(), s.dirichlet_alpha));
+      throw config_error(fmt::format("{}: key 'dirichlet_alpha' must be > 0, got {}", o.where("dirichlet_alpha"), s.dirichlet_alpha));
     s.average_every = positive("average_every", 0, 1 << 30);
     s.average_rounds = positive("average_rounds", -1, 64);
-    if (s.average_rounds == 0) throw config_error(fmt::format("{}: key 'average_rounds' must be >= 1, or -1 for automatic", o.where()));
+    if (s.average_rounds == 0) throw config_error(fmt::format("{}: key 'average_rounds' must be >= 1, or -1 for automatic", o.where("average_rounds")));
     s.outer_lr = o.real("outer_lr");
     s.outer_momentum = o.real("outer_momentum");
-    if (!(s.outer_lr > 0) || !std::isfinite(s.outer_lr)) throw config_error(fmt::format("{}: key 'outer_lr' must be > 0, got {}", o.where(), s.outer_lr));
+    if (!(s.outer_lr > 0) || !std::isfinite(s.outer_lr)) throw config_error(fmt::format("{}: key 'outer_lr' must be > 0, got {}", o.where("outer_lr"), s.outer_lr));
     if (!(s.outer_momentum >= 0 && s.outer_momentum < 1))
-      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", o.where(), s.outer_momentum));
+      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", o.where("outer_momentum"), s.outer_momentum));
+    if (o.integer("seed") < 0) throw config_error(fmt::format("{}: key 'seed' must be an integer >= 0, got {}", o.where("seed"), o.integer("seed")));
     s.seed = static_cast<std::uint64_t>(o.integer("seed"));
     s.train_limit = static_cast<std::size_t>(positive("train_limit", 0, 1 << 30));
     s.data_dir = o.string("data_dir");
@@ -378,7 +387,21 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
 /// The engine settings of `cfg`; for local SGD (s.average_every > 0) the
 /// [policy] is replaced by the averaging schedule.
 inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
-  engine_spec spec = engine_spec::from(cfg);
+  // Quasi-global momentum rebuilds SGD's buffers with [engine] momentum_beta:
+  // it follows [train] momentum unless set, and must then agree with it.
+  config c = cfg;
+  if (s.momentum > 0) {
+    if (c.engine.has("momentum_beta")) {
+      const auto beta = c.engine.resolved(engine_option_specs(), "[engine]").real("momentum_beta");
+      if (std::abs(beta - s.momentum) > 1e-12)
+        throw config_error(fmt::format("{}: key 'momentum_beta' is {} but [train] momentum is {}; make them equal or leave momentum_beta "
+                                       "out (it then follows [train] momentum)",
+                                       c.engine.where("momentum_beta"), beta, s.momentum));
+    } else {
+      c.engine.set("momentum_beta", s.momentum, "[train] momentum");
+    }
+  }
+  engine_spec spec = engine_spec::from(c);
   if (s.average_every > 0)
     spec.policy = any_policy(averaging_schedule{.every = static_cast<std::uint64_t>(s.average_every),
                                                 .rounds = static_cast<std::uint64_t>(s.rounds_per_average())},
@@ -389,6 +412,53 @@ inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
 
 /// True when `cfg` runs one rank per process (the UCX transport).
 inline bool runs_as_processes(const config& cfg) { return cfg.transport.name == "ucx"; }
+
+namespace detail {
+/// Refuses a [transport] this program cannot run as configured: an unknown
+/// or missing transport, an unknown key, a bad link setting, or 'loopback'
+/// in a process that gossip-run started as one of several ranks. Returns the
+/// loopback link settings (resolved, defaults filled in) for 'loopback'.
+inline options check_transport(const config& cfg) {
+  const auto& t = cfg.transport;
+  if (t.name == "loopback") {
+    const auto o = t.opts.resolved(loopback_option_specs(), "transport 'loopback'");
+    for (const char* key : {"bandwidth_gbps", "latency_us"})
+      if (const double v = o.real(key); !(v >= 0) || !std::isfinite(v))
+        throw config_error(fmt::format("{}: key '{}' of transport 'loopback' must be a finite number >= 0 (0: not emulated), got {}",
+                                       o.where(key), key, v));
+    if (const char* w = std::getenv("GOSSIP_WORLD_SIZE"); w && std::string_view(w) != "1" && *w)
+      throw config_error(fmt::format("{}: transport 'loopback' runs every worker as a thread of one process, but this process is one of "
+                                     "GOSSIP_WORLD_SIZE={} ranks (gossip-run -n); set [transport] name = \"ucx\" (--set transport.name=ucx), "
+                                     "or run the program once without gossip-run",
+                                     t.opts.where("name"), w));
+    return o;
+  }
+  if (t.name == "ucx") {
+#if defined(GOSSIP_HAVE_UCX)
+    if (!t.opts.values().empty()) {
+      const auto& key = t.opts.values().begin()->first;
+      throw config_error(fmt::format("{}: transport 'ucx' takes no settings (key '{}'); UCX reads UCX_* environment variables, e.g. "
+                                     "UCX_TLS, UCX_NET_DEVICES",
+                                     t.opts.where(key), key));
+    }
+    return {};
+#else
+    throw config_error(fmt::format("{} [transport]: 'ucx' was not built into this program (configure with UCX found: apt-get install libucx-dev)",
+                                   cfg.source));
+#endif
+  }
+  if (t.name == "switch") {
+#if defined(GOSSIP_HAVE_SWITCH)
+    (void)t.opts.resolved(switch_option_specs(), "transport 'switch'");  // keys and types; ranges when it is built
+    return {};
+#else
+    throw config_error(fmt::format("{} [transport]: 'switch' was not built into this program (configure with DPDK found: apt-get install libdpdk-dev)",
+                                   cfg.source));
+#endif
+  }
+  throw config_error(fmt::format("{}: unknown transport '{}'; known transports: loopback, ucx, switch", t.opts.where("name"), t.name));
+}
+}  // namespace detail
 
 /// Trains with the gossip settings of `cfg` (policy, topology, protocol,
 /// transport, engine); `on_epoch` sees each epoch's record as it completes.
@@ -402,6 +472,7 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
                  const std::function<void(const epoch_record&)>& on_epoch = {}, const MakeNet& make_net = {}) {
   if constexpr (requires { make_net.check(cfg, s); }) make_net.check(cfg, s);
   const engine_spec base = detail::engine_spec_for(cfg, s);
+  (void)detail::check_transport(cfg);
   run_report report;
   const auto wall_start = std::chrono::steady_clock::now();
 
@@ -427,16 +498,9 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
   // Workers are threads: over 'loopback', or each with its own UDP socket to a
   // switch (gossip-switch or gossip-switch-udp serving a group of `workers`).
   const bool via_switch = cfg.transport.name == "switch";
-#if !defined(GOSSIP_HAVE_SWITCH)
-  if (via_switch)
-    throw config_error(fmt::format("{} [transport]: 'switch' was not built into this program (configure with DPDK found: apt-get install libdpdk-dev)",
-                                   cfg.source));
-#endif
-  if (cfg.transport.name != "loopback" && !via_switch)
-    throw config_error(fmt::format("{} [transport]: unknown transport '{}'; known transports: loopback, ucx, switch", cfg.source, cfg.transport.name));
   std::optional<loopback_fabric> fabric;
   if (!via_switch) {
-    const auto link_opts = cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
+    const auto link_opts = detail::check_transport(cfg);
     fabric.emplace(world, link_emulation{.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
   }
   auto endpoint = [&](int r) -> any_transport {
