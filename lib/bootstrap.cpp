@@ -323,8 +323,9 @@ struct bootstrap::server {
   }
 };
 
-bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t port, std::chrono::duration<double> timeout)
-    : m_rank(rank), m_world(world), m_address(std::move(address)), m_port(port), m_timeout(timeout) {
+bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t port, std::chrono::duration<double> timeout,
+                     std::string origin)
+    : m_rank(rank), m_world(world), m_address(std::move(address)), m_origin(std::move(origin)), m_port(port), m_timeout(timeout) {
   if (world < 1 || rank < 0 || rank >= world)
     throw config_error(fmt::format("bootstrap: rank {} is outside the world of {} ranks", rank, world));
   if (!(timeout.count() > 0)) throw config_error(fmt::format("bootstrap: timeout must be > 0 s, got {}", timeout.count()));
@@ -356,9 +357,9 @@ bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t por
   }
   if (m_server->listen_fd < 0)
     throw transport_error(
-        fmt::format("bootstrap: rank 0 cannot listen on the rendezvous {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT): {}; "
+        fmt::format("bootstrap: rank 0 cannot listen on the rendezvous {} ({}): {}; "
                     "pick a free port and an address of this host",
-                    where(), std::strerror(last_errno)));
+                    where(), m_origin, std::strerror(last_errno)));
   set_nonblocking(m_server->listen_fd);
   if (::pipe2(m_server->stop_pipe, O_CLOEXEC) != 0) throw transport_error(fmt::format("bootstrap: pipe: {}", std::strerror(errno)));
   m_server->idle = std::chrono::duration_cast<clock::duration>(std::max(timeout, std::chrono::duration<double>(5.0)));
@@ -386,15 +387,15 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   const auto refused_since_limit = clock::now() + std::chrono::seconds(2);
   const auto gone = [&] {
     return fmt::format(
-        "bootstrap: rank {} cannot reach rank 0's rendezvous at {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT) any more: {}; rank 0 "
-        "answered before, so it has exited or died",
-        m_rank, where(), last);
+        "bootstrap: rank {} cannot reach rank 0's rendezvous at {} ({}) any more: {}; rank 0 "
+        "answered before, so it has exited or died (its own output says why)",
+        m_rank, where(), m_origin, last);
   };
   const auto describe = [&] {
     return fmt::format(
-        "timed out after {:.1f} s waiting for rank 0's rendezvous at {} (GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT), rank {} "
+        "timed out after {:.1f} s waiting for rank 0's rendezvous at {} ({}), rank {} "
         "connecting: {}; check that rank 0 is running (it may have died) and that the address and port are right",
-        m_timeout.count(), where(), m_rank, last);
+        m_timeout.count(), where(), m_origin, m_rank, last);
   };
   // Once rank 0 has answered, an exchange in which no byte moved for `stall`
   // is asked again on a new connection: on a lossy link TCP's retransmission

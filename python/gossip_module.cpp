@@ -82,12 +82,15 @@ rank_identity identity() {
 // MASTER_PORT + 1 (torchrun's own store, or torch.distributed's, may hold MASTER_PORT).
 std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::duration<double> timeout) {
   std::string addr = env_or("GOSSIP_MASTER_ADDR", env_or("MASTER_ADDR", "127.0.0.1"));
+  const char* addr_from = std::getenv("GOSSIP_MASTER_ADDR") ? "GOSSIP_MASTER_ADDR" : std::getenv("MASTER_ADDR") ? "MASTER_ADDR" : "127.0.0.1";
+  std::string port_from = "GOSSIP_MASTER_PORT";
   long long port = 0;
   if (const auto p = env_int("GOSSIP_MASTER_PORT")) {
     port = *p;
     if (port < 1 || port > 65535) throw config_error(fmt::format("gossip: GOSSIP_MASTER_PORT={} is not a TCP port (1..65535)", port));
   } else if (const auto m = env_int("MASTER_PORT")) {
     port = *m + 1;
+    port_from = "MASTER_PORT + 1";
     if (*m < 1 || port > 65535)
       throw config_error(fmt::format("gossip: MASTER_PORT={} leaves no port above it for the gossip rendezvous (MASTER_PORT + 1); "
                                      "set GOSSIP_MASTER_PORT",
@@ -97,13 +100,35 @@ std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::
                                    "or set GOSSIP_MASTER_PORT (and GOSSIP_MASTER_ADDR, default 127.0.0.1)",
                                    id.rank, id.world, id.source));
   }
-  return std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout);
+  return std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout,
+                                     fmt::format("{}:{}", addr_from, port_from));
+}
+
+// A string as a TOML basic string (also a quoted key: any key parses, and is
+// then checked against the component's settings by name).
+std::string toml_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\')
+      out += '\\', out += c;
+    else if (static_cast<unsigned char>(c) < 0x20)
+      out += fmt::format("\\u{:04x}", static_cast<int>(c));
+    else
+      out += c;
+  }
+  return out + "\"";
 }
 
 // A Python value as TOML (for a config given as a dict).
 std::string toml_value(const py::handle& v, const std::string& where) {
   if (py::isinstance<py::bool_>(v)) return v.cast<bool>() ? "true" : "false";
-  if (py::isinstance<py::int_>(v)) return std::to_string(v.cast<long long>());
+  if (py::isinstance<py::int_>(v)) {
+    try {
+      return std::to_string(v.cast<long long>());
+    } catch (const py::cast_error&) {
+      throw config_error(fmt::format("config dict: {} = {} does not fit a 64-bit integer", where, py_str(v)));
+    }
+  }
   if (py::isinstance<py::float_>(v)) {
     const double d = v.cast<double>();
     if (!std::isfinite(d)) return std::isnan(d) ? "nan" : (d > 0 ? "inf" : "-inf");
@@ -111,18 +136,7 @@ std::string toml_value(const py::handle& v, const std::string& where) {
     if (s.find_first_of(".e") == std::string::npos) s += ".0";
     return s;
   }
-  if (py::isinstance<py::str>(v)) {
-    std::string out = "\"";
-    for (char c : v.cast<std::string>()) {
-      if (c == '"' || c == '\\')
-        out += '\\', out += c;
-      else if (static_cast<unsigned char>(c) < 0x20)
-        out += fmt::format("\\u{:04x}", static_cast<int>(c));
-      else
-        out += c;
-    }
-    return out + "\"";
-  }
+  if (py::isinstance<py::str>(v)) return toml_string(v.cast<std::string>());
   if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
     std::string out = "[";
     for (const auto& x : v) out += (out.size() > 1 ? ", " : "") + toml_value(x, where);
@@ -141,9 +155,9 @@ config config_from(const py::handle& cfg, const std::vector<std::string>& app_se
       if (!py::isinstance<py::dict>(body))
         throw config_error(fmt::format("config dict: ['{}'] must be a dict of settings (a section), got a {}", name,
                                        py_str(py::type::of(body).attr("__name__"))));
-      text += fmt::format("[{}]\n", name);
+      text += fmt::format("[{}]\n", toml_string(name));
       for (const auto& [key, value] : body.cast<py::dict>())
-        text += fmt::format("{} = {}\n", py_str(key), toml_value(value, fmt::format("['{}']['{}']", name, py_str(key))));
+        text += fmt::format("{} = {}\n", toml_string(py_str(key)), toml_value(value, fmt::format("['{}']['{}']", name, py_str(key))));
     }
     return config::parse(text, "config dict", app_sections);
   }
@@ -158,7 +172,7 @@ struct registered_tensor {
   py::object data_ptr;   // its bound data_ptr method (a reassigned .data shows up here)
   std::uintptr_t address = 0;
   py::object momentum;   // the optimizer's momentum buffer, or None
-  py::object state;      // optimizer.state[param], where momentum_buffer is looked up again at each step
+  py::object optimizer;  // its optimizer: optimizer.state[param] is looked up again at each step
   std::uintptr_t momentum_address = 0;
 };
 
@@ -365,7 +379,9 @@ class py_engine {
                                              "or build a new Engine",
                                              t.name, now, t.address));
       if (t.momentum_address) {
-        const py::object buf = t.state.attr("get")("momentum_buffer");
+        // optimizer.state is looked up afresh: load_state_dict replaces it, entries and all.
+        const py::object entry = t.optimizer.attr("state").attr("get")(t.tensor);
+        const py::object buf = entry.is_none() ? py::object(py::none()) : entry.attr("get")("momentum_buffer");
         const std::uintptr_t m = buf.is_none() ? 0 : address_of(buf.attr("data_ptr"));
         if (m != t.momentum_address)
           throw error(fmt::format("gossip.Engine: the optimizer's momentum buffer of parameter '{}' was replaced after "
@@ -423,7 +439,7 @@ class py_engine {
                                           "'{}'; move the model before building the optimizer",
                                           t.name, place.str(), m_place.str()));
       t.momentum = buf;
-      t.state = s;
+      t.optimizer = optimizer;
       t.momentum_address = address_of(buf.attr("data_ptr"));
       view.momentum(t.name, {reinterpret_cast<float*>(t.momentum_address), n});
       m_has_momentum = true;

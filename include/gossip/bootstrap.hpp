@@ -49,8 +49,10 @@ class bootstrap {
 
   /// Rank 0 listens on address:port (0.0.0.0 or a local address); the others
   /// connect to it. A world of one needs no rendezvous (port may be 0).
+  /// `origin` names where address and port came from, for messages.
   bootstrap(int rank, int world, std::string address, std::uint16_t port,
-            std::chrono::duration<double> timeout = std::chrono::duration<double>(60.0));
+            std::chrono::duration<double> timeout = std::chrono::duration<double>(60.0),
+            std::string origin = "GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT");
   bootstrap(bootstrap&&) noexcept;
   bootstrap& operator=(bootstrap&&) noexcept;
   ~bootstrap();
@@ -83,6 +85,7 @@ class bootstrap {
 
   int m_rank = 0, m_world = 1;
   std::string m_address;
+  std::string m_origin;  ///< the variables address and port came from
   std::uint16_t m_port = 0;
   std::chrono::duration<double> m_timeout{60.0};
   std::uint64_t m_generation = 0;

@@ -301,11 +301,30 @@ def test_momentum_buffer_replaced(one_rank):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)).step()
 
 
+def test_momentum_buffers_replaced_by_load_state_dict(one_rank):
+    # load_state_dict replaces optimizer.state (a new dict, copied buffers): the engine must notice.
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eng = gossip.Engine(model.named_parameters(), optimizer=opt)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    eng.step(lr=0.1)
+    opt.load_state_dict(opt.state_dict())
+    with pytest.raises(gossip.Error, match=r"momentum buffer of parameter '(weight|bias)' was replaced"):
+        eng.step(lr=0.1)
+
+
 def test_config_errors_name_the_source(one_rank, tmp_path):
     with pytest.raises(gossip.ConfigError, match=r"config dict \[policy\]: unknown key 'evry' for policy 'periodic' \(did you mean 'every'\?\)"):
         gossip.Engine({"w": torch.zeros(2)}, config={"policy": {"name": "periodic", "evry": 2}})
+    with pytest.raises(gossip.ConfigError, match=r"config dict \[policy\]: unknown key 'max interval' for policy 'consensus' \(did you mean 'max_interval'\?\)"):
+        gossip.Engine({"w": torch.zeros(2)}, config={"policy": {"max interval": 1}})
+    with pytest.raises(gossip.ConfigError, match=r"config dict: \['engine'\]\['max_lead'\] = 10+ does not fit a 64-bit integer"):
+        gossip.Engine({"w": torch.zeros(2)}, config={"engine": {"max_lead": 10**30}})
     with pytest.raises(gossip.ConfigError, match=r"cannot open the config file"):
         gossip.Engine({"w": torch.zeros(2)}, config=tmp_path / "missing.toml")
+    with pytest.raises(gossip.ConfigError, match=r"is a directory, not a config file"):
+        gossip.Engine({"w": torch.zeros(2)}, config=tmp_path)
     cfg = tmp_path / "run.toml"
     cfg.write_text("[policy]\nname = \"periodic\"\nevery = 3\n[engine]\nmomentum_beta = 0.5\n")
     model = torch.nn.Linear(3, 2)
