@@ -1,10 +1,15 @@
 // gossip-info: every component a config file can name, with its settings
 // (key, default, environment variable, meaning). Read from the same tables the
 // config parser checks against.
+#include <string_view>
+
 #include <fmt/format.h>
 
 #include "gossip/gossip.hpp"
 #include "gossip_build_config.hpp"
+#if defined(GOSSIP_HAVE_SWITCH)
+#include "transports/switch/switch.hpp"
+#endif
 
 namespace {
 
@@ -25,14 +30,40 @@ void print_registry(const Registry& r, const char* section) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) {
+    const std::string_view a = argv[1];
+    const bool help = a == "-h" || a == "--help";
+    fmt::print(help ? stdout : stderr,
+               "{}usage: gossip-info\nLists every component a config file can name ([policy], [topology], [protocol], [codec], "
+               "[transport]) and the [engine] settings: key, default, environment variable, meaning. It takes no arguments.\n",
+               help ? "" : fmt::format("gossip-info: unexpected argument '{}'\n", a));
+    return help ? 0 : 2;
+  }
+#if defined(GOSSIP_HAVE_SWITCH)
+  gossip::register_switch_topology();  // the switch transport's own topology
+#endif
   fmt::print("libgossip {}\n\n", GOSSIP_VERSION);
   print_registry(gossip::policy_registry(), "policy");
   print_registry(gossip::topology_registry(), "topology");
   print_registry(gossip::protocol_registry(), "protocol");
   print_registry(gossip::codec_registry(), "codec");
-  fmt::print("[transport] name = loopback (workers as threads of one process)\n");
+  fmt::print("[transport] name = one of:\n");
+  fmt::print("  {:<14} {}\n", "loopback", "workers as threads of one process, links emulated in memory");
   print_specs(gossip::loopback_option_specs());
+#if defined(GOSSIP_HAVE_UCX)
+  fmt::print("  {:<14} {}\n", "ucx", "one rank per process (or machine) over UCX; no settings here: UCX reads UCX_* environment variables, "
+             "rank and world come from GOSSIP_RANK/GOSSIP_WORLD_SIZE, mpirun, Slurm or torchrun");
+#else
+  fmt::print("  {:<14} {}\n", "ucx", "(not built into this installation: configure with libucx-dev installed)");
+#endif
+#if defined(GOSSIP_HAVE_SWITCH)
+  fmt::print("  {:<14} {}\n", "switch", "workers through an aggregation switch (gossip-switch, gossip-switch-udp); protocol "
+             "'switch-aggregate', topology 'switch'");
+  print_specs(gossip::switch_option_specs());
+#else
+  fmt::print("  {:<14} {}\n", "switch", "(not built into this installation: configure with libdpdk-dev installed)");
+#endif
   fmt::print("\n[engine]\n");
   print_specs(gossip::engine_option_specs());
   return 0;
