@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <string>
+#include <thread>
 
 #include "test_support.hpp"
 
@@ -169,4 +171,45 @@ TEST_CASE("ranks built from different gossip settings refuse to connect") {
   });
   CHECK(messages[0].find("rank 0 and rank 1 were built from different gossip settings") != std::string::npos);
   CHECK(messages[1].find("rank 1 and rank 0 were built from different gossip settings") != std::string::npos);
+}
+
+TEST_CASE("a peer whose engine failed to build is dead to the others, not a topology error") {
+  // Rank 0 gives up waiting for rank 1 (a short timeout) and its engine throws
+  // after it attached; rank 1, built later, must find it departed, not read
+  // its freed inbox (found by review under ASan: a heap-use-after-free and a
+  // "does not expect messages" error).
+  loopback_fabric fabric(2);
+  std::string error0, error1;
+  int steps1 = 0;
+  run_ranks(2, [&](int r) {
+    toy_model m({16}, 1);
+    try {
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      engine e(m.view, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", r == 0 ? 0.05 : 5), fabric.endpoint(r));
+      for (int s = 0; s < 5; ++s, steps1 += r) e.step();
+      e.finish(0);
+    } catch (const std::exception& ex) {
+      (r == 0 ? error0 : error1) = ex.what();
+    }
+  });
+  CHECK(error0.find("waiting for rank 1 to attach") != std::string::npos);
+  CHECK(error1.empty());
+  CHECK(steps1 == 5);
+}
+
+TEST_CASE("one endpoint attached by two engines at once is refused") {
+  loopback_fabric fabric(2);
+  toy_model a({8}, 1), b({8}, 1);
+  std::string message;
+  run_ranks(2, [&](int r) {
+    try {
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      engine e((r == 0 ? a : b).view, 0, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", r == 0 ? 1.0 : 5),
+               fabric.endpoint(0));
+    } catch (const config_error& ex) {
+      message = ex.what();
+    } catch (const timeout_error&) {
+    }
+  });
+  CHECK(message.find("rank 0 is attached twice") != std::string::npos);
 }

@@ -87,8 +87,12 @@ class loopback_transport {
       throw config_error(fmt::format("loopback: rank {} was built for a world of {} ranks but the fabric has {}", s.rank, s.world, world));
     if (s.rank != m_rank)
       throw config_error(fmt::format("loopback: endpoint of rank {} attached as rank {}", m_rank, s.rank));
-    m_setup = s;
     auto& me = self();
+    if (me.attached.load() && !me.departed.load())
+      throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
+                                     "engine its own rank's endpoint",
+                                     m_rank));
+    m_setup = s;
     me.in = s.inbox;
     me.layout = s.layout;
     me.config_fingerprint = s.config_fingerprint;
@@ -107,12 +111,22 @@ class loopback_transport {
       detail::wait_for([&] { return p.attached.load(std::memory_order_acquire) || p.departed.load(); }, s.timeout,
                        [&] { return fmt::format("rank {} to attach to the loopback fabric (rank {} connecting)", j, m_rank); });
       if (p.departed.load() && !p.attached.load()) continue;
+      // Layout and fingerprint are copies in the fabric: valid after the peer left.
       check_layouts(me.layout, m_rank, p.layout, j);
       if (p.config_fingerprint != me.config_fingerprint)
         throw config_error(fmt::format("rank {} and rank {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
                                        "give every rank the same config file",
                                        m_rank, j, me.config_fingerprint, p.config_fingerprint));
-      if (std::find(s.targets.begin(), s.targets.end(), j) != s.targets.end() && p.in->index_of(m_rank) < 0)
+      if (std::find(s.targets.begin(), s.targets.end(), j) == s.targets.end()) continue;
+      // The peer's inbox is read as a writer would: a peer that departs (its
+      // engine failed to build, or it left) frees it only once its depart()
+      // has seen no writer. A departed peer is dead to this rank, not checked.
+      p.writers.fetch_add(1);
+      struct reader_scope {
+        std::atomic<int>& n;
+        ~reader_scope() { n.fetch_sub(1); }
+      } reading{p.writers};
+      if (!p.departed.load() && p.in->index_of(m_rank) < 0)
         throw config_error(fmt::format("rank {} may send to rank {}, but rank {} does not expect messages from it; "
                                        "every rank must use the same topology", m_rank, j, j));
     }
