@@ -19,6 +19,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
+  m_settings.check();
   check_output_path(m_settings.stats_path, rank, world, "stats");
   check_output_path(m_settings.trace_path, rank, world, "trace");
   const auto caps = m_transport.capabilities();
@@ -284,7 +285,8 @@ inline void engine::handle_failures() {
 }
 
 inline step_result engine::step(const step_info& info) {
-  GOSSIP_ASSERT(!m_finished, "engine (rank {}): step() after finish()", m_rank);
+  if (m_finished) [[unlikely]]
+    throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (build a new engine to train on)", m_rank));
   return run_step(info, false);
 }
 

@@ -88,6 +88,9 @@ struct engine_settings {
 
   /// From resolved [engine] options (see engine_option_specs()).
   static engine_settings from(const options& o);
+  /// The same ranges as from(), for settings filled in code: the engine
+  /// checks them when it is built (config_error naming the field).
+  void check() const;
 };
 
 /// Everything an engine is built from; config::load() produces one, or fill it in code.

@@ -57,6 +57,19 @@ inline engine_settings engine_settings::from(const options& o) {
   return s;
 }
 
+inline void engine_settings::check() const {
+  const auto bad = [](std::string_view field, std::string_view expected, const auto& got) {
+    return config_error(fmt::format("engine_settings::{} must be {}, got {} (the config key [engine] {})", field, expected, got,
+                                    field == "timeout" ? "timeout_s" : field));
+  };
+  if (!(timeout.count() > 0) || !(timeout.count() <= 365.0 * 24 * 3600)) throw bad("timeout", "in (0, a year] seconds", timeout.count());
+  if (send_buffers < 1 || send_buffers > 16) throw bad("send_buffers", "in 1..16", send_buffers);
+  if (trace_skips_every < 1) throw bad("trace_skips_every", ">= 1", trace_skips_every);
+  if (finish_rounds < -1) throw bad("finish_rounds", ">= 0, or -1 for automatic", finish_rounds);
+  if (!(momentum_beta >= 0 && momentum_beta < 1)) throw bad("momentum_beta", "in [0, 1)", momentum_beta);
+  if (max_lead > (std::uint64_t{1} << 40)) throw bad("max_lead", "at most 2^40 (0: off)", max_lead);
+}
+
 inline engine_spec engine_spec::from(const config& cfg) {
   engine_spec s;
   s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
