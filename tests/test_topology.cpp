@@ -174,6 +174,15 @@ TEST_CASE("bad topology settings are refused with the key named") {
   wide.set("edges", int_list{std::int64_t{1} << 32, 1});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", wide, 0, 4), doctest::Contains("edge [4294967296, 1] is invalid"), config_error);
   options odd("run.toml [topology]");
+  options apart("run.toml [topology]");
+  apart.set("edges", int_list{0, 1, 2, 3});
+  CHECK_THROWS_WITH_AS(topology_registry().make("edges", apart, 0, 4),
+                       doctest::Contains("run.toml [topology]: the edges leave rank(s) 2, 3 unconnected to rank 0 in a world of 4"), config_error);
+  CHECK_THROWS_WITH_AS(topology_registry().make("edges", apart, 0, 5), doctest::Contains("rank(s) 2, 3, 4 unconnected"), config_error);
+  options one_way("run.toml [topology]");  // a directed chain joins every rank, though rank 0 has no source
+  one_way.set("edges", int_list{0, 1, 1, 2});
+  one_way.set("directed", true);
+  CHECK_NOTHROW((void)topology_registry().make("edges", one_way, 2, 3));
   odd.set("edges", int_list{0, 1, 2});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", odd, 0, 4), doctest::Contains("key 'edges' must list pairs"), config_error);
   CHECK_THROWS_AS(topology_registry().make("ring", options("x"), 4, 4), config_error);

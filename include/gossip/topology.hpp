@@ -26,6 +26,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gossip/error.hpp"
 #include "gossip/registry.hpp"
@@ -161,6 +162,27 @@ struct edges {
     }
     std::sort(out_ranks.begin(), out_ranks.end());
     std::sort(in_ranks.begin(), in_ranks.end());
+    // Every rank must be joined to every other, edges taken both ways (a
+    // directed graph may still leave a rank without sources): the models of
+    // ranks in separate pieces could never mix.
+    std::vector<int> piece(static_cast<std::size_t>(w), -1);
+    std::vector<std::vector<int>> adj(static_cast<std::size_t>(w));
+    for (auto [a, b] : list) adj[static_cast<std::size_t>(a)].push_back(b), adj[static_cast<std::size_t>(b)].push_back(a);
+    std::vector<int> stack = {0};
+    piece[0] = 0;
+    while (!stack.empty()) {
+      const int x = stack.back();
+      stack.pop_back();
+      for (int y : adj[static_cast<std::size_t>(x)])
+        if (piece[static_cast<std::size_t>(y)] < 0) piece[static_cast<std::size_t>(y)] = 0, stack.push_back(y);
+    }
+    std::vector<int> apart;
+    for (int j = 0; j < w; ++j)
+      if (piece[static_cast<std::size_t>(j)] < 0) apart.push_back(j);
+    if (!apart.empty())
+      throw config_error(fmt::format("{}: the edges leave rank(s) {} unconnected to rank 0 in a world of {}; their models could never mix. "
+                                     "Add edges that join every rank (e.g. a ring: [[0, 1], [1, 2], …, [{}, 0]])",
+                                     where, fmt::join(apart, ", "), w, w - 1));
   }
   std::size_t targets(std::uint64_t, std::span<int> out) const noexcept {
     std::copy(out_ranks.begin(), out_ranks.end(), out.begin());
