@@ -65,6 +65,9 @@ inline std::size_t parse_size(const std::string& s, std::size_t multiple) {
     mult = s.back() == 'K' ? 1024 : s.back() == 'M' ? 1024 * 1024 : std::size_t{1} << 30;
     num.pop_back();
   }
+  // Digits only: stoull would take "-64" as 2^64 − 64, and "abc" names nothing.
+  if (num.empty() || num.size() > 15 || num.find_first_not_of("0123456789") != std::string::npos)
+    throw std::invalid_argument("size '" + s + "' is not a byte count: digits with an optional K, M or G (e.g. 64K, 16M)");
   const auto v = std::stoull(num) * mult;
   if (v < multiple || v % multiple != 0)
     throw std::invalid_argument("size '" + s + "' must be a positive multiple of " + std::to_string(multiple) + " bytes");

@@ -35,6 +35,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "../output.hpp"
 #include "gossip/codec.hpp"
 #include "gossip/error.hpp"
 
@@ -93,6 +94,10 @@ void check(const std::string& name, const std::vector<float>& x, const std::vect
 
 }  // namespace
 
+namespace {
+int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows);
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"bench/codec: encode + decode bandwidth of each codec vs memcpy of the same bytes"};
   std::vector<double> sizes_mib = {1, 16, 64};
@@ -107,6 +112,26 @@ int main(int argc, char** argv) {
   app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--out", out_dir, "write DIR/codec.json");
   CLI11_PARSE(app, argc, argv);
+  try {
+    return run(sizes_mib, repeats, out_dir, ratio, rank, rows);
+  } catch (const gossip::error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}
+
+namespace {
+int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows) {
+  // Every size is checked before the first is timed.
+  for (const double mib : sizes_mib) {
+    const double values = mib * 1024 * 1024 / sizeof(float);
+    if (!(mib > 0) || !(mib <= 4096) || values < 1)
+      throw gossip::config_error(fmt::format("--sizes {}: a model size must be a number of MiB in (0, 4096] holding at least one value", mib));
+    if (static_cast<std::size_t>(values) % static_cast<std::size_t>(rows) != 0)
+      throw gossip::config_error(fmt::format("--rows {} does not divide a model of {} values ({} MiB); pick rows that divide every size",
+                                             rows, static_cast<std::size_t>(values), mib));
+  }
+  if (!out_dir.empty()) gossip::bench::prepare_out_dir(out_dir);
 
   struct codec_case {
     std::string name;
@@ -135,7 +160,6 @@ int main(int argc, char** argv) {
     }
     std::vector<float> sender(n), receiver(n), copy(n);
     const auto matrix_rows = static_cast<std::size_t>(rows);
-    if (n % matrix_rows != 0) throw gossip::error(fmt::format("--rows {} does not divide a model of {} values ({} MiB)", rows, n, mib));
     for (auto& cc : cases) {
       auto c = gossip::make_codec(cc.cfg);
       const std::size_t mrows = cc.name == "lowrank" ? matrix_rows : 0;
@@ -212,12 +236,10 @@ int main(int argc, char** argv) {
              " fastest encode + decode; bytes-out = encoded / fp32 bytes; traffic-share = memcpy's bytes / the bytes the codec must move)\n",
              repeats);
   if (!out_dir.empty()) {
-    std::filesystem::create_directories(out_dir);
-    const auto path = std::filesystem::path(out_dir) / "codec.json";
-    std::ofstream f(path);
-    f << nlohmann::json{{"bench", "codec"}, {"repeats", repeats}, {"results", results}}.dump(2) << "\n";
-    if (!f) throw gossip::error(fmt::format("{}: cannot write the results", path.string()));
-    fmt::print("wrote {}\n", path.string());
+    const auto path = (std::filesystem::path(out_dir) / "codec.json").string();
+    gossip::bench::write_file(path, nlohmann::json{{"bench", "codec"}, {"repeats", repeats}, {"results", results}}.dump(2));
+    fmt::print("wrote {}\n", path);
   }
   return 0;
 }
+}  // namespace

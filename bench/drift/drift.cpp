@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "drift/drift_bench.hpp"
+#include "output.hpp"
 #include "gossip/drift.hpp"
 #include "gossip/error.hpp"
 
@@ -149,7 +150,8 @@ int main(int argc, char** argv) {
   app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(CLI::Range(4.0, 1048576.0));
   app.add_option("--seconds", seconds, "time spent per method and size")->check(CLI::Range(0.01, 60.0));
   app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)");
-  app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)");
+  app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 20));
   auto* host_only_flag = app.add_flag("--host-only", host_only, "skip the device part");
   app.add_flag("--device-only", device_only, "skip the host part")->excludes(host_only_flag);
   CLI11_PARSE(app, argc, argv);
@@ -159,6 +161,9 @@ int main(int argc, char** argv) {
     s.seconds_per_size = quick ? 0.05 : seconds;
     for (double kib = min_kib; kib <= max_mib * 1024 + 1e-9; kib *= 4)
       s.sizes.push_back(static_cast<std::size_t>(kib * 1024 / sizeof(float)));
+    if (s.sizes.empty())
+      throw config_error(fmt::format("--min-kib {} is above --max-mib {} ({} KiB): no model size to time", min_kib, max_mib, max_mib * 1024));
+    if (!json_path.empty()) bench::check_out_file(json_path, "--json");
 
     fmt::print("bench/drift: bandwidth = model bytes (4 x elements) / best time of {:.2f} s of repeats.\n"
                "  drift: one pass reading x and x-hat (||x - x-hat||^2, ||x-hat||^2); copy: one copy of the model "

@@ -54,18 +54,23 @@ BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
 QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=; MAX_LEAD=4
 SCENARIOS=kill-1-of-4,kill-2-of-8,sigstop-20s,loss-10pct,switch-restart
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case $1 in
+    -h|--help) usage; exit 0 ;;
     --quick) QUICK=1; shift ;;
+    --seeds|--out|--only|--rto-max-ms|--max-lead) [[ $# -ge 2 ]] || { echo "bench/faults: $1 needs a value" >&2; exit 2; } ;;&
     --seeds) SEEDS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    --only) ONLY=$2; shift 2 ;;
+    --only) ONLY=$2; [[ -n ${ONLY//[ ,]/} ]] || { echo "bench/faults: --only names no scenario (known: $SCENARIOS)" >&2; exit 2; }; shift 2 ;;
     --rto-max-ms) RTO_MAX_MS=$2; shift 2 ;;
     --max-lead) MAX_LEAD=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
 [[ $MAX_LEAD =~ ^[0-9]+$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps (0: off)" >&2; exit 2; }
+[[ -z $SEEDS || ( $SEEDS =~ ^[0-9]+$ && $SEEDS -ge 1 && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
+[[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]+$ && $RTO_MAX_MS -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
   [[ ,$SCENARIOS, == *,$s,* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }
 done

@@ -24,6 +24,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "../output.hpp"
 #include "common/trainer.hpp"
 
 namespace {
@@ -148,11 +149,18 @@ int main(int argc, char** argv) {
     for (const auto& o : overrides) base.apply_override(o);
     const auto bench = base.section("bench", bench_specs());
     const auto bl = base.section("baseline", baseline_specs());
-    const int n_seeds = seeds ? seeds : static_cast<int>(bench.integer("seeds"));
+    const auto in_range = [](const options& o, const char* key, std::int64_t lo, std::int64_t hi) {
+      const auto v = o.integer(key);
+      if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
+      return v;
+    };
+    const int n_seeds = seeds ? seeds : static_cast<int>(in_range(bench, "seeds", 1, 100));
+    const auto quick_epochs = in_range(bench, "quick_epochs", 1, 10000);
+    const auto quick_limit = in_range(bench, "quick_train_limit", 0, std::int64_t{1} << 30);
     auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
     if (quick) {
-      settings.epochs = static_cast<int>(bench.integer("quick_epochs"));
-      if (bench.integer("quick_train_limit") > 0) settings.train_limit = static_cast<std::size_t>(bench.integer("quick_train_limit"));
+      settings.epochs = static_cast<int>(quick_epochs);
+      if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
     }
     std::vector<std::string> roles;
     {
@@ -173,9 +181,13 @@ int main(int argc, char** argv) {
       throw config_error(fmt::format("{}: key 'rounds' must be >= 1, or -1 for automatic", bl.where("rounds")));
     const int avg_rounds = rounds_probe.rounds_per_average();
     const double outer_lr = bl.real("outer_lr"), outer_momentum = bl.real("outer_momentum");
-    const int max_attempts = std::max<int>(1, static_cast<int>(bl.integer("max_attempts")));
+    if (!(outer_lr > 0) || !std::isfinite(outer_lr))
+      throw config_error(fmt::format("{}: key 'outer_lr' must be a finite number > 0, got {}", bl.where("outer_lr"), outer_lr));
+    if (!(outer_momentum >= 0 && outer_momentum < 1))
+      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", bl.where("outer_momentum"), outer_momentum));
+    const int max_attempts = static_cast<int>(in_range(bl, "max_attempts", 1, 100));
+    gossip::bench::prepare_out_dir(out_dir);
     const auto data = examples::datasets::load(settings);
-    std::filesystem::create_directories(out_dir);
 
     std::string partition_label(data::to_string(settings.partition));
     if (settings.partition == data::partition_kind::by_label) partition_label += fmt::format(" ({} classes/worker)", settings.classes_per_worker);
@@ -394,7 +406,7 @@ int main(int argc, char** argv) {
     }
     j["summary"] = sm;
     const auto json_path = (std::filesystem::path(out_dir) / "traffic.json").string();
-    std::ofstream(json_path) << j.dump(2) << '\n';
+    gossip::bench::write_file(json_path, j.dump(2));
 
     auto pm = [](const nlohmann::json& sig) { return sig.is_null() ? std::string() : fmt::format(" ± {:.2f}", sig.get<double>()); };
     fmt::print("\nsummary over {} seed(s) (± is the standard deviation of the per-seed difference):\n", n_seeds);

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "../output.hpp"
 #include "transport_bench.hpp"
 
 namespace transport_bench {
@@ -107,13 +108,9 @@ std::string write_report(const settings& s, const results& r) {
               {"summary", summary},
               {"load_average", {{"before", r.load_before}, {"after", load_average()}, {"cpus", r.cpus}}},
               {"seconds", elapsed}};
-  std::filesystem::create_directories(s.out);
+  gossip::bench::prepare_out_dir(s.out);
   const std::string path = (std::filesystem::path(s.out) / "transport.json").string();
-  {
-    std::ofstream f(path);
-    f << report.dump(2) << "\n";
-    if (!f) throw error(fmt::format("bench/transport: cannot write {}", path));
-  }
+  gossip::bench::write_file(path, report.dump(2));
   fmt::print("wrote {} ({:.0f} s)\n", path, elapsed);
   return path;
 }

@@ -18,7 +18,7 @@ OUT=$SRC/results
 args=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --out) OUT=$2; shift 2 ;;
+    --out) [[ $# -ge 2 ]] || { echo "bench/transport: --out needs a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done

@@ -43,6 +43,7 @@
 
 #include "gossip/transports/ucx/ucx.hpp"
 #include "tests/harness.hpp"
+#include "../output.hpp"
 #include "transport_bench.hpp"
 
 namespace transport_bench {
@@ -269,9 +270,15 @@ int main(int argc, char** argv) {
     } else if (pin != "off" && pin != "auto") {
       const auto comma = pin.find(',');
       if (comma == std::string::npos) throw error("bench/transport: --pin takes two CPUs, e.g. 0,1, or auto / off");
-      s.cpus = {std::stoi(pin.substr(0, comma)), std::stoi(pin.substr(comma + 1))};
+      const auto cpu = [&](const std::string& t) {
+        if (t.empty() || t.size() > 4 || t.find_first_not_of("0123456789") != std::string::npos)
+          throw error(fmt::format("bench/transport: --pin {}: '{}' is not a CPU number; give two, e.g. 0,1, or auto / off", pin, t));
+        return std::stoi(t);
+      };
+      s.cpus = {cpu(pin.substr(0, comma)), cpu(pin.substr(comma + 1))};
     }
     if (s.min_messages > s.max_messages) throw error("bench/transport: --min-messages is larger than --max-messages");
+    if (!s.out.empty()) gossip::bench::prepare_out_dir(s.out);
     return run(s);
   } catch (const std::exception& e) {
     fmt::print(stderr, "{}\n", e.what());
