@@ -184,10 +184,12 @@ void config::apply_override(std::string_view assignment) {
       // (--set policy.threshold=0.5 --set policy.name=drift).
       const auto declared = specs_of(section, str->get());
       options kept(fmt::format("{} [{}]", source, section));
-      for (const auto& [k, val] : comp->opts.values())
+      for (const auto& entry : comp->opts.values()) {
+        const std::string& k = entry.first;  // not a structured binding: clang 14 cannot capture one
         if (const auto& origin = comp->opts.where(k); origin != comp->opts.where() && declared &&
             std::any_of(declared->begin(), declared->end(), [&](const option_spec& s) { return s.key == k; }))
-          kept.set(k, val, origin);
+          kept.set(k, entry.second, origin);
+      }
       *comp = {str->get(), std::move(kept)};
     }
     return;
