@@ -204,6 +204,11 @@ int main(int argc, char** argv) {
       fmt::print("device: skipped (this build has no CUDA: configure with nvcc on PATH and -Dcuda=enabled)\n");
 #endif
     }
+    if (runs.empty()) {  // --device-only without a usable device: nothing measured, and no file overwritten
+      fmt::print(stderr, "bench/drift: nothing was measured (--device-only, and the device part was skipped); {} left as it was\n",
+                 json_path.empty() ? std::string("no JSON") : json_path);
+      return 77;
+    }
 
     for (const char* where : {"host", "device"})
       for (const char* cache : {"warm", "cold"}) {

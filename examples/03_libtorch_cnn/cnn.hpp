@@ -126,6 +126,14 @@ struct cnn_factory {
   cnn operator()(const train_settings& s, const datasets&) const {
     return cnn(s.hidden.front(), s.seed);
   }
+  /// The CNN has one fully connected hidden layer: a longer list is refused, not cut.
+  void check(const config& cfg, const train_settings& s) const {
+    if (s.hidden.size() != 1) {
+      const auto it = cfg.sections.find("train");
+      throw config_error(fmt::format("{}: key 'hidden' must hold one width for the CNN (its fully connected layer), e.g. [128]; got {} widths",
+                                     it != cfg.sections.end() ? it->second.where("hidden") : cfg.source + " [train]", s.hidden.size()));
+    }
+  }
 };
 
 }  // namespace gossip::examples

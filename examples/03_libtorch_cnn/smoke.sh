@@ -18,3 +18,8 @@ names = [t["name"] for t in r["ranks"][0]["tensors"]]
 assert names == ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"], names
 print("libtorch example smoke: accuracy", r["accuracy"], "bytes", r["bytes_sent"])
 PY
+# A [train] hidden list longer than the CNN's one fully connected layer is
+# refused before the report's header, naming the key.
+if "$exe" --set 'train.hidden=[64, 32]' --epochs 1 >"$out/stdout" 2>"$out/err"; then echo "hidden = [64, 32] was accepted" >&2; exit 1; fi
+grep -qF -- "--set train.hidden=[64, 32]: key 'hidden' must hold one width for the CNN" "$out/err" || { cat "$out/err" >&2; exit 1; }
+if [ -s "$out/stdout" ]; then echo "the report began before the bad key was refused:" >&2; cat "$out/stdout" >&2; exit 1; fi

@@ -83,6 +83,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     {
       const engine_spec spec = detail::engine_spec_for(cfg, settings);
       (void)detail::check_transport(cfg);
+      if constexpr (requires { make_net.check(cfg, settings); }) make_net.check(cfg, settings);
       // The switch transport checks its own topology ('switch', which it registers).
       if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, settings.workers);
       (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
