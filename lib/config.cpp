@@ -2,6 +2,7 @@
 #include "gossip/config.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <filesystem>
 #include <fstream>
@@ -209,23 +210,78 @@ options config::section(std::string_view name, std::span<const option_spec> spec
   return it->second.resolved(specs, fmt::format("[{}]", name));
 }
 
-std::uint64_t config::fingerprint() const {
+void config::follow_momentum(double beta, std::string_view origin) {
+  if (!engine.has("momentum_beta")) {
+    engine.set("momentum_beta", beta, std::string(origin));
+    return;
+  }
+  const double set = engine.resolved(engine_option_specs(), "[engine]").real("momentum_beta");
+  if (std::abs(set - beta) > 1e-12)
+    throw config_error(fmt::format("{}: momentum_beta = {} but {} is {}; make them equal or leave momentum_beta out (it then follows {})",
+                                   engine.where("momentum_beta"), set, origin, beta, origin));
+}
+
+std::string config::shared_settings() const {
   std::string s;
-  for (const auto* c : {&topology, &protocol, &transport}) {
-    s += c->name + "{";
-    for (const auto& [k, v] : c->opts.values()) s += k + "=" + to_string(v) + ";";
-    s += "}";
-  }
-  // The codec joins the fingerprint only when set, so configs without one keep theirs.
-  if (codec.name != "auto" || !codec.opts.values().empty()) {
-    s += "codec:" + codec.name + "{";
-    for (const auto& [k, v] : codec.opts.values()) s += k + "=" + to_string(v) + ";";
-    s += "}";
-  }
-  s += policy.name;
+  const auto add = [&](std::string_view section, const component_config& c) {
+    s += fmt::format("{}.name=\"{}\"\n", section, c.name);
+    for (const auto& [k, v] : c.opts.values()) s += fmt::format("{}.{}={}\n", section, k, to_string(v));
+  };
+  add("topology", topology);
+  add("protocol", protocol);
+  add("transport", transport);
+  // The codec joins only when set, so configs without one share theirs with configs that say "auto".
+  if (codec.name != "auto" || !codec.opts.values().empty()) add("codec", codec);
+  s += fmt::format("policy.name=\"{}\"\n", policy.name);
+  return s;
+}
+
+std::uint64_t config::fingerprint() const {
   std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ull;
+  for (unsigned char ch : shared_settings()) h = (h ^ ch) * 1099511628211ull;
   return h;
+}
+
+namespace {
+
+std::string settings_difference(std::string_view mine, std::string_view theirs, std::string_view their_name) {
+  if (mine.empty() || theirs.empty()) return {};
+  // key -> value, in order of first appearance on either side
+  const auto entries = [](std::string_view text) {
+    std::vector<std::pair<std::string_view, std::string_view>> out;
+    while (!text.empty()) {
+      const auto nl = text.find('\n');
+      const auto line = text.substr(0, nl);
+      text = nl == std::string_view::npos ? std::string_view{} : text.substr(nl + 1);
+      const auto eq = line.find('=');
+      if (eq != std::string_view::npos) out.emplace_back(line.substr(0, eq), line.substr(eq + 1));
+    }
+    return out;
+  };
+  const auto a = entries(mine), b = entries(theirs);
+  const auto find = [](const auto& list, std::string_view key) -> std::optional<std::string_view> {
+    for (const auto& [k, v] : list)
+      if (k == key) return v;
+    return std::nullopt;
+  };
+  const auto show = [](const std::optional<std::string_view>& v) { return v ? std::string(*v) : std::string("not set"); };
+  for (const auto* list : {&a, &b})
+    for (const auto& [k, v] : *list) {
+      const auto va = find(a, k), vb = find(b, k);
+      if (va != vb) return fmt::format("{} is {} here but {} on {}", k, show(va), show(vb), their_name);
+    }
+  return {};
+}
+
+}  // namespace
+
+config_error settings_mismatch(std::string_view my_name, std::string_view their_name, std::uint64_t my_fingerprint,
+                               std::uint64_t their_fingerprint, std::string_view mine, std::string_view theirs) {
+  std::string what = settings_difference(mine, theirs, their_name);
+  if (what.empty()) what = fmt::format("fingerprints {:016x} vs {:016x}", my_fingerprint, their_fingerprint);
+  return config_error(fmt::format("{} and {} were built from different gossip settings ({}); give every rank the same config file and --set "
+                                  "options",
+                                  my_name, their_name, what));
 }
 
 }  // namespace gossip

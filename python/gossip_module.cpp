@@ -416,13 +416,10 @@ class py_engine {
       ++gi;
     }
     if (!beta) return;  // plain SGD: no buffers
-    if (cfg.engine.has("momentum_beta")) {
-      if (std::abs(engine_opts.real("momentum_beta") - *beta) > 1e-12)
-        throw py::value_error(fmt::format("gossip.Engine: {}: momentum_beta = {} but the optimizer's momentum is {}; make them equal or "
-                                          "leave momentum_beta out (it then follows the optimizer)",
-                                          cfg.engine.where("momentum_beta"), engine_opts.real("momentum_beta"), *beta));
-    } else {
-      cfg.engine.set("momentum_beta", *beta, "the optimizer's momentum");
+    try {
+      cfg.follow_momentum(*beta, "the optimizer's momentum");
+    } catch (const config_error& e) {
+      throw py::value_error(fmt::format("gossip.Engine: {}", e.what()));
     }
     const py::object state = optimizer.attr("state");
     for (auto& t : m_tensors) {

@@ -172,6 +172,38 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
 }
 
+TEST_CASE("settings every rank must share: the refusal names the first that differs") {
+  const auto a = config::parse("[topology]\nname = \"ring\"\n", "a.toml");
+  const auto b = config::parse("[topology]\nname = \"exponential\"\n", "b.toml");
+  const auto c = config::parse("[topology]\nname = \"ring\"\n[codec]\nname = \"int8\"\n", "c.toml");
+  CHECK(a.shared_settings() != b.shared_settings());
+  CHECK(a.fingerprint() != b.fingerprint());
+  CHECK(std::string(settings_mismatch("rank 0", "rank 1", a.fingerprint(), b.fingerprint(), a.shared_settings(), b.shared_settings()).what())
+            .find("(topology.name is \"ring\" here but \"exponential\" on rank 1)") != std::string::npos);
+  CHECK(std::string(settings_mismatch("rank 0", "rank 2", a.fingerprint(), c.fingerprint(), a.shared_settings(), c.shared_settings()).what())
+            .find("(codec.name is not set here but \"int8\" on rank 2)") != std::string::npos);
+  // Settings filled in code carry no text: the fingerprints are named.
+  CHECK(std::string(settings_mismatch("rank 0", "rank 1", 1, 2, "", b.shared_settings()).what())
+            .find("(fingerprints 0000000000000001 vs 0000000000000002)") != std::string::npos);
+}
+
+TEST_CASE("momentum_beta follows the training loop's momentum unless set, and must then agree") {
+  auto absent = config::parse("[policy]\nname = \"periodic\"\n", "run.toml");
+  absent.follow_momentum(0.8, "[train] momentum");
+  CHECK(absent.engine.real("momentum_beta") == doctest::Approx(0.8));
+  CHECK(absent.engine.where("momentum_beta") == "[train] momentum");
+  CHECK(engine_spec::from(absent).settings.momentum_beta == doctest::Approx(0.8f));
+  auto same = config::parse("[engine]\nmomentum_beta = 0.9\n", "run.toml");
+  same.follow_momentum(0.9, "[train] momentum");
+  CHECK(same.engine.where("momentum_beta") == "run.toml [engine]");
+  auto other = config::parse("[engine]\nmomentum_beta = 0.5\n", "run.toml");
+  CHECK_THROWS_WITH_AS(other.follow_momentum(0.9, "the optimizer's momentum"),
+                       doctest::Contains("run.toml [engine]: momentum_beta = 0.5 but the optimizer's momentum is 0.9"), config_error);
+  other.apply_override("engine.momentum_beta=0.7");
+  CHECK_THROWS_WITH_AS(other.follow_momentum(0.9, "[train] momentum"), doctest::Contains("--set engine.momentum_beta=0.7: momentum_beta = 0.7"),
+                       config_error);
+}
+
 TEST_CASE("unknown sections are refused with the known ones, and a close one is suggested") {
   CHECK_THROWS_WITH_AS(config::parse("[enigne]\ntimeout_s = 5\n", "run.toml"),
                        doctest::Contains("run.toml: unknown section [enigne] (did you mean [engine]?); known sections: policy, topology, "

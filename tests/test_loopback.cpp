@@ -169,8 +169,28 @@ TEST_CASE("ranks built from different gossip settings refuse to connect") {
       messages[r] = ex.what();
     }
   });
-  CHECK(messages[0].find("rank 0 and rank 1 were built from different gossip settings") != std::string::npos);
-  CHECK(messages[1].find("rank 1 and rank 0 were built from different gossip settings") != std::string::npos);
+  CHECK(messages[0].find("rank 0 and rank 1 were built from different gossip settings (fingerprints") != std::string::npos);
+  CHECK(messages[1].find("rank 1 and rank 0 were built from different gossip settings (fingerprints") != std::string::npos);
+}
+
+TEST_CASE("ranks built from different configs are told which setting differs") {
+  loopback_fabric fabric(2);
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({10}, 1);
+    const auto cfg = config::parse(fmt::format("[topology]\nname = \"ring\"\n[codec]\nname = \"int8\"\nblock = {}\n", r == 0 ? 256 : 128),
+                                   fmt::format("rank{}.toml", r));
+    auto s = spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5);
+    s.config_settings = cfg.shared_settings();
+    s.config_fingerprint = cfg.fingerprint();
+    try {
+      engine e(m.view, r, 2, std::move(s), fabric.endpoint(r));
+    } catch (const config_error& ex) {
+      messages[r] = ex.what();
+    }
+  });
+  CHECK(messages[0].find("(codec.block is 256 here but 128 on rank 1)") != std::string::npos);
+  CHECK(messages[1].find("(codec.block is 128 here but 256 on rank 0)") != std::string::npos);
 }
 
 TEST_CASE("a peer whose engine failed to build is dead to the others, not a topology error") {

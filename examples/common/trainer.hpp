@@ -390,17 +390,7 @@ inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
   // Quasi-global momentum rebuilds SGD's buffers with [engine] momentum_beta:
   // it follows [train] momentum unless set, and must then agree with it.
   config c = cfg;
-  if (s.momentum > 0) {
-    if (c.engine.has("momentum_beta")) {
-      const auto beta = c.engine.resolved(engine_option_specs(), "[engine]").real("momentum_beta");
-      if (std::abs(beta - s.momentum) > 1e-12)
-        throw config_error(fmt::format("{}: key 'momentum_beta' is {} but [train] momentum is {}; make them equal or leave momentum_beta "
-                                       "out (it then follows [train] momentum)",
-                                       c.engine.where("momentum_beta"), beta, s.momentum));
-    } else {
-      c.engine.set("momentum_beta", s.momentum, "[train] momentum");
-    }
-  }
+  if (s.momentum > 0) c.follow_momentum(s.momentum, "[train] momentum");
   engine_spec spec = engine_spec::from(c);
   if (s.average_every > 0)
     spec.policy = any_policy(averaging_schedule{.every = static_cast<std::uint64_t>(s.average_every),

@@ -78,9 +78,27 @@ struct config {
   /// policy, topology, protocol, transport, codec, engine, then app_sections.
   std::vector<std::string> known_sections() const;
 
-  /// Fingerprint of the settings every rank must share (component names and options).
+  /// The settings every rank must share, one "section.key=value" per line
+  /// (topology, protocol and transport with their options, the codec when
+  /// set, the policy's name); fingerprint() hashes it.
+  std::string shared_settings() const;
+  /// Fingerprint of shared_settings(): ranks with different ones refuse to connect.
   std::uint64_t fingerprint() const;
+
+  /// Makes [engine] momentum_beta follow the training loop's momentum factor
+  /// `beta` (> 0), named by `origin` in messages ("[train] momentum", "the
+  /// optimizer's momentum"): quasi-global momentum rebuilds the optimizer's
+  /// buffers with it. Sets it when absent; a config_error naming where it was
+  /// set when it differs.
+  void follow_momentum(double beta, std::string_view origin);
 };
+
+/// The error for two ranks whose shared settings differ (`my_name`, `their_name`:
+/// "rank 0", "rank 1 (host h)"). It names the first setting that differs when
+/// both shared_settings() texts are known (`topology.name is "ring" here but
+/// "exponential" on rank 1`), else the fingerprints (settings filled in code).
+config_error settings_mismatch(std::string_view my_name, std::string_view their_name, std::uint64_t my_fingerprint,
+                               std::uint64_t their_fingerprint, std::string_view mine, std::string_view theirs);
 
 /// Engine settings ([engine] section), with environment overrides.
 const std::vector<option_spec>& engine_option_specs();

@@ -13,7 +13,7 @@ namespace gossip {
 
 inline engine::engine(const model_view& model, int rank, int world, engine_spec spec, any_transport transport)
     : m_rank(rank), m_world(world), m_policy(std::move(spec.policy)), m_settings(std::move(spec.settings)),
-      m_config_fingerprint(spec.config_fingerprint), m_transport(std::move(transport)) {
+      m_config_fingerprint(spec.config_fingerprint), m_config_settings(std::move(spec.config_settings)), m_transport(std::move(transport)) {
   if (world < 1 || rank < 0 || rank >= world)
     throw config_error(fmt::format("engine: rank {} is outside the world of {} ranks", rank, world));
   if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
@@ -195,6 +195,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   setup.layout = layout;
   setup.layout_fingerprint = m_layout_fingerprint;
   setup.config_fingerprint = m_config_fingerprint;
+  setup.config_settings = m_config_settings;
   setup.model_fingerprint = m_model_fingerprint;
   setup.sources = m_topology.sources();
   setup.targets = targets;

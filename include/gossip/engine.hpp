@@ -101,6 +101,7 @@ struct engine_spec {
   component_config codec{"auto", options("<code> [codec]")};  ///< what a message carries (gossip/codec.hpp; auto: int8 over a network)
   engine_settings settings;
   std::uint64_t config_fingerprint = 0;  ///< ranks with different fingerprints refuse to connect
+  std::string config_settings;           ///< config::shared_settings(), to name what differs (empty: not told)
 
   static engine_spec from(const config& cfg);
 };
@@ -184,6 +185,7 @@ class engine {
   protocol m_protocol;
   engine_settings m_settings;
   std::uint64_t m_config_fingerprint = 0, m_layout_fingerprint = 0;
+  std::string m_config_settings;
   std::uint64_t m_model_fingerprint = 0;  // the model when built, for a codec's shared start (0: not offered)
   std::vector<std::string> m_tensor_names;
 

@@ -102,6 +102,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
     s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name, staggered));
   }
   s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
+  s.config_settings = cfg.shared_settings();
   s.config_fingerprint = cfg.fingerprint();
   return s;
 }

@@ -114,6 +114,7 @@ struct transport_setup {
   model_layout layout;
   std::uint64_t layout_fingerprint = 0;
   std::uint64_t config_fingerprint = 0;
+  std::string config_settings;  ///< config::shared_settings(), to name what differs (empty: not told)
   /// Fingerprint of the model's values when the engine was built (0: not
   /// told). Peers that report the same one started from the same model, and
   /// a codec's streams between them start from it (engine: shared start).

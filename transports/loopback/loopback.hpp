@@ -26,6 +26,7 @@
 
 #include <fmt/format.h>
 
+#include "gossip/config.hpp"
 #include "gossip/error.hpp"
 #include "gossip/transport.hpp"
 #include "gossip/wait.hpp"
@@ -49,6 +50,7 @@ struct loopback_rank {
   gossip::inbox* in = nullptr;
   model_layout layout;
   std::uint64_t config_fingerprint = 0;
+  std::string config_settings;
   std::uint64_t model_fingerprint = 0;
   std::atomic<std::uint64_t> bytes_received{0}, messages_received{0};
 };
@@ -96,6 +98,7 @@ class loopback_transport {
     me.in = s.inbox;
     me.layout = s.layout;
     me.config_fingerprint = s.config_fingerprint;
+    me.config_settings = s.config_settings;
     me.model_fingerprint = me.killed.load() ? 0 : s.model_fingerprint;  // killed before attaching: neighbours may have skipped it
     me.attached.store(true, std::memory_order_release);
 
@@ -114,9 +117,8 @@ class loopback_transport {
       // Layout and fingerprint are copies in the fabric: valid after the peer left.
       check_layouts(me.layout, m_rank, p.layout, j);
       if (p.config_fingerprint != me.config_fingerprint)
-        throw config_error(fmt::format("rank {} and rank {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
-                                       "give every rank the same config file",
-                                       m_rank, j, me.config_fingerprint, p.config_fingerprint));
+        throw settings_mismatch(fmt::format("rank {}", m_rank), fmt::format("rank {}", j), me.config_fingerprint, p.config_fingerprint,
+                                me.config_settings, p.config_settings);
       if (std::find(s.targets.begin(), s.targets.end(), j) == s.targets.end()) continue;
       // The peer's inbox is read as a writer would: a peer that departs (its
       // engine failed to build, or it left) frees it only once its depart()

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "gossip/config.hpp"
 #include "gossip/wait.hpp"
 #include "impl.hpp"
 
@@ -69,6 +70,7 @@ struct reader {
 struct peer_blob {
   int rank = -1, world = 0;
   std::uint64_t config_fp = 0, layout_fp = 0, model_fp = 0, message_bytes = 0;
+  std::string config_settings;
   std::vector<int> sources, targets;
   model_layout layout;
   std::vector<std::byte> address;
@@ -100,6 +102,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
   }
   w.bytes(address, address_len);
   w.bytes(host.data(), host.size());
+  w.bytes(s.config_settings.data(), s.config_settings.size());
   return std::move(w.b);
 }
 
@@ -133,6 +136,8 @@ std::optional<peer_blob> decode(const bootstrap::blob& b) {
   p.address = r.bytes();
   const auto host = r.bytes();
   p.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
+  const auto settings = r.bytes();
+  p.config_settings.assign(reinterpret_cast<const char*>(settings.data()), settings.size());
   if (!r.ok) return std::nullopt;
   return p;
 }
@@ -284,10 +289,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
           fmt::format("ucx: {} was started in a world of {} ranks but {} in a world of {}", self_name, s.world, p.name, pb->world));
     check_layouts(s.layout, s.rank, pb->layout, j);
     if (pb->config_fp != s.config_fingerprint)
-      throw config_error(
-          fmt::format("{} and {} were built from different gossip settings (fingerprints {:016x} vs {:016x}); "
-                      "give every rank the same config file",
-                      self_name, p.name, s.config_fingerprint, pb->config_fp));
+      throw settings_mismatch(self_name, p.name, s.config_fingerprint, pb->config_fp, s.config_settings, pb->config_settings);
     if (contains(s.targets, j) && !contains(pb->sources, s.rank))
       throw config_error(
           fmt::format("{} may send to {}, but rank {} does not expect messages from it; every rank must use the same topology",
