@@ -183,8 +183,10 @@ void config::apply_override(std::string_view assignment) {
       // The old component's settings go with it, but a key set by --set that
       // the new one also has stays, whatever the order of the --set options
       // (--set policy.threshold=0.5 --set policy.name=drift).
+      // The new component's section is the override's: its errors ("unknown
+      // policy") name the --set, not a file that never chose it.
       const auto declared = specs_of(section, str->get());
-      options kept(fmt::format("{} [{}]", source, section));
+      options kept(where);
       for (const auto& entry : comp->opts.values()) {
         const std::string& k = entry.first;  // not a structured binding: clang 14 cannot capture one
         if (const auto& origin = comp->opts.where(k); origin != comp->opts.where() && declared &&

@@ -168,6 +168,8 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   file.apply_override("policy.threshold=0.2");
   file.apply_override("policy.name=consensus");  // consensus has a threshold: the --set value stays
   CHECK(file.policy.opts.real("threshold") == 0.2);
+  file.apply_override("policy.name=bogus");
+  CHECK_THROWS_WITH_AS(engine_spec::from(file), doctest::Contains("--set policy.name=bogus: unknown policy 'bogus'"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
 }

@@ -26,6 +26,7 @@
 
 #include "../output.hpp"
 #include "common/trainer.hpp"
+#include "common/traffic_specs.hpp"
 
 namespace {
 
@@ -46,27 +47,6 @@ nlohmann::json options_json(const options& o) {
   for (const auto& [k, v] : o.values())
     std::visit([&](const auto& x) { j[k] = x; }, v);
   return j;
-}
-
-const std::vector<option_spec>& bench_specs() {
-  static const std::vector<option_spec> specs = {
-      {"seeds", std::int64_t{3}, "seeds per policy"},
-      {"quick_epochs", std::int64_t{2}, "epochs in --quick mode"},
-      {"quick_train_limit", std::int64_t{0}, "training samples in --quick mode (0: all)"},
-  };
-  return specs;
-}
-
-// [baseline]: the equal-bytes controls.
-const std::vector<option_spec>& baseline_specs() {
-  static const std::vector<option_spec> specs = {
-      {"roles", std::string("equal-traffic,periodic-qgm,local-sgd,diloco,staggered-qgm"), "equal-bytes baselines to run, comma-separated"},
-      {"rounds", std::int64_t{-1}, "gossip rounds at each local-sgd/diloco averaging point (-1: ceil(log2 workers))"},
-      {"outer_lr", 0.7, "diloco: outer learning rate"},
-      {"outer_momentum", 0.9, "diloco: outer Nesterov momentum"},
-      {"max_attempts", std::int64_t{3}, "longer periods tried when a baseline's bytes overshoot the adaptive run's"},
-  };
-  return specs;
 }
 
 // How one run trains beyond its policy: local SGD and the outer optimizer.
@@ -147,8 +127,8 @@ int main(int argc, char** argv) {
     config base = config::load(config_path, {"train", "bench", "baseline"});
     ::setenv("UCX_NET_DEVICES", "lo", 0);  // the ranks run on this machine
     for (const auto& o : overrides) base.apply_override(o);
-    const auto bench = base.section("bench", bench_specs());
-    const auto bl = base.section("baseline", baseline_specs());
+    const auto bench = base.section("bench", examples::traffic_bench_specs());
+    const auto bl = base.section("baseline", examples::traffic_baseline_specs());
     const auto in_range = [](const options& o, const char* key, std::int64_t lo, std::int64_t hi) {
       const auto v = o.integer(key);
       if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));

@@ -10,14 +10,14 @@
 #include <gossip/cuda.hpp>
 #include <gossip/gossip.hpp>
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (!gossip::cuda::available()) {
     fmt::print("no usable GPU: {}\n", gossip::cuda::unavailable_reason());
     return 1;
   }
   const int world = 2, steps = 300;
   const std::size_t n = 16;
-  const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config{};
+  const auto spec = gossip::engine_spec::from(argc > 1 ? gossip::config::load(argv[1]) : gossip::config{});
   gossip::loopback_fabric fabric(world);
 
   auto worker = [&](int rank) {
@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
     gossip::model_view model;
     model.add("w", {d_w, n}, gossip::memory_kind::cuda).add("b", {d_b, 1}, gossip::memory_kind::cuda);
     model.on_device(gossip::cuda::device(stream));  // the engine's passes run on this stream
-    gossip::engine eng(model, rank, world, cfg, fabric.endpoint(rank));
+    gossip::engine eng(model, rank, world, spec, fabric.endpoint(rank));
 
     std::mt19937 rng(rank);
     std::normal_distribution<float> normal;
@@ -61,4 +61,7 @@ int main(int argc, char** argv) {
   };
   std::vector<std::jthread> ranks;
   for (int r = 0; r < world; ++r) ranks.emplace_back(worker, r);
+} catch (const gossip::error& e) {
+  fmt::print(stderr, "error: {}\n", e.what());
+  return 1;
 }

@@ -6,17 +6,18 @@
 
 #include <gossip/gossip.hpp>
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const int world = 2, steps = 300;
-  // [policy], [topology], … from a file, or all defaults (or fill gossip::engine_spec in code).
-  const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config{};
+  // [policy], [topology], … from a file, or all defaults (or fill gossip::engine_spec in code),
+  // checked here, before the workers start.
+  const auto spec = gossip::engine_spec::from(argc > 1 ? gossip::config::load(argv[1]) : gossip::config{});
   gossip::loopback_fabric fabric(world, {.bandwidth_gbps = 1.0});
 
   auto worker = [&](int rank) {
     std::vector<float> w(16, 0.0f), b(1, 0.0f);
     gossip::model_view model;  // a non-owning view: names, pointers, sizes
     model.add("w", w).add("b", b);
-    gossip::engine eng(model, rank, world, cfg, fabric.endpoint(rank));  // one per worker
+    gossip::engine eng(model, rank, world, spec, fabric.endpoint(rank));  // one per worker
 
     std::mt19937 rng(rank);
     std::normal_distribution<float> normal;
@@ -36,4 +37,7 @@ int main(int argc, char** argv) {
   };
   std::vector<std::jthread> ranks;
   for (int r = 0; r < world; ++r) ranks.emplace_back(worker, r);
+} catch (const gossip::error& e) {  // a bad config file: what is wrong, and where
+  fmt::print(stderr, "error: {}\n", e.what());
+  return 1;
 }

@@ -9,7 +9,7 @@
 #include <gossip/gossip.hpp>
 #include <gossip/transports/ucx/ucx.hpp>
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   const int steps = 300;
   const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config{};
   // Rank 0 serves the rendezvous at GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT; it must outlive the others' use of it.
@@ -35,4 +35,7 @@ int main(int argc, char** argv) {
   eng.finish();               // merges everything the peers sent before this rank leaves
   boot->barrier("done");      // rank 0 serves the rendezvous until every rank is through
   fmt::print("rank {} of {}: b = {:.2f}, {} bytes sent\n", rank, world, b[0], eng.stats().bytes_sent);
+} catch (const gossip::error& e) {  // a bad config, a peer that never came, a timeout: what and where
+  fmt::print(stderr, "error: {}\n", e.what());
+  return 1;
 }

@@ -37,4 +37,6 @@ refused "unknown transport 'tcp'; known transports: loopback, ucx, switch" --set
 refused "--json /nonexistent-dir/run.json: cannot write the report there" --json /nonexistent-dir/run.json
 refused "--set train.lr=inf: key 'lr' must be a finite number > 0" --set train.lr=inf
 refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch-aggregate
+refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
+refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/traffic_specs.hpp"
 #include "common/trainer.hpp"
 #include "gossip_build_config.hpp"
 
@@ -78,6 +79,9 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
     for (const auto& o : overrides) cfg.apply_override(o);
     const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
+    // The bench's sections are not this program's to use, but a misspelt key is refused here as there.
+    (void)cfg.section("bench", traffic_bench_specs());
+    (void)cfg.section("baseline", traffic_baseline_specs());
     // A bad [policy], [topology], [protocol], [codec], [engine] or [transport]
     // key is refused now, before the header and the data: train() builds them again.
     {
