@@ -246,6 +246,30 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
   }
 }
 
+TEST_CASE("engine: a step without its learning rate is refused when momentum is quasi-global, accepted when local") {
+  for (const char* mode : {"quasi-global", "local"}) {
+    loopback_fabric fabric(1);
+    toy_model m({8}, 3);
+    std::vector<float> v(8, 0.0f);
+    m.view.momentum("t0", v);
+    auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "push-sum");
+    options o("test [engine]");
+    o.set("momentum", std::string(mode));
+    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
+    INFO(mode);
+    if (std::string(mode) == "local") {
+      CHECK_NOTHROW(e.step({}));
+    } else {
+      for (const double lr : {0.0, -0.1, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()})
+        CHECK_THROWS_WITH_AS(e.step({.lr = lr}), doctest::Contains("but the engine keeps quasi-global momentum"), gossip::error);
+      CHECK(e.stats().steps == 0);  // refused before anything happened
+      CHECK_NOTHROW(e.step({.lr = 0.1}));
+    }
+    e.finish(0);
+  }
+}
+
 namespace {
 // One rank over loopback with a registered momentum buffer and [engine] `key` = `value`; its stats.
 engine_stats one_rank_with_momentum(any_policy policy, const char* key, const char* value) {

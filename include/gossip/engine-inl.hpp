@@ -288,6 +288,12 @@ inline void engine::handle_failures() {
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
     throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (build a new engine to train on)", m_rank));
+  // Quasi-global momentum rebuilds the optimizer's buffers from the step's
+  // displacement divided by lr: without it the buffers would silently stay local.
+  if ((!m_mhat.empty() || m_device_qgm) && !(std::isfinite(info.lr) && info.lr > 0)) [[unlikely]]
+    throw error(fmt::format("engine (rank {}): step with lr = {}, but the engine keeps quasi-global momentum, which needs the learning "
+                            "rate the optimizer used at this step (> 0): pass step({{.lr = …}}), or set [engine] momentum = \"local\"",
+                            m_rank, info.lr));
   return run_step(info, false);
 }
 
