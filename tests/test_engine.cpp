@@ -246,6 +246,28 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
   }
 }
 
+TEST_CASE("engine: settings filled in code are checked against the config's ranges when the engine is built") {
+  const auto refused = [](auto&& edit, const char* message) {
+    loopback_fabric fabric(1);
+    toy_model m({8}, 3);
+    auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum");
+    edit(spec.settings);
+    CHECK_THROWS_WITH_AS(engine(m.view, 0, 1, std::move(spec), fabric.endpoint(0)), doctest::Contains(message), config_error);
+  };
+  refused([](engine_settings& s) { s.trace_skips_every = 0; },
+          "engine_settings::trace_skips_every must be >= 1, got 0 (the config key [engine] trace_skips_every)");
+  refused([](engine_settings& s) { s.send_buffers = 17; }, "engine_settings::send_buffers must be in 1..16, got 17");
+  refused([](engine_settings& s) { s.timeout = std::chrono::duration<double>(0); },
+          "engine_settings::timeout must be > 0 and at most 31536000 seconds (a year), got 0 (the config key [engine] timeout_s)");
+  refused([](engine_settings& s) { s.momentum_beta = 1.0f; }, "engine_settings::momentum_beta must be in [0, 1), got 1");
+  refused([](engine_settings& s) { s.finish_rounds = -2; }, "engine_settings::finish_rounds must be >= 0, or -1 for automatic, got -2");
+  // The config's keys, the same ranges.
+  options o("test [engine]");
+  o.set("momentum_beta", 1.0);
+  CHECK_THROWS_WITH_AS(engine_settings::from(o.resolved(engine_option_specs(), "test [engine]")),
+                       "test [engine]: key 'momentum_beta' must be in [0, 1), got 1", config_error);
+}
+
 TEST_CASE("engine: a step without its learning rate is refused when momentum is quasi-global, accepted when local") {
   for (const char* mode : {"quasi-global", "local"}) {
     loopback_fabric fabric(1);
@@ -318,7 +340,7 @@ TEST_CASE("engine: momentum_merge auto carries merges on in full for a closed-lo
   options lead("test [engine]");
   lead.set("max_lead", std::int64_t{-1});
   CHECK_THROWS_WITH_AS(engine_settings::from(lead.resolved(engine_option_specs(), "test [engine]")),
-                       "test [engine]: key 'max_lead' must be >= 0 (0: off), got -1", config_error);
+                       "test [engine]: key 'max_lead' must be in 0..2^40 (0: off), got -1", config_error);
   options bad("test [engine]");
   bad.set("momentum_merge", std::string("half"));
   CHECK_THROWS_WITH_AS(engine_settings::from(bad.resolved(engine_option_specs(), "test [engine]")),

@@ -11,26 +11,72 @@
 
 namespace gossip {
 
+namespace detail {
+
+// The [engine] settings with a range, in one place: engine_settings::from()
+// checks a config's values against it before narrowing them (so 2^32 + 2 is
+// refused rather than read as 2), check() the fields of settings filled in code.
+struct engine_range {
+  std::string_view key, field;  // the config key, the engine_settings member
+  bool integer;
+  double lo, hi;
+  bool lo_open, hi_open;  // lo, hi themselves are outside the range
+  std::string_view expected;
+  double (*value)(const engine_settings&);
+  bool admits(double v) const noexcept { return (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi); }
+};
+
+// A deadline is steady_clock::now() + timeout in nanoseconds: bounded (a year) so that it cannot overflow.
+inline constexpr std::array<engine_range, 7> engine_ranges{{
+    {"timeout_s", "timeout", false, 0, 365.0 * 24 * 3600, true, false, "> 0 and at most 31536000 seconds (a year)",
+     [](const engine_settings& s) { return s.timeout.count(); }},
+    {"send_buffers", "send_buffers", true, 1, 16, false, false, "in 1..16", [](const engine_settings& s) { return double(s.send_buffers); }},
+    {"trace_capacity", "trace_capacity", true, 0, 2e19, false, false, ">= 0", [](const engine_settings& s) { return double(s.trace_capacity); }},
+    {"trace_skips_every", "trace_skips_every", true, 1, std::numeric_limits<int>::max(), false, false, ">= 1",
+     [](const engine_settings& s) { return double(s.trace_skips_every); }},
+    {"finish_rounds", "finish_rounds", true, -1, std::numeric_limits<int>::max(), false, false, ">= 0, or -1 for automatic",
+     [](const engine_settings& s) { return double(s.finish_rounds); }},
+    {"max_lead", "max_lead", true, 0, double(std::int64_t{1} << 40), false, false, "in 0..2^40 (0: off)",
+     [](const engine_settings& s) { return double(s.max_lead); }},
+    {"momentum_beta", "momentum_beta", false, 0, 1, false, true, "in [0, 1)",
+     [](const engine_settings& s) { return double(s.momentum_beta); }},
+}};
+
+inline const engine_range& engine_range_of(std::string_view key) {
+  for (const auto& r : engine_ranges)
+    if (r.key == key) return r;
+  GOSSIP_ASSERT(false, "no range for [engine] key {}", key);
+  return engine_ranges[0];
+}
+
+}  // namespace detail
+
 inline engine_settings engine_settings::from(const options& o) {
-  // Integers are checked before they are narrowed, so 2^32 + 2 is refused rather than read as 2.
-  const auto in_range = [&](std::string_view key, std::int64_t lo, std::int64_t hi, std::string_view expected) {
-    const std::int64_t v = o.integer(key);
-    if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(key), key, expected, v));
+  // The key's value, checked against its range before it is narrowed.
+  const auto checked = [&](std::string_view key) -> double {
+    const auto& r = detail::engine_range_of(key);
+    if (r.integer) {
+      const std::int64_t v = o.integer(key);
+      if (!r.admits(static_cast<double>(v)))
+        throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(key), key, r.expected, v));
+      return static_cast<double>(v);
+    }
+    const double v = o.real(key);
+    if (!r.admits(v))
+      throw config_error(fmt::format("{}: key '{}' must be {}, got {}", o.where(key), key, r.expected, v));
     return v;
   };
-  // A deadline is steady_clock::now() + timeout in nanoseconds: bounded so that it cannot overflow.
-  constexpr double max_timeout_s = 365.0 * 24 * 3600;
   engine_settings s;
-  s.timeout = std::chrono::duration<double>(o.real("timeout_s"));
-  s.send_buffers = static_cast<int>(in_range("send_buffers", 1, 16, "in 1..16"));
+  s.timeout = std::chrono::duration<double>(checked("timeout_s"));
+  s.send_buffers = static_cast<int>(checked("send_buffers"));
   s.trace_path = o.string("trace");
-  s.trace_capacity = static_cast<std::size_t>(in_range("trace_capacity", 0, std::numeric_limits<std::int64_t>::max(), ">= 0"));
-  s.trace_skips_every = static_cast<int>(in_range("trace_skips_every", 1, std::numeric_limits<int>::max(), ">= 1"));
+  checked("trace_capacity");
+  s.trace_capacity = static_cast<std::size_t>(o.integer("trace_capacity"));  // exact: any int64 >= 0
+  s.trace_skips_every = static_cast<int>(checked("trace_skips_every"));
   s.stats_path = o.string("stats");
-  s.finish_rounds =
-      static_cast<int>(in_range("finish_rounds", -1, std::numeric_limits<int>::max(), ">= 0, or -1 for automatic"));
+  s.finish_rounds = static_cast<int>(checked("finish_rounds"));
   s.wait_when_busy = o.boolean("wait_when_busy");
-  s.max_lead = static_cast<std::uint64_t>(in_range("max_lead", 0, std::int64_t{1} << 40, ">= 0 (0: off)"));
+  s.max_lead = static_cast<std::uint64_t>(checked("max_lead"));
   // A key that names one of three choices, or an error that lists them.
   const auto choice = [&]<class E>(std::string_view key, const std::array<std::pair<std::string_view, E>, 3>& choices) {
     const std::string v = o.string(key);
@@ -42,32 +88,17 @@ inline engine_settings engine_settings::from(const options& o) {
   using mode = engine_settings::momentum_mode;
   s.momentum = choice("momentum", std::array<std::pair<std::string_view, mode>, 3>{
                                       {{"auto", mode::automatic}, {"quasi-global", mode::quasi_global}, {"local", mode::local}}});
-  const double beta = o.real("momentum_beta");
-  if (!(beta >= 0 && beta < 1))
-    throw config_error(fmt::format("{}: key 'momentum_beta' must be in [0, 1), got {}", o.where("momentum_beta"), beta));
-  s.momentum_beta = static_cast<float>(beta);
+  s.momentum_beta = static_cast<float>(checked("momentum_beta"));
   using merge = engine_settings::merge_momentum;
   s.momentum_merge = choice("momentum_merge", std::array<std::pair<std::string_view, merge>, 3>{
                                                   {{"auto", merge::automatic}, {"full", merge::full}, {"spread", merge::spread}}});
-  if (!(s.timeout.count() > 0))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be > 0 seconds, got {}", o.where("timeout_s"), s.timeout.count()));
-  if (!(s.timeout.count() <= max_timeout_s))
-    throw config_error(fmt::format("{}: key 'timeout_s' must be at most {} seconds (a year), got {}", o.where("timeout_s"), max_timeout_s,
-                                   s.timeout.count()));
   return s;
 }
 
 inline void engine_settings::check() const {
-  const auto bad = [](std::string_view field, std::string_view expected, const auto& got) {
-    return config_error(fmt::format("engine_settings::{} must be {}, got {} (the config key [engine] {})", field, expected, got,
-                                    field == "timeout" ? "timeout_s" : field));
-  };
-  if (!(timeout.count() > 0) || !(timeout.count() <= 365.0 * 24 * 3600)) throw bad("timeout", "in (0, a year] seconds", timeout.count());
-  if (send_buffers < 1 || send_buffers > 16) throw bad("send_buffers", "in 1..16", send_buffers);
-  if (trace_skips_every < 1) throw bad("trace_skips_every", ">= 1", trace_skips_every);
-  if (finish_rounds < -1) throw bad("finish_rounds", ">= 0, or -1 for automatic", finish_rounds);
-  if (!(momentum_beta >= 0 && momentum_beta < 1)) throw bad("momentum_beta", "in [0, 1)", momentum_beta);
-  if (max_lead > (std::uint64_t{1} << 40)) throw bad("max_lead", "at most 2^40 (0: off)", max_lead);
+  for (const auto& r : detail::engine_ranges)
+    if (const double v = r.value(*this); !r.admits(v))
+      throw config_error(fmt::format("engine_settings::{} must be {}, got {} (the config key [engine] {})", r.field, r.expected, v, r.key));
 }
 
 inline engine_spec engine_spec::from(const config& cfg) {
