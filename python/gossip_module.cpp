@@ -238,6 +238,38 @@ double group_momentum(const py::handle& optimizer, const py::handle& group, std:
   return m;
 }
 
+// A config written for N workers ([train] workers) must run on N ranks.
+void check_world(const config& cfg, const rank_identity& id) {
+  const auto it = cfg.sections.find("train");
+  if (it == cfg.sections.end() || !it->second.has("workers")) return;
+  const auto& v = it->second.values().at("workers");
+  if (!std::holds_alternative<std::int64_t>(v))
+    throw config_error(fmt::format("{}: key 'workers' must be an integer", it->second.where("workers")));
+  const auto workers = std::get<std::int64_t>(v);
+  if (workers != id.world)
+    throw config_error(fmt::format("{}: workers = {} but the world has {} ranks ({}, this is rank {}); start as many processes as "
+                                   "workers (torchrun --nproc_per_node {}) or change workers",
+                                   it->second.where("workers"), workers, id.world, id.source, id.rank, workers));
+}
+
+/// The [transport] checks that need no peer: loopback only for a world of
+/// one, otherwise UCX (the default here), which takes no keys.
+void check_transport(const config& cfg, const rank_identity& id) {
+  const auto& t = cfg.transport;
+  // [transport] left at its default (loopback, no settings) means UCX here: ranks are processes.
+  const bool default_transport = t.name == "loopback" && t.opts.values().empty();
+  if (t.name == "loopback" && !default_transport && id.world > 1)
+    throw config_error(fmt::format("{}: transport 'loopback' connects threads of one process, but this is rank {} of {} processes; "
+                                   "use name = \"ucx\" or leave [transport] out",
+                                   t.opts.where(), id.rank, id.world));
+  if (t.name == "loopback") return;
+  if (t.name != "ucx")
+    throw config_error(fmt::format("{}: transport '{}' is not available from Python; use \"ucx\" (the default here)", t.opts.where(), t.name));
+  if (!t.opts.values().empty())
+    throw config_error(fmt::format("{}: transport 'ucx' takes no settings here (key '{}'); UCX reads UCX_* environment variables",
+                                   t.opts.where(), t.opts.values().begin()->first));
+}
+
 }  // namespace
 
 class py_engine {
@@ -443,38 +475,13 @@ class py_engine {
     }
   }
 
-  // A config written for N workers ([train] workers) must run on N ranks.
-  static void check_world(const config& cfg, const rank_identity& id) {
-    const auto it = cfg.sections.find("train");
-    if (it == cfg.sections.end() || !it->second.has("workers")) return;
-    const auto& v = it->second.values().at("workers");
-    if (!std::holds_alternative<std::int64_t>(v))
-      throw config_error(fmt::format("{}: key 'workers' must be an integer", it->second.where("workers")));
-    const auto workers = std::get<std::int64_t>(v);
-    if (workers != id.world)
-      throw config_error(fmt::format("{}: workers = {} but the world has {} ranks ({}, this is rank {}); start as many processes as "
-                                     "workers (torchrun --nproc_per_node {}) or change workers",
-                                     it->second.where("workers"), workers, id.world, id.source, id.rank, workers));
-  }
-
   any_transport make_transport(const config& cfg, const rank_identity& id, std::chrono::duration<double> timeout) {
-    const auto& t = cfg.transport;
-    // [transport] left at its default (loopback, no settings) means UCX here: ranks are processes.
-    const bool default_transport = t.name == "loopback" && t.opts.values().empty();
-    if (t.name == "loopback" && !default_transport && id.world > 1)
-      throw config_error(fmt::format("{}: transport 'loopback' connects threads of one process, but this is rank {} of {} processes; "
-                                     "use name = \"ucx\" or leave [transport] out",
-                                     t.opts.where(), id.rank, id.world));
-    if (t.name == "loopback" && id.world == 1) {
+    check_transport(cfg, id);
+    if (cfg.transport.name == "loopback" && id.world == 1) {
       m_fabric.emplace(1);
       return m_fabric->endpoint(0);
     }
-    if (t.name != "ucx" && !default_transport)
-      throw config_error(fmt::format("{}: transport '{}' is not available from Python; use \"ucx\" (the default here)", t.opts.where(), t.name));
 #if defined(GOSSIP_HAVE_UCX)
-    if (!t.opts.values().empty() && t.name == "ucx")
-      throw config_error(fmt::format("{}: transport 'ucx' takes no settings here (key '{}'); UCX reads UCX_* environment variables",
-                                     t.opts.where(), t.opts.values().begin()->first));
     m_boot = make_bootstrap(id, timeout);
     return ucx_transport(m_boot);
 #else
@@ -537,6 +544,25 @@ py::list describe(const Registry& r) {
     out.append(d);
   }
   return out;
+}
+
+// gossip.check_config: what gossip.Engine checks before it needs a model or peers.
+void check_config(const py::object& cfg_arg, std::optional<int> world, const std::vector<std::string>& app_sections) {
+  const config cfg = config_from(cfg_arg, app_sections);
+  rank_identity id;
+  if (world) {
+    if (*world < 1) throw py::value_error(fmt::format("gossip.check_config: world = {}; give a world size >= 1", *world));
+    id = {0, *world, "world="};
+  } else {
+    try {
+      id = identity();
+    } catch (const config_error& e) {
+      throw config_error(fmt::format("gossip.check_config: give world= (the number of ranks), or run it under torchrun: {}", e.what()));
+    }
+  }
+  check_world(cfg, id);
+  (void)engine_spec::from(cfg);
+  check_transport(cfg, id);
 }
 
 }  // namespace gossip::python
@@ -607,6 +633,11 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
         if (type.is_none()) e.finish(-2);
       });
 
+  m.def("check_config", &gp::check_config, py::arg("config"), py::kw_only(), py::arg("world") = py::none(),
+        py::arg("app_sections") = std::vector<std::string>{"train"},
+        "Checks a config (a TOML path or a dict) as gossip.Engine would, without a model or peers: every component and key, the "
+        "codec against the transport, [train] workers against the world (default: from the torchrun or GOSSIP_* environment). "
+        "Raises gossip.ConfigError naming the file or dict key; returns None.");
   m.def("policies", [] { return gp::describe(gossip::policy_registry()); }, "Policies a config's [policy] name may choose, with their settings.");
   m.def("components", [] {
     py::dict d;

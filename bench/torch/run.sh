@@ -82,6 +82,16 @@ if [[ -n $MODULE && -x $PY ]] && ! PYTHONPATH=$BUILD/python $PY -c 'import gossi
   problems+=("the gossip module in $BUILD/python does not load or was built without UCX (-Ducx=enabled)")
 fi
 echo "bench/torch: $( ((QUICK)) && echo quick || echo full ) — 4 ranks, train_limit $LIMIT, $EPOCHS epochs, $SEEDS seed(s), ${RATE} Mbit/s per link (tbf)$( [[ $DELAY != 0 ]] && echo ", ${DELAY} ms delay (netem, if present)")$( ((${#SETS[@]})) && echo ", gossip config: ${SETS[*]}"), out $OUT"
+if ((${#problems[@]} == 0)); then
+  # The gossip runs' configs (--set) are checked now, not inside the namespaces minutes later.
+  if ! err=$(PYTHONPATH=$BUILD/python $PY "$HERE/worker.py" --check-config 4 --momentum "$MOMENTUM" "${SETS[@]}" 2>&1); then
+    problems+=("${err#worker: }")
+  fi
+  # --out: a directory this run can create or write.
+  probe=$OUT; while [[ ! -e $probe ]]; do probe=$(dirname "$probe"); done
+  if [[ -e $OUT && ! -d $OUT ]]; then problems+=("--out $OUT: is a file, not a directory")
+  elif [[ ! -w $probe ]]; then problems+=("--out $OUT: $probe is not writable"); fi
+fi
 if ((${#problems[@]})); then
   printf 'bench/torch: %s\n' "${problems[@]}" >&2
   exit 1

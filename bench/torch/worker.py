@@ -93,9 +93,20 @@ def apply_sets(cfg, sets):
     return cfg
 
 
+def gossip_config(method, sets, momentum_mode):
+    """The config of a gossip run (method periodic or default) with the --set keys."""
+    cfg = {"policy": {"name": "periodic", "every": 1}} if method == "periodic" else {}
+    cfg = apply_sets(cfg, [x for x in sets if not (method == "periodic" and x.startswith("policy."))])
+    if momentum_mode == "quasi-global":
+        cfg.setdefault("engine", {})["momentum"] = "quasi-global"
+    return cfg
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", required=True, choices=["ddp", "periodic", "default", "none"])
+    ap.add_argument("--check-config", type=int, metavar="WORLD",
+                    help="check both gossip runs' configs for WORLD ranks with gossip.check_config and exit (run.sh does, before any run)")
+    ap.add_argument("--method", choices=["ddp", "periodic", "default", "none"])
     ap.add_argument("--momentum-mode", "--momentum", dest="momentum_mode", default="auto", choices=["auto", "quasi-global", "local"])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=2)
@@ -108,8 +119,18 @@ def main():
     ap.add_argument("--dev", default="eth0")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config key for the gossip runs (section.key=value, e.g. codec.name=int8)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
     a = ap.parse_args()
+    if a.check_config is not None:
+        import gossip
+        for method in ("periodic", "default"):
+            try:
+                gossip.check_config(gossip_config(method, a.sets, a.momentum_mode), world=a.check_config)
+            except gossip.ConfigError as e:
+                raise SystemExit(f"worker: the {method} run's gossip config: {e}")
+        return
+    if a.method is None or a.out is None:
+        ap.error("--method and --out are required (or --check-config WORLD)")
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
@@ -134,12 +155,9 @@ def main():
         dist.barrier()
     elif a.method in ("periodic", "default"):
         import gossip
-        cfg = {"policy": {"name": "periodic", "every": 1}} if a.method == "periodic" else {}
-        cfg = apply_sets(cfg, [x for x in a.sets if not (a.method == "periodic" and x.startswith("policy."))])
+        cfg = gossip_config(a.method, a.sets, a.momentum_mode)
         if a.momentum_mode != "local":
             # optimizer=, as README's PyTorch script has it: [engine] momentum decides (auto: local over UCX)
-            if a.momentum_mode == "quasi-global":
-                cfg.setdefault("engine", {})["momentum"] = "quasi-global"
             eng = gossip.Engine(model.named_parameters(), optimizer=opt, config=cfg)
         else:
             eng = gossip.Engine(model.named_parameters(), config=cfg)

@@ -332,6 +332,30 @@ def test_config_errors_name_the_source(one_rank, tmp_path):
         gossip.Engine(model.named_parameters(), config=cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
 
+def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "GOSSIP_RANK", "GOSSIP_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert gossip.check_config({"codec": {"name": "int8"}, "train": {"workers": 4}}, world=4) is None
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[policy]\nname = \"periodic\"\nevery = 0\n")
+    with pytest.raises(gossip.ConfigError, match=r"run.toml \[policy\]: key 'every'"):
+        gossip.check_config(cfg, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"config dict \[codec\]: unknown codec 'bogus'"):
+        gossip.check_config({"codec": {"name": "bogus"}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"transport 'switch' is not available from Python"):
+        gossip.check_config({"transport": {"name": "switch"}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"workers = 4 but the world has 2 ranks"):
+        gossip.check_config({"train": {"workers": 4}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"give world= \(the number of ranks\), or run it under torchrun"):
+        gossip.check_config({})
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(gossip.ConfigError, match=r"workers = 4 but the world has 3 ranks \(RANK/WORLD_SIZE, this is rank 1\)"):
+        gossip.check_config({"train": {"workers": 4}})
+    with pytest.raises(ValueError, match=r"world = 0"):
+        gossip.check_config({}, world=0)
+
+
 def test_one_rank_step_and_stats(one_rank):
     model = torch.nn.Linear(3, 2)
     with gossip.Engine(model.named_parameters(), config={"policy": {"name": "periodic", "every": 2}}) as eng:
