@@ -338,6 +338,14 @@ class py_engine {
       throw py::value_error(fmt::format("gossip.Engine.step: lr={} but the engine keeps quasi-global momentum, which needs the step's "
                                         "learning rate (> 0): pass lr=",
                                         lr));
+    // One lr rebuilds every buffer: a group that steps with another would get its momentum scaled by the ratio.
+    if (m_has_momentum)
+      for (const auto& [index, group] : m_momentum_groups)
+        if (const double group_lr = group["lr"].cast<double>(); std::abs(group_lr - lr) > 1e-9 * std::abs(lr))
+          throw py::value_error(fmt::format("gossip.Engine.step: lr={} but optimizer param_groups[{}] steps with lr={}; quasi-global "
+                                            "momentum rebuilds every buffer with the step's lr: give the groups with momentum one lr, "
+                                            "or set [engine] momentum = \"local\"",
+                                            lr, index, group_lr));
     check_storage();
     busy_guard guard(m_busy, "step");
     py::gil_scoped_release unlocked;
@@ -353,7 +361,11 @@ class py_engine {
   }
 
   void finish(int rounds) {
-    if (!m_engine) return;
+    if (!m_engine || m_finished) return;  // idempotent: a model moved or reloaded after finish() is no longer ours to check
+    if (rounds < -2)
+      throw py::value_error(fmt::format("gossip.Engine.finish: rounds={}; give rounds >= 0, -1 (automatic) or leave it out ([engine] "
+                                        "finish_rounds)",
+                                        rounds));
     check_storage();
     busy_guard guard(m_busy, "finish");
     py::gil_scoped_release unlocked;
@@ -438,6 +450,7 @@ class py_engine {
     for (const auto& group : optimizer.attr("param_groups")) {
       const double m = group_momentum(optimizer, group, gi);
       if (m > 0) {
+        m_momentum_groups.emplace_back(gi, py::reinterpret_borrow<py::object>(group));
         if (beta && *beta != m)
           throw py::value_error(fmt::format("gossip.Engine: optimizer param groups use momentum {} and {}; quasi-global momentum takes one "
                                             "β for all: use one momentum, or set [engine] momentum = \"local\"",
@@ -520,6 +533,7 @@ class py_engine {
   std::shared_ptr<bootstrap> m_boot;
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
   std::atomic<bool> m_busy{false};
+  std::vector<std::pair<std::size_t, py::object>> m_momentum_groups;  // (index, group) of the optimizer's groups with momentum
   bool m_has_momentum = false, m_finished = false;
   int m_rank = 0, m_world = 1;
 };

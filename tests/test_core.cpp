@@ -130,6 +130,15 @@ TEST_CASE("model_view refuses ambiguous tensors") {
   CHECK_THROWS_WITH_AS(v.add("w", x), doctest::Contains("tensor name 'w' is used twice"), error);
   CHECK_THROWS_WITH_AS(v.add("", x), doctest::Contains("empty name"), error);
   CHECK(v.bytes() == 12);
+  // The same memory twice would be merged twice at every exchange.
+  CHECK_THROWS_WITH_AS(v.add("w2", x), doctest::Contains("tensor 'w2' shares memory with tensor 'w'"), error);
+  CHECK_THROWS_WITH_AS(v.add("tail", std::span<float>(x).subspan(2)), doctest::Contains("shares memory with tensor 'w'"), error);
+  std::vector<float> y(4);
+  v.add("a", std::span<float>(y).first(2)).add("b", std::span<float>(y).subspan(2));  // adjacent, not overlapping
+  v.add("empty", std::span<float>(y).first(0));
+  CHECK(v.size() == 4);
+  CHECK_THROWS_WITH_AS(v.momentum("a", std::span<float>(y).subspan(2)), doctest::Contains("momentum buffer of tensor 'a' shares memory with tensor 'b'"),
+                       error);
 }
 
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {

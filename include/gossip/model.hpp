@@ -98,6 +98,11 @@ class model_view {
     for (const auto& u : m_tensors)
       if (u.name == t.name) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
     if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
+    // Memory seen twice would be merged twice at every exchange (and overshoot the average).
+    for (const auto& u : m_tensors)
+      if (u.memory == t.memory && overlap(u.data, u.bytes(), t.data, t.bytes()))
+        throw error(fmt::format("model_view: tensor '{}' shares memory with tensor '{}'; register each parameter's memory once", t.name,
+                                u.name));
     m_tensors.push_back(std::move(t));
     return *this;
   }
@@ -111,6 +116,11 @@ class model_view {
     auto& t = named(name, "momentum buffer");
     if (buffer.size() != t.count)
       throw error(fmt::format("model_view: momentum buffer of tensor '{}' has {} elements but the tensor has {}", name, buffer.size(), t.count));
+    for (const auto& u : m_tensors)
+      if (u.memory == t.memory && overlap(u.data, u.bytes(), buffer.data(), buffer.size_bytes()))
+        throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with tensor '{}'; give the optimizer's own "
+                                "buffer",
+                                name, u.name));
     t.momentum = buffer.data();
     return *this;
   }
@@ -162,6 +172,10 @@ class model_view {
   }
 
  private:
+  static bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
+    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+    return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+  }
   tensor_view& named(std::string_view name, std::string_view what) {
     for (auto& t : m_tensors)
       if (t.name == name) return t;

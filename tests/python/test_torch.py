@@ -356,6 +356,30 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
         gossip.check_config({}, world=0)
 
 
+def test_misuse_that_would_give_wrong_results_is_refused(one_rank):
+    # Momentum groups stepping with different learning rates: one lr rebuilds every buffer.
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD([{"params": m[0].parameters(), "lr": 0.1}, {"params": m[1].parameters(), "lr": 0.001}], lr=0.1, momentum=0.9)
+    eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    with pytest.raises(ValueError, match=r"lr=0.1 but optimizer param_groups\[1\] steps with lr=0.001"):
+        eng.step(lr=0.1)
+    opt.param_groups[1]["lr"] = 0.1  # a scheduler that keeps them equal is fine
+    eng.step(lr=0.1)
+    eng.finish()
+    # The same parameter twice would be merged twice at every exchange.
+    p = torch.zeros(4)
+    with pytest.raises(gossip.Error, match=r"tensor 'b' shares memory with tensor 'a'"):
+        gossip.Engine([("a", p), ("b", p)])
+    # finish() is idempotent, also inside `with` and after the model moved on.
+    lin = torch.nn.Linear(4, 3)
+    with gossip.Engine(lin.named_parameters()) as e:
+        e.step()
+        e.finish()
+        lin.weight.data = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match=r"rounds=-5"):
+        gossip.Engine(torch.nn.Linear(2, 2).named_parameters()).finish(rounds=-5)
+
+
 def test_one_rank_step_and_stats(one_rank):
     model = torch.nn.Linear(3, 2)
     with gossip.Engine(model.named_parameters(), config={"policy": {"name": "periodic", "every": 2}}) as eng:
