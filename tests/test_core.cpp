@@ -198,6 +198,14 @@ TEST_CASE("settings every rank must share: the refusal names the first that diff
             .find("(fingerprints 0000000000000001 vs 0000000000000002)") != std::string::npos);
 }
 
+TEST_CASE("engine_spec::from checks the keys of the transports the library knows") {
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[transport]\nname = \"loopback\"\nbandwith_gbps = 1.0\n", "run.toml")),
+                       doctest::Contains("unknown key 'bandwith_gbps' for transport 'loopback' (did you mean 'bandwidth_gbps'?)"), config_error);
+  CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[transport]\nname = \"ucx\"\ntls = \"tcp\"\n", "run.toml")),
+                       doctest::Contains("run.toml [transport]: transport 'ucx' takes no settings (key 'tls')"), config_error);
+  CHECK_NOTHROW(engine_spec::from(config::parse("[transport]\nname = \"mine\"\nanything = 1\n", "run.toml")));  // a program's own transport
+}
+
 TEST_CASE("momentum_beta follows the training loop's momentum unless set, and must then agree") {
   auto absent = config::parse("[policy]\nname = \"periodic\"\n", "run.toml");
   absent.follow_momentum(0.8, "[train] momentum");

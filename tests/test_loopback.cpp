@@ -156,6 +156,20 @@ TEST_CASE("a peer that never attaches is a timeout naming it, not a hang") {
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
 }
 
+TEST_CASE("link emulation is bounded: a delay the engine's timeout cannot cut short is refused") {
+  for (const link_emulation bad : {link_emulation{.bandwidth_gbps = 1e-12}, link_emulation{.bandwidth_gbps = -1},
+                                   link_emulation{.bandwidth_gbps = std::numeric_limits<double>::quiet_NaN()},
+                                   link_emulation{.latency_us = 1e12}, link_emulation{.latency_us = std::numeric_limits<double>::infinity()}})
+    CHECK_THROWS_AS(loopback_fabric(2, bad), config_error);
+  CHECK_NOTHROW(loopback_fabric(2, {.bandwidth_gbps = 0.001, .latency_us = 1e7}));
+  auto cfg = config::parse("[transport]\nbandwidth_gbps = 2.5\n", "run.toml");
+  CHECK(link_emulation::from(cfg.transport).bandwidth_gbps == 2.5);
+  cfg.apply_override("transport.latency_us=-3");
+  CHECK_THROWS_WITH_AS(link_emulation::from(cfg.transport), doctest::Contains("--set transport.latency_us=-3: key 'latency_us'"), config_error);
+  cfg.apply_override("transport.name=ucx");
+  CHECK_THROWS_WITH_AS(link_emulation::from(cfg.transport), doctest::Contains("transport 'ucx' was configured"), config_error);
+}
+
 TEST_CASE("ranks built from different gossip settings refuse to connect") {
   loopback_fabric fabric(2);
   std::vector<std::string> messages(2);

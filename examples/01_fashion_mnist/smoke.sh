@@ -32,7 +32,9 @@ refused() {  # expected-message args…
 }
 refused "--set transport.bandwith_gbps=1: unknown key 'bandwith_gbps' for transport 'loopback' (did you mean 'bandwidth_gbps'?)" \
   --set transport.bandwith_gbps=1
-refused "--set transport.latency_us=-5: key 'latency_us' of transport 'loopback' must be a finite number >= 0" --set transport.latency_us=-5
+refused "--set transport.latency_us=-5: key 'latency_us' of transport 'loopback' must be in [0, 1e7] microseconds" --set transport.latency_us=-5
+refused "--set transport.bandwidth_gbps=1e-12: key 'bandwidth_gbps' of transport 'loopback' must be 0 (not emulated) or in [0.001, 1e6]" \
+  --bandwidth-gbps 1e-12
 refused "unknown transport 'tcp'; known transports: loopback, ucx, switch" --set transport.name=tcp
 refused "--json /nonexistent-dir/run.json: cannot write the report there" --json /nonexistent-dir/run.json
 refused "--set train.lr=inf: key 'lr' must be a finite number > 0" --set train.lr=inf

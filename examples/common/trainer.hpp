@@ -407,31 +407,21 @@ namespace detail {
 /// Refuses a [transport] this program cannot run as configured: an unknown
 /// or missing transport, an unknown key, a bad link setting, or 'loopback'
 /// in a process that gossip-run started as one of several ranks. Returns the
-/// loopback link settings (resolved, defaults filled in) for 'loopback'.
-inline options check_transport(const config& cfg) {
+/// loopback link settings for 'loopback' (none for the others).
+inline link_emulation check_transport(const config& cfg) {
   const auto& t = cfg.transport;
   if (t.name == "loopback") {
-    const auto o = t.opts.resolved(loopback_option_specs(), "transport 'loopback'");
-    for (const char* key : {"bandwidth_gbps", "latency_us"})
-      if (const double v = o.real(key); !(v >= 0) || !std::isfinite(v))
-        throw config_error(fmt::format("{}: key '{}' of transport 'loopback' must be a finite number >= 0 (0: not emulated), got {}",
-                                       o.where(key), key, v));
+    const link_emulation link = link_emulation::from(t);
     if (const char* w = std::getenv("GOSSIP_WORLD_SIZE"); w && std::string_view(w) != "1" && *w)
       throw config_error(fmt::format("{}: transport 'loopback' runs every worker as a thread of one process, but this process is one of "
                                      "GOSSIP_WORLD_SIZE={} ranks (gossip-run -n); set [transport] name = \"ucx\" (--set transport.name=ucx), "
                                      "or run the program once without gossip-run",
                                      t.opts.where("name"), w));
-    return o;
+    return link;
   }
   if (t.name == "ucx") {
 #if defined(GOSSIP_HAVE_UCX)
-    if (!t.opts.values().empty()) {
-      const auto& key = t.opts.values().begin()->first;
-      throw config_error(fmt::format("{}: transport 'ucx' takes no settings (key '{}'); UCX reads UCX_* environment variables, e.g. "
-                                     "UCX_TLS, UCX_NET_DEVICES",
-                                     t.opts.where(key), key));
-    }
-    return {};
+    return {};  // UCX takes no keys (engine_spec::from refuses them): it reads UCX_* variables
 #else
     throw config_error(fmt::format("{} [transport]: 'ucx' was not built into this program (configure with UCX found: apt-get install libucx-dev)",
                                    cfg.source));
@@ -490,8 +480,7 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
   const bool via_switch = cfg.transport.name == "switch";
   std::optional<loopback_fabric> fabric;
   if (!via_switch) {
-    const auto link_opts = detail::check_transport(cfg);
-    fabric.emplace(world, link_emulation{.bandwidth_gbps = link_opts.real("bandwidth_gbps"), .latency_us = link_opts.real("latency_us")});
+    fabric.emplace(world, detail::check_transport(cfg));
   }
   auto endpoint = [&](int r) -> any_transport {
 #if defined(GOSSIP_HAVE_SWITCH)

@@ -112,6 +112,15 @@ inline engine_spec engine_spec::from(const config& cfg) {
     throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
                                    "compressed messages; set [codec] name = \"none\"",
                                    cfg.codec.opts.where(), cfg.codec.name));
+  // The transports whose keys the library knows: loopback's (ranges when the
+  // fabric is built) and UCX's, which has none (UCX reads UCX_* variables).
+  if (cfg.transport.name == "loopback") (void)cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
+  if (cfg.transport.name == "ucx" && !cfg.transport.opts.values().empty()) {
+    const auto& key = cfg.transport.opts.values().begin()->first;
+    throw config_error(fmt::format("{}: transport 'ucx' takes no settings (key '{}'); UCX reads UCX_* environment variables, e.g. UCX_TLS, "
+                                   "UCX_NET_DEVICES",
+                                   cfg.transport.opts.where(key), key));
+  }
   // The switch's protocol and topology mean nothing without the switch in the path.
   if (cfg.transport.name != "switch") {
     if (cfg.protocol.name == "switch-aggregate")

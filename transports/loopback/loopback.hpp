@@ -34,8 +34,34 @@
 namespace gossip {
 
 struct link_emulation {
-  double bandwidth_gbps = 0;  ///< 0: unlimited
-  double latency_us = 0;
+  double bandwidth_gbps = 0;  ///< 0: unlimited, else at least 0.001 (1 Mbit/s)
+  double latency_us = 0;      ///< at most 1e7 (10 s)
+
+  /// A message's emulated delay is waited out whatever the engine's timeout,
+  /// so the settings are bounded: a config_error naming `where` (for each
+  /// key, as `where(key)` gives it) otherwise.
+  template <class Where>
+  void check(const Where& where) const {
+    if (!(bandwidth_gbps == 0 || (bandwidth_gbps >= 1e-3 && bandwidth_gbps <= 1e6)))
+      throw config_error(fmt::format("{}: key 'bandwidth_gbps' of transport 'loopback' must be 0 (not emulated) or in [0.001, 1e6] Gbit/s, "
+                                     "got {}",
+                                     where("bandwidth_gbps"), bandwidth_gbps));
+    if (!(latency_us >= 0 && latency_us <= 1e7))
+      throw config_error(fmt::format("{}: key 'latency_us' of transport 'loopback' must be in [0, 1e7] microseconds (0: not emulated), got {}",
+                                     where("latency_us"), latency_us));
+  }
+  /// From a config's [transport] with name "loopback": keys checked against
+  /// loopback_option_specs() (environment overrides included), ranges as check().
+  static link_emulation from(const component_config& transport) {
+    if (transport.name != "loopback")
+      throw config_error(fmt::format("{}: transport '{}' was configured, but this program runs its ranks as threads over the loopback "
+                                     "transport; set name = \"loopback\" or leave [transport] out",
+                                     transport.opts.where("name"), transport.name));
+    const auto o = transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
+    const link_emulation link{.bandwidth_gbps = o.real("bandwidth_gbps"), .latency_us = o.real("latency_us")};
+    link.check([&](std::string_view key) { return o.where(key); });
+    return link;
+  }
 };
 
 namespace detail {
@@ -300,8 +326,7 @@ class loopback_fabric {
  public:
   explicit loopback_fabric(int world, link_emulation link = {}) {
     if (world < 1) throw config_error(fmt::format("loopback_fabric: world size must be >= 1, got {}", world));
-    if (link.bandwidth_gbps < 0 || link.latency_us < 0)
-      throw config_error("loopback_fabric: bandwidth_gbps and latency_us must be >= 0");
+    link.check([](std::string_view) { return std::string("loopback_fabric"); });
     m_shared = std::make_shared<detail::loopback_shared>(world, link);
   }
   loopback_transport endpoint(int rank) const {
