@@ -31,6 +31,9 @@ void check_output_path(const std::string& path, int rank, int world, std::string
                                    key, path, world, key));
   namespace fs = std::filesystem;
   const fs::path p(expand_rank(path, rank));
+  if (std::error_code ec; fs::is_directory(p, ec))
+    throw config_error(fmt::format("[engine] {} = \"{}\": {} is a directory; give the path of a file, e.g. \"{}/{}-{{rank}}.json\"", key, path,
+                                   p.string(), p.string(), key));
   const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
   if (std::error_code ec; !fs::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0)
     throw config_error(fmt::format("[engine] {} = \"{}\": the directory {} does not exist or is not writable; create it or change the path",

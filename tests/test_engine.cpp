@@ -152,6 +152,10 @@ TEST_CASE("engine construction errors are clear") {
   CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, no_dir, fabric.endpoint(0)),
                        doctest::Contains("[engine] trace = \"/nonexistent-dir/trace-{rank}.json\": the directory /nonexistent-dir does not exist"),
                        config_error);
+  auto a_dir = spec_of(any_policy(policies::never{}, "never"));
+  a_dir.settings.stats_path = "/tmp";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 1, a_dir, fabric.endpoint(0)), doctest::Contains("[engine] stats = \"/tmp\": /tmp is a directory"),
+                       config_error);
 }
 
 TEST_CASE("stats: sends per window fold pairwise when the run outgrows the reserved windows") {

@@ -1,6 +1,10 @@
 // gossip-info: every component a config file can name, with its settings
 // (key, default, environment variable, meaning). Read from the same tables the
 // config parser checks against.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -30,7 +34,7 @@ void print_registry(const Registry& r, const char* section) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (argc > 1) {
     const std::string_view a = argv[1];
     const bool help = a == "-h" || a == "--help";
@@ -66,5 +70,10 @@ int main(int argc, char** argv) {
 #endif
   fmt::print("\n[engine]\n");
   print_specs(gossip::engine_option_specs());
+  std::fflush(stdout);
+  if (std::ferror(stdout)) throw std::runtime_error(std::strerror(errno));
   return 0;
+} catch (const std::exception& e) {  // e.g. stdout on a full disk
+  std::fprintf(stderr, "gossip-info: cannot write the listing: %s\n", e.what());
+  return 1;
 }

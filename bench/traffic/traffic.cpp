@@ -154,7 +154,12 @@ int main(int argc, char** argv) {
     for (const auto& r : roles)
       if (r != "equal-traffic" && r != "periodic-qgm" && r != "local-sgd" && r != "diloco" && r != "staggered-qgm")
         throw config_error(
-            fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, periodic-qgm, local-sgd, diloco, staggered-qgm", bl.where(), r));
+            fmt::format("{}: unknown baseline '{}' in 'roles'; known: equal-traffic, periodic-qgm, local-sgd, diloco, staggered-qgm", bl.where("roles"), r));
+    // The adaptive run is what every control is measured against: it must send something.
+    if (base.policy.name == "never")
+      throw config_error(fmt::format("{}: policy 'never' sends nothing, so there is no traffic to compare; bench/traffic runs it as a "
+                                     "control already: give an adaptive policy (gossip-info lists them)",
+                                     base.policy.opts.where("name")));
     examples::train_settings rounds_probe = settings;
     rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
     if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
