@@ -95,7 +95,9 @@ int main(int argc, char** argv) {
   app.add_option("--config", config, "config file, passed to every rank as GOSSIP_CONFIG")->check(CLI::ExistingFile);
   app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)");
   app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(CLI::Range(0, 65535));
-  app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")->check(CLI::Range(0.0, 86400.0));
+  app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->check(CLI::Validator([](std::string& s) { return s.find_first_of("nN") == std::string::npos ? std::string() : "nan is not a number of seconds"; }, ""));
   app.add_option("--on-failure", on_failure,
                  "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "
                  "and name the dead ranks")

@@ -35,6 +35,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "../cli.hpp"
 #include "../output.hpp"
 #include "gossip/codec.hpp"
 #include "gossip/error.hpp"
@@ -107,7 +108,7 @@ int main(int argc, char** argv) {
   std::int64_t rank = 4, rows = 1024;
   app.add_option("--sizes", sizes_mib, "model sizes in MiB (fp32)");
   app.add_option("--repeats", repeats, "timed repeats per size and codec (after one warm-up)")->check(CLI::Range(1, 1000));
-  app.add_option("--ratio", ratio, "topk/randomk ratio")->check(CLI::Range(1e-6, 1.0));
+  app.add_option("--ratio", ratio, "topk/randomk ratio")->check(gossip::bench::finite_range(1e-6, 1.0));
   app.add_option("--rank", rank, "lowrank rank")->check(CLI::Range(1, 256));
   app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--out", out_dir, "write DIR/codec.json");

@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "drift/drift_bench.hpp"
+#include "cli.hpp"
 #include "output.hpp"
 #include "gossip/drift.hpp"
 #include "gossip/error.hpp"
@@ -146,9 +147,9 @@ int main(int argc, char** argv) {
   bool quick = false, host_only = false, device_only = false;
   std::size_t cold_from_mib = 16;
   app.add_option("--json", json_path, "write the runs here (empty: no file)");
-  app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(CLI::Range(0.0625, 4096.0));
-  app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(CLI::Range(4.0, 1048576.0));
-  app.add_option("--seconds", seconds, "time spent per method and size")->check(CLI::Range(0.01, 60.0));
+  app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(gossip::bench::finite_range(0.0625, 4096.0));
+  app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(gossip::bench::finite_range(4.0, 1048576.0));
+  app.add_option("--seconds", seconds, "time spent per method and size")->check(gossip::bench::finite_range(0.01, 60.0));
   app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)");
   app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)")
       ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 20));

@@ -43,6 +43,7 @@
 
 #include "gossip/transports/ucx/ucx.hpp"
 #include "tests/harness.hpp"
+#include "../cli.hpp"
 #include "../output.hpp"
 #include "transport_bench.hpp"
 
@@ -217,7 +218,7 @@ int main(int argc, char** argv) {
   app.add_option("--tls", s.tls, "UCX_TLS settings to compare (each runs both sides)");
   app.add_option("--sizes", sizes, "payload sizes (K, M suffixes)");
   app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->check(CLI::Range(1, 50));
-  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(CLI::Range(0.0625, 65536.0));
+  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(gossip::bench::finite_range(0.0625, 65536.0));
   app.add_option("--min-messages", s.min_messages, "fewest timed messages per run")->check(CLI::Range(1, 1000000));
   app.add_option("--max-messages", s.max_messages, "most timed messages per run")->check(CLI::Range(1, 1000000));
   app.add_option("--warmup", s.warmup, "warm-up messages per run (both sides)")->check(CLI::Range(1, 100000));
@@ -235,7 +236,7 @@ int main(int argc, char** argv) {
   app.add_option("--perftest-test", s.perftest_test, "ucx_perftest test to compare with")
       ->check(CLI::IsMember({"tag_bw", "ucp_am_bw", "stream_bw"}))
       ->capture_default_str();
-  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->check(CLI::Range(1.0, 3600.0));
+  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->check(gossip::bench::finite_range(1.0, 3600.0));
   std::string pin = "auto";
   app.add_option("--pin", pin, "CPUs for the sending and receiving side, e.g. 0,1 (the same for both benchmarks); auto: the first two "
                  "CPUs this process may use (off for --smoke); off")->capture_default_str();

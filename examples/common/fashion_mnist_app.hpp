@@ -50,7 +50,8 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")");
   app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
   app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
-  app.add_option("--seed", seed, "override [train] seed")->check(CLI::NonNegativeNumber);
+  // A value past int64 is read as its largest value: the range refuses that too.
+  app.add_option("--seed", seed, "override [train] seed")->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max() - 1));
   app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)");
   app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")->check(CLI::NonNegativeNumber);
   app.add_option("--json", json_path, "write the run report as JSON here");
@@ -72,7 +73,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
     if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);
-    if (bandwidth >= 0) cfg.apply_override(fmt::format("transport.bandwidth_gbps={}", bandwidth));
+    if (!(bandwidth < 0)) cfg.apply_override(fmt::format("transport.bandwidth_gbps={}", bandwidth));
     if (workers) cfg.apply_override(fmt::format("train.workers={}", workers));
     if (epochs) cfg.apply_override(fmt::format("train.epochs={}", epochs));
     if (seed >= 0) cfg.apply_override(fmt::format("train.seed={}", seed));
