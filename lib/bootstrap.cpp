@@ -338,7 +338,7 @@ bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t por
   std::string err;
   auto addrs = resolve(m_address, port, true, err);
   if (addrs.empty())
-    throw transport_error(fmt::format("bootstrap: rank 0 cannot resolve the rendezvous address {} (GOSSIP_MASTER_ADDR): {}", where(), err));
+    throw transport_error(fmt::format("bootstrap: rank 0 cannot resolve the rendezvous address {} ({}): {}", where(), m_origin, err));
   int last_errno = 0;
   for (const auto& a : addrs) {
     const int fd = ::socket(a.family, a.socktype | SOCK_CLOEXEC, a.protocol);
@@ -379,7 +379,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   const auto addrs = resolve(m_address, m_port, false, err);
   if (addrs.empty())
     throw transport_error(
-        fmt::format("bootstrap: rank {} cannot resolve the rendezvous address {} (GOSSIP_MASTER_ADDR): {}", m_rank, where(), err));
+        fmt::format("bootstrap: rank {} cannot resolve the rendezvous address {} ({}): {}", m_rank, where(), m_origin, err));
   std::string last = "no attempt";
   // Rank 0 listens from its start until it exits: once it has answered, a
   // refused connection means it has exited or died. A few retries cover a

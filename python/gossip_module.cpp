@@ -66,7 +66,8 @@ const char* env_or(const char* name, const char* fallback) {
 // Rank and world: torchrun's RANK/WORLD_SIZE win over a scheduler's variables
 // (torchrun started under srun still sees SLURM_PROCID), GOSSIP_* over both.
 rank_identity identity() {
-  if (!std::getenv("GOSSIP_RANK") && std::getenv("RANK") && std::getenv("WORLD_SIZE")) {
+  // torchrun's variables, unless either GOSSIP_ one is set (the bootstrap then wants both).
+  if (!std::getenv("GOSSIP_RANK") && !std::getenv("GOSSIP_WORLD_SIZE") && std::getenv("RANK") && std::getenv("WORLD_SIZE")) {
     const auto rank = env_int("RANK"), world = env_int("WORLD_SIZE");
     if (!world || *world < 1 || *world > 1 << 20)
       throw config_error(fmt::format("gossip: WORLD_SIZE='{}' is not a valid world size (an integer >= 1)", std::getenv("WORLD_SIZE")));
@@ -82,7 +83,9 @@ rank_identity identity() {
 // MASTER_PORT + 1 (torchrun's own store, or torch.distributed's, may hold MASTER_PORT).
 std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::duration<double> timeout) {
   std::string addr = env_or("GOSSIP_MASTER_ADDR", env_or("MASTER_ADDR", "127.0.0.1"));
-  const char* addr_from = std::getenv("GOSSIP_MASTER_ADDR") ? "GOSSIP_MASTER_ADDR" : std::getenv("MASTER_ADDR") ? "MASTER_ADDR" : "127.0.0.1";
+  // The same rule as env_or: an empty variable counts as unset.
+  const auto set = [](const char* name) { const char* v = std::getenv(name); return v && *v; };
+  const char* addr_from = set("GOSSIP_MASTER_ADDR") ? "GOSSIP_MASTER_ADDR" : set("MASTER_ADDR") ? "MASTER_ADDR" : "127.0.0.1";
   std::string port_from = "GOSSIP_MASTER_PORT";
   long long port = 0;
   if (const auto p = env_int("GOSSIP_MASTER_PORT")) {
@@ -91,7 +94,8 @@ std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::
   } else if (const auto m = env_int("MASTER_PORT")) {
     port = *m + 1;
     port_from = "MASTER_PORT + 1";
-    if (*m < 1 || port > 65535)
+    if (*m < 1 || *m > 65535) throw config_error(fmt::format("gossip: MASTER_PORT={} is not a TCP port (1..65535)", *m));
+    if (port > 65535)
       throw config_error(fmt::format("gossip: MASTER_PORT={} leaves no port above it for the gossip rendezvous (MASTER_PORT + 1); "
                                      "set GOSSIP_MASTER_PORT",
                                      *m));
@@ -566,7 +570,7 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
   rank_identity id;
   if (world) {
     if (*world < 1) throw py::value_error(fmt::format("gossip.check_config: world = {}; give a world size >= 1", *world));
-    id = {0, *world, "world="};
+    id = {0, *world, fmt::format("world={}", *world)};
   } else {
     try {
       id = identity();

@@ -21,6 +21,8 @@ expect() {  # RC MESSAGE-REGEX ARGS...
 expect 2 "unknown option --bogus" "$BUILD" --bogus
 expect 2 "--rate takes a number > 0" "$BUILD" --rate 0
 expect 2 "--rate takes a number > 0" "$BUILD" --rate fast
+expect 2 "--rate below 0.01 Mbit/s" "$BUILD" --rate 0.0000001
+expect 2 "--epochs takes an integer in 1..9999" "$BUILD" --epochs 99999999999999999999
 expect 2 "--seeds takes an integer" "$BUILD" --seeds 0
 expect 2 "--epochs takes an integer" "$BUILD" --epochs x
 expect 2 "--momentum takes" "$BUILD" --momentum global

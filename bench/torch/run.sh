@@ -50,16 +50,20 @@ usage() { sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
 QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto; SETS=()
-num() { [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" 'BEGIN{exit !(v > 0)}' || { echo "bench/torch: $1 takes a number > 0, not '$2'" >&2; exit 2; }; }
+num() {  # FLAG VALUE [MAX]: a number in (0, MAX]
+  [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" -v hi="${3:-1e9}" 'BEGIN{exit !(v > 0 && v <= hi)}' ||
+    { echo "bench/torch: $1 takes a number > 0 and <= ${3:-1e9}, not '$2'" >&2; exit 2; }
+}
 while [[ $# -gt 0 ]]; do
   case $1 in
     --quick) QUICK=1; shift ;;
     --out) [[ $# -ge 2 ]] || usage; OUT=$2; shift 2 ;;
-    --rate) [[ $# -ge 2 ]] || usage; num --rate "$2"; RATE=$2; shift 2 ;;
-    --seeds) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --seeds takes an integer >= 1" >&2; exit 2; }; SEEDS=$2; shift 2 ;;
-    --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2"; DELAY=$2; shift 2 ;;
-    --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]+$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
-    --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]*$ ]] || { echo "bench/torch: --epochs takes an integer >= 1" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
+    --rate) [[ $# -ge 2 ]] || usage; num --rate "$2" 100000; awk -v v="$2" 'BEGIN{exit !(v >= 0.01)}' ||
+      { echo "bench/torch: --rate below 0.01 Mbit/s would not finish" >&2; exit 2; }; RATE=$2; shift 2 ;;
+    --seeds) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,2}$ ]] || { echo "bench/torch: --seeds takes an integer in 1..999" >&2; exit 2; }; SEEDS=$2; shift 2 ;;
+    --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2" 10000; DELAY=$2; shift 2 ;;
+    --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]{1,9}$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0 (0: all)" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
+    --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/torch: --epochs takes an integer in 1..9999" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
     --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
     --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_]+=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
       SETS+=(--set "$2"); shift 2 ;;

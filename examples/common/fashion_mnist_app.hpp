@@ -69,7 +69,9 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) config_path = env;
     // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
     const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
-    config cfg = config_path.empty() ? config(own_sections) : config::load(config_path, own_sections);
+    // Without --config, errors about a default name the defaults (not "<code>").
+    config cfg = config_path.empty() ? config::parse("", "the built-in defaults (no --config)", own_sections)
+                                     : config::load(config_path, own_sections);
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
     if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);

@@ -368,19 +368,24 @@ namespace detail {
 /// shard's batches; each worker cycles through its own shard (batch_stream),
 /// so small shards repeat and large ones are subsampled within an epoch.
 inline int steps_per_epoch(const config& cfg, const train_settings& s, const std::vector<std::vector<std::uint32_t>>& shards) {
+  // Where the sample count came from: train_limit when it was set, else the [train] section.
+  const auto it = cfg.sections.find("train");
+  const std::string where = it != cfg.sections.end() && it->second.has("train_limit") ? it->second.where("train_limit") : cfg.source + " [train]";
   std::size_t shard_min = std::numeric_limits<std::size_t>::max(), total = 0;
   for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size()), total += sh.size();
   if (s.partition == data::partition_kind::dirichlet) {
     const auto steps = total / (shards.size() * static_cast<std::size_t>(s.batch));
     if (steps < 1 || shard_min < 1)
-      throw config_error(fmt::format("{} [train]: {} samples among {} workers make less than one batch of {} each", cfg.source, total,
-                                     s.workers, s.batch));
+      throw config_error(fmt::format("{}: {} samples among {} workers make less than one batch of {} each; use more samples (train_limit), "
+                                     "a smaller batch or fewer workers",
+                                     where, total, s.workers, s.batch));
     return static_cast<int>(steps);
   }
   const int steps = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
   if (steps < 1)
-    throw config_error(fmt::format("{} [train]: each of {} workers has only {} samples, fewer than one batch of {}", cfg.source, s.workers, shard_min,
-                                   s.batch));
+    throw config_error(fmt::format("{}: each of {} workers has only {} samples, fewer than one batch of {}; use more samples (train_limit), "
+                                   "a smaller batch or fewer workers",
+                                   where, s.workers, shard_min, s.batch));
   return steps;
 }
 

@@ -342,9 +342,11 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   if (cfg.transport.name != "switch")
     throw config_error(fmt::format("{} [transport]: name is '{}', expected 'switch'", cfg.source, cfg.transport.name));
   if (cfg.protocol.name != "switch-aggregate")
-    throw config_error(fmt::format("{} [protocol]: transport 'switch' needs name = \"switch-aggregate\" (got '{}')", cfg.source, cfg.protocol.name));
+    throw config_error(fmt::format("{}: transport 'switch' needs [protocol] name = \"switch-aggregate\" (got '{}')", cfg.transport.opts.where("name"),
+                                   cfg.protocol.name));
   if (cfg.topology.name != "switch")
-    throw config_error(fmt::format("{} [topology]: transport 'switch' needs name = \"switch\" (got '{}')", cfg.source, cfg.topology.name));
+    throw config_error(fmt::format("{}: transport 'switch' needs [topology] name = \"switch\" (got '{}')", cfg.transport.opts.where("name"),
+                                   cfg.topology.name));
   if (world < 2 || world > 64) throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {}", cfg.source, world));
   const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
   const std::string proto_mode = cfg.protocol.opts.has("mode") ? cfg.protocol.opts.string("mode") : "auto";
