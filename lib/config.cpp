@@ -51,11 +51,11 @@ option_value to_value(const toml::node& n, const std::string& where, const std::
       } else if (auto inner = e.as_array()) {
         for (const auto& x : *inner) {
           auto j = x.as_integer();
-          if (!j) throw config_error(fmt::format("{}: key '{}' must hold integers (or pairs of integers)", where, key));
+          if (!j) throw config_error(fmt::format("{}: key '{}' is a list that holds other than integers; the only lists a setting takes hold integers or pairs of integers ([topology] edges); check the key's type (gossip-info)", where, key));
           out.push_back(j->get());
         }
       } else {
-        throw config_error(fmt::format("{}: key '{}' must hold integers (or pairs of integers)", where, key));
+        throw config_error(fmt::format("{}: key '{}' is a list that holds other than integers; the only lists a setting takes hold integers or pairs of integers ([topology] edges); check the key's type (gossip-info)", where, key));
       }
     }
     return out;

@@ -68,7 +68,7 @@ while [[ $# -gt 0 ]]; do
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
 done
-[[ $MAX_LEAD =~ ^[0-9]+$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps (0: off)" >&2; exit 2; }
+[[ $MAX_LEAD =~ ^[0-9]{1,7}$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps in 0..9999999 (0: off)" >&2; exit 2; }
 [[ -z $SEEDS || ( $SEEDS =~ ^[0-9]+$ && $SEEDS -ge 1 && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
 [[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]+$ && $RTO_MAX_MS -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
