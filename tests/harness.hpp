@@ -68,6 +68,10 @@ inline std::size_t parse_size(const std::string& s, std::size_t multiple) {
   // Digits only: stoull would take "-64" as 2^64 − 64, and "abc" names nothing.
   if (num.empty() || num.size() > 15 || num.find_first_not_of("0123456789") != std::string::npos)
     throw std::invalid_argument("size '" + s + "' is not a byte count: digits with an optional K, M or G (e.g. 64K, 16M)");
+  // Bounded before it is multiplied (no wrap-around) and allocated (no bad_alloc naming nothing).
+  constexpr std::size_t max_bytes = std::size_t{1} << 34;
+  if (std::stoull(num) > max_bytes / mult)
+    throw std::invalid_argument("size '" + s + "' is more than 16G, the largest message size taken here");
   const auto v = std::stoull(num) * mult;
   if (v < multiple || v % multiple != 0)
     throw std::invalid_argument("size '" + s + "' must be a positive multiple of " + std::to_string(multiple) + " bytes");

@@ -149,8 +149,8 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "write the runs here (empty: no file)");
   app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(gossip::bench::finite_range(0.0625, 4096.0));
   app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(gossip::bench::finite_range(4.0, 1048576.0));
-  app.add_option("--seconds", seconds, "time spent per method and size")->check(gossip::bench::finite_range(0.01, 60.0));
-  app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)");
+  auto* seconds_opt = app.add_option("--seconds", seconds, "time spent per method and size")->check(gossip::bench::finite_range(0.01, 60.0));
+  app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)")->excludes(seconds_opt);
   app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)")
       ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 20));
   auto* host_only_flag = app.add_flag("--host-only", host_only, "skip the device part");

@@ -139,6 +139,11 @@ int main(int argc, char** argv) {
     const auto quick_limit = in_range(bench, "quick_train_limit", 0, std::int64_t{1} << 30);
     auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
     if (quick) {
+      // --quick runs [bench] quick_epochs: train.epochs given on the command line would be dropped without a word.
+      if (const auto it = base.sections.find("train");
+          it != base.sections.end() && it->second.has("epochs") && it->second.where("epochs").starts_with("--set"))
+        throw config_error(fmt::format("{}: --quick runs [bench] quick_epochs instead; give --set bench.quick_epochs=N (or leave out --quick)",
+                                       it->second.where("epochs")));
       settings.epochs = static_cast<int>(quick_epochs);
       if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
     }
