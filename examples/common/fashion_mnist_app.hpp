@@ -45,16 +45,18 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   std::int64_t seed = -1;
   double bandwidth = -1;
   app.add_option("-c,--config", config_path, "TOML file with [policy], [topology], [protocol], [transport], [engine], [train]")->check(CLI::ExistingFile);
-  app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")");
-  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")");
-  app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")");
+  // An empty value would leave the config's choice in place without a word.
+  const CLI::Validator not_empty([](std::string& v) { return v.empty() ? std::string("an empty value names nothing") : std::string(); }, "");
+  app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")")->check(not_empty);
+  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")")->check(not_empty);
+  app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")")->check(not_empty);
   app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
   app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
   // A value past int64 is read as its largest value: the range refuses that too.
   app.add_option("--seed", seed, "override [train] seed")->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max() - 1));
-  app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)");
+  app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)")->check(not_empty);
   app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")->check(CLI::NonNegativeNumber);
-  app.add_option("--json", json_path, "write the run report as JSON here");
+  app.add_option("--json", json_path, "write the run report as JSON here")->check(not_empty);
   std::vector<std::string> overrides;
   app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");
   std::string help_settings;
