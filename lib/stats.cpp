@@ -23,21 +23,20 @@ std::string expand_rank(std::string path, int rank) {
 
 }  // namespace
 
-void check_output_path(const std::string& path, int rank, int world, std::string_view key) {
+void check_output_path(const std::string& path, int rank, int world, std::string_view key, std::string_view where) {
   if (path.empty()) return;
+  // "[engine] stats = "x"", or the origin of a value set elsewhere: "--set engine.stats=x: stats = "x"".
+  const std::string what = where == "[engine]" ? fmt::format("[engine] {} = \"{}\"", key, path) : fmt::format("{}: {} = \"{}\"", where, key, path);
   if (world > 1 && path.find("{rank}") == std::string::npos)
-    throw config_error(fmt::format("[engine] {} = \"{}\": every one of the {} ranks would write this one file; put {{rank}} in the path, "
-                                   "e.g. \"{}-{{rank}}.json\"",
-                                   key, path, world, key));
+    throw config_error(fmt::format("{}: every one of the {} ranks would write this one file; put {{rank}} in the path, e.g. \"{}-{{rank}}.json\"",
+                                   what, world, key));
   namespace fs = std::filesystem;
   const fs::path p(expand_rank(path, rank));
   if (std::error_code ec; fs::is_directory(p, ec))
-    throw config_error(fmt::format("[engine] {} = \"{}\": {} is a directory; give the path of a file, e.g. \"{}/{}-{{rank}}.json\"", key, path,
-                                   p.string(), p.string(), key));
+    throw config_error(fmt::format("{}: {} is a directory; give the path of a file, e.g. \"{}/{}-{{rank}}.json\"", what, p.string(), p.string(), key));
   const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
   if (std::error_code ec; !fs::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0)
-    throw config_error(fmt::format("[engine] {} = \"{}\": the directory {} does not exist or is not writable; create it or change the path",
-                                   key, path, dir.string()));
+    throw config_error(fmt::format("{}: the directory {} does not exist or is not writable; create it or change the path", what, dir.string()));
 }
 
 namespace {

@@ -20,8 +20,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
   m_settings.check();
-  check_output_path(m_settings.stats_path, rank, world, "stats");
-  check_output_path(m_settings.trace_path, rank, world, "trace");
+  check_output_path(m_settings.stats_path, rank, world, "stats", m_settings.stats_where);
+  check_output_path(m_settings.trace_path, rank, world, "trace", m_settings.trace_where);
   const auto caps = m_transport.capabilities();
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);

@@ -52,6 +52,9 @@ struct engine_settings {
   std::size_t trace_capacity = 100000;  ///< events kept at most (preallocated)
   int trace_skips_every = 1;            ///< record every n-th skip; sends are always recorded
   std::string stats_path;               ///< JSON report written by finish(); empty: off
+  /// Where stats_path and trace_path were set, for errors about them (engine_settings::from fills them in:
+  /// the config file, a --set or an environment variable).
+  std::string stats_where = "[engine]", trace_where = "[engine]";
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is

@@ -70,10 +70,12 @@ inline engine_settings engine_settings::from(const options& o) {
   s.timeout = std::chrono::duration<double>(checked("timeout_s"));
   s.send_buffers = static_cast<int>(checked("send_buffers"));
   s.trace_path = o.string("trace");
+  s.trace_where = o.where("trace");
   checked("trace_capacity");
   s.trace_capacity = static_cast<std::size_t>(o.integer("trace_capacity"));  // exact: any int64 >= 0
   s.trace_skips_every = static_cast<int>(checked("trace_skips_every"));
   s.stats_path = o.string("stats");
+  s.stats_where = o.where("stats");
   s.finish_rounds = static_cast<int>(checked("finish_rounds"));
   s.wait_when_busy = o.boolean("wait_when_busy");
   s.max_lead = static_cast<std::uint64_t>(checked("max_lead"));

@@ -128,7 +128,8 @@ void write_stats_file(const std::string& path, const engine_stats& stats);
 /// built rather than when finish() writes it: with several ranks it must hold
 /// {rank} (else they would all write one file), and its directory must exist
 /// and be writable. config_error naming the key otherwise.
-void check_output_path(const std::string& path, int rank, int world, std::string_view key);
+/// `where` names where the path was set (engine_settings::stats_where).
+void check_output_path(const std::string& path, int rank, int world, std::string_view key, std::string_view where = "[engine]");
 
 /// Writes events as Chrome-trace / Perfetto JSON (one track per rank).
 /// A send's args carry `codec` and its `ratio` (bytes after / before the codec).
