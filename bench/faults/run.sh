@@ -432,12 +432,15 @@ for name, bkey, world, killed in cases:
         losts.append(lost)
         if r["detect"] is not None: detects.append(r["detect"])
         m = []
-        if not r["injected"]: m.append("fault not injected: the run ended before it (a fault-free pair much slower than this run; rerun on a quieter machine)")
+        e = re.search(r"^(?:\[\d+\] )?error: (.*)$", r["err"], re.M)
+        if not r["injected"]:
+            # A run that failed on its own error (a bad flag or config) says so first; only a run that ended cleanly was too fast.
+            m.append("fault not injected: the run failed before it (its error follows)" if e and r["rc"] != "0" else
+                     "fault not injected: the run ended before it (a fault-free pair much slower than this run; rerun on a quieter machine)")
         if r["hung"]: m.append(f"hung: stopped after {r['wall']:.0f} s")
         if r["rc"] != "0": m.append(f"exited {r['rc']}")
         if "internal check failed" in r["err"]: m.append("an internal check failed")
         if "Assertion" in r["err"]: m.append("a UCX assertion failed")
-        e = re.search(r"^(?:\[\d+\] )?error: (.*)$", r["err"], re.M)
         if e: m.append("error: " + e.group(1)[:200])
         d = re.search(r"did not finish: (.*)", r["err"])
         if d: m.append("dead: " + d.group(1)[:200])
