@@ -573,4 +573,10 @@ void bootstrap::barrier(const std::string& name) {
     for (int r = 1; r < m_world; ++r) get(fmt::format("{}/ack/{}", name, r), fmt::format("rank {} to leave barrier '{}'", r, name));
 }
 
+void bootstrap::pass(const std::string& name) {
+  GOSSIP_ASSERT(m_rank != 0, "bootstrap: rank 0 serves the store and cannot pass barrier '{}' early", name);
+  put(fmt::format("{}/arrive/{}", name, m_rank), blob{});
+  put(fmt::format("{}/ack/{}", name, m_rank), blob{});
+}
+
 }  // namespace gossip

@@ -333,6 +333,16 @@ class py_engine {
   ~py_engine() {
     py::gil_scoped_release unlocked;  // leaving the fabric may wait (bounded) on peers
     m_engine.reset();
+    // Dropped without finish() (a `with` block left by an exception, `del`):
+    // the peers count this rank as failed at once (its transport said so), and
+    // it passes the finish barrier so that theirs does not wait for it.
+    if (m_boot && !m_finished && m_rank != 0) {
+      try {
+        m_boot->pass("gossip/python/finish");
+      } catch (const std::exception&) {
+        // rank 0 is gone already: nobody is left to wait
+      }
+    }
     m_boot.reset();
   }
 

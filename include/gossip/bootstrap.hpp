@@ -74,6 +74,10 @@ class bootstrap {
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.
   void barrier(const std::string& name);
+  /// Marks this rank as through barrier `name` without waiting for the
+  /// others: a rank that leaves early (rank 0 must not) calls it so that
+  /// the others' barrier does not wait for it.
+  void pass(const std::string& name);
 
   /// Per-bootstrap counter so that several transports built in one process
   /// (in the same order on every rank) use distinct keys.

@@ -202,6 +202,18 @@ def test_readme_script_runs_as_written(tmp_path):
     assert 0 < average < 3, out
 
 
+def test_a_rank_that_drops_its_engine_without_finish_holds_no_one(tmp_path):
+    # Its transport says goodbye without the drain handshake: rank 0 counts it
+    # as failed at once, neither stalls on it (max_lead) nor times out on sends
+    # to it, and its finish() does not wait for it at the finish barrier.
+    status, out = torchrun(2, WORKER, "drop", tmp_path, 10)
+    assert status == 0, out
+    r0 = torch.load(tmp_path / "rank0.pt")
+    assert r0["stats"]["dead_peers"] == [1], out
+    assert r0["seconds"] < 10, (r0["seconds"], out)  # the engine's timeout is 20 s
+    assert "left before its drain handshake" in out, out
+
+
 def test_world_size_disagreeing_with_config(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[policy]\nname = "periodic"\n\n[train]\nworkers = 4\n')

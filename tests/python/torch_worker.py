@@ -74,6 +74,23 @@ def main():
         same = buffers == [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
         torch.save({"bias": model.bias.detach().clone(), "weight": eng.weight, "stats": eng.stats(), "same_buffers": same},
                    os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "drop":
+        # Rank 1 drops its engine without finish(); rank 0 trains on and finishes.
+        eng = gossip.Engine({"w": torch.full((8,), float(rank))},
+                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0}})
+        for _ in range(5):
+            eng.step(lr=0.1)
+        if rank == 1:
+            time.sleep(0.5)
+            del eng
+            time.sleep(3)  # alive, but gone from the gossip
+            return
+        time.sleep(1)
+        t0 = time.monotonic()
+        for _ in range(steps):
+            eng.step(lr=0.1)
+        eng.finish()
+        torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
     else:
         sys.exit(f"torch_worker.py: unknown mode '{mode}'")
 

@@ -23,7 +23,11 @@ namespace gossip {
 namespace ucx_detail {
 
 inline constexpr unsigned am_id = 0x47;                  // "G"
-inline constexpr unsigned bye_id = 0x48;                 // a rank leaving on purpose: header = its rank
+inline constexpr unsigned bye_id = 0x48;                 // a rank leaving: header = bye_header
+struct bye_header {
+  std::int32_t rank = -1;
+  std::int32_t drained = 0;  // 1: after the drain handshake (engine::finish), 0: without it
+};
 inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header
 inline constexpr unsigned ask_id = 0x4A;                 // a target waits on this rank (max_lead): header = its rank
 
@@ -67,6 +71,9 @@ struct ucx_transport::impl {
     // It said goodbye (left after its drain handshake): its endpoint closing
     // later is a departure, not a death, and is neither reported nor logged.
     std::atomic<bool> departed{false};
+    // It said goodbye before its drain handshake (its engine was destroyed
+    // without finish(), or by an error): dead from that moment, its mass lost.
+    std::atomic<bool> left_early{false};
     std::atomic<int> why{UCS_OK};  // the error that marked it dead, when UCX gave one
     std::atomic<int> inflight{0};  // sends posted and not completed
     // Protocol weight stamped on sends to it that failed (written by the

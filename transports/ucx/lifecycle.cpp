@@ -469,13 +469,14 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     if (p.ask_req) closing.push_back(std::exchange(p.ask_req, nullptr));
   }
   // Goodbye first, on the same endpoints: the graceful close below flushes
-  // it, and the peers then know this rank left rather than died. Only after
-  // the drain handshake (engine::finish): a rank torn down by an error is
-  // seen as failed.
-  const std::int32_t me = setup.rank;
+  // it. After the drain handshake (engine::finish) the peers know this rank
+  // left rather than died; without it (an engine destroyed unfinished, or by
+  // an error) they count it as failed at once, instead of stalling on it until
+  // UCX notices the closed endpoint.
+  const bye_header me{.rank = setup.rank, .drained = finishing ? 1 : 0};
   for (int j : neighbours) {
     auto& p = *peer(j);
-    if (!finishing || !p.ep || p.dead.load()) continue;
+    if (!p.ep || p.dead.load()) continue;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;

@@ -89,12 +89,20 @@ bool ucx_transport::impl::drain_sends() noexcept {
 
 ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*) {
   auto* self = static_cast<impl*>(arg);
-  std::int32_t from = -1;
-  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
-  if (peer_state* p = self->peer(from)) {
+  bye_header b;
+  if (header_length != sizeof b) return UCS_OK;  // foreign: ignored
+  std::memcpy(&b, header, sizeof b);
+  if (peer_state* p = self->peer(b.rank)) {
+    if (!b.drained) {
+      // Gone without the drain handshake: a failure, known now rather than
+      // when UCX notices the endpoint (seconds over shared memory).
+      p->left_early.store(true, std::memory_order_release);
+      p->dead.store(true, std::memory_order_release);
+      return UCS_OK;
+    }
     p->departed.store(true, std::memory_order_release);
     // It has finished: it paces no one, even if its last beacon was lost.
-    if (const int si = self->source_of[static_cast<std::size_t>(from)]; si >= 0)
+    if (const int si = self->source_of[static_cast<std::size_t>(b.rank)]; si >= 0)
       self->heard_from(self->sources[static_cast<std::size_t>(si)], ~std::uint64_t{0});
   }
   return UCS_OK;
@@ -342,7 +350,12 @@ void ucx_transport::impl::close_dead() noexcept {
       // A source that died paces no one: the largest step takes it out of max_lead's bound.
       if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0) heard_from(sources[static_cast<std::size_t>(si)], ~std::uint64_t{0});
       // Once per peer, outside the step path: who failed, where, and what happens now.
-      if (!p.departed.load(std::memory_order_acquire))
+      if (p.left_early.load(std::memory_order_acquire))
+        std::fprintf(stderr,
+                     "libgossip ucx (%s): peer %s left before its drain handshake (its engine was destroyed without finish(), or by an "
+                     "error); what it had not merged is lost, and training goes on without it\n",
+                     self_name.c_str(), p.name.c_str());
+      else if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,
                    "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
                    "without it\n",
