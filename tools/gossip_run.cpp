@@ -27,6 +27,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstring>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -97,7 +98,12 @@ int main(int argc, char** argv) {
   app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(CLI::Range(0, 65535));
   app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")
       ->check(CLI::Range(0.0, 86400.0))
-      ->check(CLI::Validator([](std::string& s) { return s.find_first_of("nN") == std::string::npos ? std::string() : "nan is not a number of seconds"; }, ""));
+      ->check(CLI::Validator(
+          [](std::string& s) {  // CLI::Range lets nan through
+            double v = 0;
+            return CLI::detail::lexical_cast(s, v) && std::isfinite(v) ? std::string() : std::string("not a finite number of seconds");
+          },
+          ""));
   app.add_option("--on-failure", on_failure,
                  "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "
                  "and name the dead ranks")
