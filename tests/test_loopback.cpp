@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -124,6 +126,40 @@ TEST_CASE("a killed rank is reported dead and the others finish") {
     for (const auto& p : stats[r].peers)
       if (p.rank == 2) saw = p.dead;
     CHECK(saw);
+  }
+}
+
+TEST_CASE("a model that turns NaN or infinite is refused before it is sent, naming the rank, the step and the tensor") {
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    INFO("bad value ", bad);
+    const int world = 2;
+    loopback_fabric fabric(world);
+    std::vector<std::vector<float>> models(world);
+    std::vector<engine_stats> stats(world);
+    run_ranks(world, [&](int r) {
+      toy_model m({50, 20}, 1);
+      engine e(m.view, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "complete", "push-sum", 10), fabric.endpoint(r));
+      for (int s = 0; s < 12; ++s) {
+        if (r == 1 && s == 5) {
+          m.tensors[1][7] = bad;
+          CHECK_THROWS_WITH_AS(e.step(), "engine (rank 1): at step 5, tensor \"t1\" holds NaN or infinite values (or values beyond about 1e19); "
+                                         "sent on, they would spoil every peer's model, so the engine stops before it sends: lower the "
+                                         "learning rate, clip the gradients, or skip the optimizer step when the loss is not finite",
+                               gossip::error);
+          stats[r] = e.stats();
+          fabric.kill(1);  // the training loop ends here, as a process would
+          return;
+        }
+        e.step();
+      }
+      e.finish(0);
+      models[r] = m.flat();
+      stats[r] = e.stats();
+    });
+    CHECK(stats[1].steps == 5);  // the refused step did not count, and nothing left with it
+    CHECK(stats[1].sends == 5);
+    for (const float v : models[0]) REQUIRE(std::isfinite(v));
+    CHECK(stats[0].dead_peers == std::vector<int>{1});
   }
 }
 

@@ -216,25 +216,31 @@ int main(int argc, char** argv) {
         r.options = options_json(resolved);
         for (const auto& [k, val] : resolved.values()) label += fmt::format(" {}={}", k, to_string(val));
       }
-      if (examples::runs_as_processes(cfg)) {
-        const auto j = run_processes(config_path, overrides, policy, s, v.momentum, out_dir);
-        r.bytes_sent = j.at("bytes_sent");
-        r.messages = j.at("messages");
-        r.sends = j.value("sends", std::uint64_t{0});
-        r.steps = j.value("steps", std::uint64_t{0});
-        r.accuracy = j.at("accuracy");
-        r.local_accuracy_mean = j.at("local_accuracy_mean");
-        r.wall_s = j.at("train_seconds");
-      } else {
-        const auto rep = examples::train(cfg, s, data);
-        r.bytes_sent = rep.bytes_sent;
-        r.messages = rep.messages;
-        r.sends = rep.sends;
-        r.steps = rep.steps;
-        r.accuracy = rep.accuracy;
-        r.local_accuracy_mean = rep.local_accuracy_mean;
-        r.wall_s = rep.train_seconds;
-        if (!rep.timeline.empty()) r.timeline = examples::to_json(rep.timeline);
+      // A run that fails (a model gone NaN under a setting that diverges)
+      // stops the bench; the error says which of its runs it was.
+      try {
+        if (examples::runs_as_processes(cfg)) {
+          const auto j = run_processes(config_path, overrides, policy, s, v.momentum, out_dir);
+          r.bytes_sent = j.at("bytes_sent");
+          r.messages = j.at("messages");
+          r.sends = j.value("sends", std::uint64_t{0});
+          r.steps = j.value("steps", std::uint64_t{0});
+          r.accuracy = j.at("accuracy");
+          r.local_accuracy_mean = j.at("local_accuracy_mean");
+          r.wall_s = j.at("train_seconds");
+        } else {
+          const auto rep = examples::train(cfg, s, data);
+          r.bytes_sent = rep.bytes_sent;
+          r.messages = rep.messages;
+          r.sends = rep.sends;
+          r.steps = rep.steps;
+          r.accuracy = rep.accuracy;
+          r.local_accuracy_mean = rep.local_accuracy_mean;
+          r.wall_s = rep.train_seconds;
+          if (!rep.timeline.empty()) r.timeline = examples::to_json(rep.timeline);
+        }
+      } catch (const gossip::error& e) {
+        throw gossip::error(fmt::format("the {} run ({}, seed {}): {}", role, label, seed, e.what()));
       }
       r.momentum = v.momentum.empty() ? cfg.engine.has("momentum") ? cfg.engine.string("momentum") : "auto (default)" : v.momentum;
       fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>8.2f}% {:>8.2f}% {:>8.1f}\n", role, label.substr(0, 34), seed, r.bytes_sent, r.messages,

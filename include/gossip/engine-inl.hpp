@@ -285,6 +285,22 @@ inline void engine::handle_failures() {
   }
 }
 
+// Names the first tensor whose drift sums are not finite: its values (x) or
+// the copy it is measured from (x̂, which a merge wrote) hold NaN or ±inf,
+// or values so large (beyond about 1e19) that their squares overflow.
+inline void engine::throw_not_finite(std::uint64_t step) const {
+  std::string which = "the model";
+  for (std::size_t i = 0; i < m_tensor_drift.size() && i < m_tensor_names.size(); ++i)
+    if (!std::isfinite(m_tensor_drift[i].diff_sq + m_tensor_drift[i].ref_sq)) {
+      which = fmt::format("tensor \"{}\"", m_tensor_names[i]);
+      break;
+    }
+  throw error(fmt::format("engine (rank {}): at step {}, {} holds NaN or infinite values (or values beyond about 1e19); sent on, "
+                          "they would spoil every peer's model, so the engine stops before it sends: lower the learning rate, "
+                          "clip the gradients, or skip the optimizer step when the loss is not finite",
+                          m_rank, step, which));
+}
+
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
     throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (build a new engine to train on)", m_rank));
@@ -402,6 +418,10 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       step_sq += d.step_sq;
     }
   }
+  // A model that is no longer finite would reach every peer with the next
+  // exchange and spoil theirs: stop here, where the sums already say so.
+  if (!std::isfinite(diff + ref)) [[unlikely]]
+    throw_not_finite(t);
 
   // 3. decide
   signal sig;

@@ -174,6 +174,7 @@ class engine {
   void decode_inbound(std::size_t lo, std::size_t hi);  // m_received[lo, hi), no sender twice
   void start_shared_streams();
   void handle_failures();
+  [[noreturn]] void throw_not_finite(std::uint64_t step) const;
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release

@@ -301,6 +301,16 @@ def test_storage_reallocated_after_registration(one_rank):
         eng.step(lr=0.1)
 
 
+def test_a_model_gone_nan_is_refused_before_it_is_sent(one_rank):
+    model = torch.nn.Linear(3, 2)
+    eng = gossip.Engine(model.named_parameters())
+    eng.step(lr=0.1)
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    with pytest.raises(gossip.Error, match=r"rank 0\): at step 1, tensor \"bias\" holds NaN or infinite values"):
+        eng.step(lr=0.1)
+
+
 def test_momentum_buffer_replaced(one_rank):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
