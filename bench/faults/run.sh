@@ -490,4 +490,9 @@ for r in rows:
 for w, b in baseline.items():
     print(f"baseline {w}: accuracy % per seed {b['accuracy_pt']} (mean {b['mean_pt']}, σ {b['sigma_pt']})")
 print(f"written {out}")
+# Runs that all failed measured nothing: say so with the exit status too.
+ran = [b for bs in base.values() for b in bs if b["rc"] != "skip"] + [r for name, *_ in cases for r in (load(f"{name}-s{s}") for s in S) if r["rc"] != "skip"]
+if ran and not any(r["rc"] == "0" and r["json"] for r in ran):
+    first = next((m.group(1) for r in ran for m in [re.search(r"^(?:\[\d+\] )?error: (.*)$", r["err"], re.M)] if m), None)
+    sys.exit("bench/faults: no run finished, so nothing was measured" + (f"; the first error: {first[:300]}" if first else " (see the messages above)"))
 PY
