@@ -377,3 +377,19 @@ TEST_CASE("switch transport refuses a config that does not pair with it") {
   CHECK(gossip::switch_mode("sync", "drift") == "sync");
   CHECK(gossip::switch_mode("auto", "periodic", /*staggered=*/true) == "async");
 }
+
+TEST_CASE("the switch mode may be named in [transport] or [protocol]: the other follows; both named and different is refused") {
+  for (const char* section : {"transport", "protocol"}) {
+    CAPTURE(section);
+    auto cfg = switch_config("periodic", 47999);  // [protocol] mode = "auto"
+    cfg.apply_override(fmt::format("{}.mode=\"async\"", section));
+    CHECK(gossip::engine_spec::from(cfg).protocol.opts.string("mode") == "async");
+    CHECK_NOTHROW(gossip::make_switch_transport(cfg, 0, 2));
+  }
+  auto cfg = switch_config("periodic", 47999, "sync");
+  cfg.apply_override("transport.mode=\"async\"");
+  CHECK_THROWS_WITH_AS(gossip::make_switch_transport(cfg, 0, 2),
+                       "--set transport.mode=\"async\" and test [protocol]: [transport] mode 'async' and [protocol] mode 'sync' disagree; set both to the "
+                       "same, or set one only (the other follows it)",
+                       gossip::config_error);
+}

@@ -134,9 +134,11 @@ inline engine_spec engine_spec::from(const config& cfg) {
                                      "name is '{}'; over it use e.g. exponential, ring or complete",
                                      cfg.topology.opts.where("name"), cfg.transport.name));
   }
-  // The switch protocol's mode follows the policy unless the config names one.
+  // The switch protocol's mode follows the policy unless the config names one,
+  // in [protocol] or in [transport] (either one: the other follows it).
   if (s.protocol.name == "switch-aggregate") {
-    const std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
+    std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
+    if (requested == "auto" && cfg.transport.name == "switch" && cfg.transport.opts.has("mode")) requested = cfg.transport.opts.string("mode");
     const bool staggered = staggered_policy(cfg.policy);
     if (staggered && requested == "sync")
       throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "

@@ -351,10 +351,13 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
   const std::string proto_mode = cfg.protocol.opts.has("mode") ? cfg.protocol.opts.string("mode") : "auto";
   const bool staggered = staggered_policy(cfg.policy);
-  const std::string mode = switch_mode(o.string("mode"), cfg.policy.name, staggered);
-  if (switch_mode(proto_mode, cfg.policy.name, staggered) != mode)
-    throw config_error(fmt::format("{}: [transport] mode '{}' and [protocol] mode '{}' disagree; set one of them, or both to the same",
-                                   cfg.source, o.string("mode"), proto_mode));
+  // Either section may name the mode; the other follows it.
+  const std::string transport_mode = o.string("mode");
+  if (transport_mode != "auto" && proto_mode != "auto" && transport_mode != proto_mode)
+    throw config_error(fmt::format("{} and {}: [transport] mode '{}' and [protocol] mode '{}' disagree; set both to the same, or set "
+                                   "one only (the other follows it)",
+                                   o.where("mode"), cfg.protocol.opts.where("mode"), transport_mode, proto_mode));
+  const std::string mode = switch_mode(transport_mode != "auto" ? transport_mode : proto_mode, cfg.policy.name, staggered);
   auto in_range = [&](const char* key, std::int64_t lo, std::int64_t hi) {
     const auto v = o.integer(key);
     if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
