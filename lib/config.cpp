@@ -5,6 +5,7 @@
 #include <cmath>
 #include <optional>
 #include <filesystem>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -150,6 +151,11 @@ config config::load(const std::string& path, std::vector<std::string> app_sectio
   std::stringstream ss;
   ss << in.rdbuf();
   return parse(ss.str(), path, std::move(app_sections));
+}
+
+config config::from_env(std::vector<std::string> app_sections) {
+  if (const char* path = std::getenv("GOSSIP_CONFIG"); path && *path) return load(path, std::move(app_sections));
+  return config(std::move(app_sections));
 }
 
 void config::apply_override(std::string_view assignment) {

@@ -151,7 +151,7 @@ std::string toml_value(const py::handle& v, const std::string& where) {
 }
 
 config config_from(const py::handle& cfg, const std::vector<std::string>& app_sections) {
-  if (cfg.is_none()) return config(app_sections);
+  if (cfg.is_none()) return config::from_env(app_sections);  // gossip-run --config sets GOSSIP_CONFIG
   if (py::isinstance<py::dict>(cfg)) {
     std::string text;
     for (const auto& [section, body] : cfg.cast<py::dict>()) {
@@ -633,7 +633,8 @@ named_parameters: (name, tensor) pairs or a dict; contiguous float32 tensors, al
   on the CPU or (has_cuda) all on one CUDA device, used in place (no copy):
   update them in place (optimizer.step()). A CUDA model's passes run on the
   torch stream current at construction.
-config: a TOML file path, a dict {section: {key: value}} in the same format, or None.
+config: a TOML file path, a dict {section: {key: value}} in the same format, or None
+  (the file in GOSSIP_CONFIG, which gossip-run --config sets, else all defaults).
 optimizer: a torch.optim.SGD with momentum whose buffers may become quasi-global
   ([engine] momentum: auto, the default, keeps them local over UCX between
   processes; "quasi-global" forces it); leave it out to keep them local.

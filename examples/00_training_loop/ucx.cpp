@@ -1,7 +1,7 @@
 // One worker per process over UCX: the loop of loopback.cpp, with rank and
 // world from the environment (gossip-run, mpirun, Slurm or torchrun).
 // Build: c++ -std=c++20 ucx.cpp $(pkg-config --cflags --libs gossip-ucx)
-// Run:   UCX_NET_DEVICES=lo gossip-run -n 2 -- ./a.out
+// Run:   UCX_NET_DEVICES=lo gossip-run -n 2 [--config run.toml] -- ./a.out
 #include <memory>
 #include <random>
 #include <vector>
@@ -11,7 +11,8 @@
 
 int main(int argc, char** argv) try {
   const int steps = 300;
-  const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config{};
+  // The file given as argument, else gossip-run --config's (GOSSIP_CONFIG), else the defaults.
+  const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config::from_env();
   // Rank 0 serves the rendezvous at GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT; it must outlive the others' use of it.
   auto boot = std::make_shared<gossip::bootstrap>(gossip::bootstrap::from_env());
   const int rank = boot->rank(), world = boot->world();
@@ -30,7 +31,7 @@ int main(int argc, char** argv) try {
     const float err = pred - y, lr = 0.02f;
     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * err * x[i];
     b[0] -= lr * err;
-    eng.step({.lr = lr, .loss = 0.5 * err * err});  // never waits on the network
+    eng.step({.lr = lr, .loss = 0.5 * err * err});  // sends in the background; waits only to stay within max_lead steps of its sources
   }
   eng.finish();               // merges everything the peers sent before this rank leaves
   boot->barrier("done");      // rank 0 serves the rendezvous until every rank is through

@@ -61,6 +61,9 @@ struct config {
   /// expected. `app_sections`: the sections this program reads besides the
   /// library's (e.g. {"train"}).
   static config load(const std::string& path, std::vector<std::string> app_sections = {});
+  /// The config a launcher names: the file in GOSSIP_CONFIG (set by
+  /// `gossip-run --config FILE`), else all defaults. Errors name the file.
+  static config from_env(std::vector<std::string> app_sections = {});
   /// Parses TOML text; `source` names it in messages.
   static config parse(std::string_view text, const std::string& source = "<string>", std::vector<std::string> app_sections = {});
 
