@@ -84,6 +84,7 @@ std::string engine_stats::to_json(int indent) const {
   j["messages_received"] = messages_received;
   j["dropped"] = dropped;
   j["transport_rejoins"] = transport_rejoins;
+  j["transport_dropped"] = transport_dropped;
   j["relative_drift"] = {{"last", relative_drift_last},
                          {"max", relative_drift_max},
                          {"mean_at_send", sends ? relative_drift_at_send_sum / static_cast<double>(sends) : 0.0}};

@@ -602,7 +602,7 @@ TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight t
   }
 }
 
-TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept and the rest counted as dropped") {
+TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {
   require_ucx();
   const std::uint16_t port = free_port();
   check_all_ok(run_procs(2, "tcp", 30, [&](int r) {
@@ -619,15 +619,20 @@ TEST_CASE("ucx: when a source's slots and backlog are full, the newest message i
         std::this_thread::sleep_for(1ms);
       }
       std::vector<std::uint64_t> steps;
+      double weight = 0;
+      bool gap = false;
       while (steps.size() < 3) {
         if (clock_type::now() > deadline) throw timeout_error("rank 1: the backlog was not landed after release");
         const std::size_t n = d.t.collect(0, d.got);
-        for (std::size_t i = 0; i < n; ++i) steps.push_back(d.got[i].step);
+        for (std::size_t i = 0; i < n; ++i) steps.push_back(d.got[i].step), weight += d.got[i].weight, gap |= d.got[i].gap;
         d.t.release(0);
         std::this_thread::sleep_for(1ms);
       }
       if (steps != std::vector<std::uint64_t>{0, 1, 9} || d.t.counters().dropped != 7)
         throw error(fmt::format("rank 1: got steps {}, dropped {}", fmt::join(steps, ","), d.t.counters().dropped));
+      // Message s carries weight s + 1/4: the dropped shares (steps 2..8)
+      // arrive with the delivered ones, so the total is that of all ten.
+      if (!gap || std::abs(weight - 47.5) > 1e-12) throw error(fmt::format("rank 1: weights delivered sum to {} (gap {}), expected 47.5", weight, gap));
     }
     final_barrier(*d.boot, "end", {0, 1});
     return 0;

@@ -796,6 +796,7 @@ inline const engine_stats& engine::stats() {
   m_stats.bytes_received = c.bytes_received;
   m_stats.messages_received = c.messages_received;
   m_stats.transport_rejoins = c.rejoins;
+  m_stats.transport_dropped = c.dropped;
   m_stats.step_beacons = c.beacons_sent;
   return m_stats;
 }

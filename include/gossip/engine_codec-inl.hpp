@@ -118,8 +118,9 @@ inline void engine::decode_inbound(std::size_t lo, std::size_t hi) {
     if (m.gap)
       throw transport_error(fmt::format(
           "rank {}: the transport dropped a message rank {} sent before step {}: its messages came faster than this rank merged "
-          "them and the receive backlog overflowed. A codec's stream cannot skip a message (both ends must keep the same x̂); "
-          "keep [engine] max_lead > 0 so that ranks pace each other, or set [codec] name = \"none\"",
+          "them and the receive backlog overflowed (more busy threads than cores slow a rank's receiving; engine stats: "
+          "transport_dropped). A codec's stream cannot skip a message (both ends must keep the same x̂); set [codec] name = "
+          "\"none\", with which a dropped model costs only freshness and its push-sum share rides with the next one",
           m_rank, m.sender, m.step));
     const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
     m_received_bytes[i] = sizeof(wire_header) + payload.size();

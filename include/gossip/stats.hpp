@@ -68,6 +68,12 @@ struct engine_stats {
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
   std::uint64_t bytes_raw = 0;     ///< bytes_sent without the codec: header plus the model in fp32, per message
   std::uint64_t transport_rejoins = 0;  ///< the transport joined again after its far end lost its state (switch restarted)
+  /// The transport's own count of what it dropped (transport_counters::dropped).
+  /// UCX: messages dropped on arrival, a source's receive backlog having
+  /// overflowed (a full model's push-sum share rides with the source's next
+  /// message; a codec's stream refuses the gap); loopback: posts to a peer
+  /// that had left; switch: packets retransmitted.
+  std::uint64_t transport_dropped = 0;
   double relative_drift_last = 0, relative_drift_max = 0, relative_drift_at_send_sum = 0;
   double weight = 1;               ///< push-sum weight
   double step_seconds = 0;         ///< time inside engine.step(), waits included

@@ -62,7 +62,9 @@ struct received {
   bool departed = false;  ///< dead_peers(): the rank left on purpose after its drain handshake; not a failure
   /// collect(): the transport dropped a message of this source since the
   /// last one it delivered (UCX: its backlog overflowed while this rank did
-  /// not collect). Harmless to a full model; a codec's stream cannot skip one.
+  /// not collect). `weight` then includes the push-sum shares the dropped
+  /// messages carried, so the total weight stays exact and the share merges
+  /// with this newer model; a codec's stream cannot skip a message.
   bool gap = false;
 };
 

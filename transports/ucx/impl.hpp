@@ -183,6 +183,11 @@ struct ucx_transport::impl {
   // Per source: messages UCX delivered that never reached a slot (backlog overflow,
   // unkeepable eager data). Written by the progress thread, read by drained().
   std::unique_ptr<std::atomic<std::uint64_t>[]> discarded;
+  // Per source: the push-sum weight those messages carried, not yet handed
+  // on; collect adds it to the source's next message (received::gap), so the
+  // total weight stays exact and the share rides with a newer model.
+  std::unique_ptr<std::atomic<double>[]> discarded_weight;
+  void discard(std::size_t si, double weight) noexcept;
   std::uint64_t generation = 0;
   bool drain_published = false, rendezvous_gone = false;
   bool finishing = false;  // engine::finish reached the drain handshake: leaving is a departure

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <utility>
@@ -263,8 +264,7 @@ ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header
     return UCS_OK;
   }
   if (!rndv && !persistent) {  // UCX will reuse the buffer: cannot keep it
-    dropped.fetch_add(1, std::memory_order_relaxed);
-    discarded[static_cast<std::size_t>(si)].fetch_add(1, std::memory_order_release);
+    discard(static_cast<std::size_t>(si), h.weight);
     return UCS_OK;
   }
   if (src.count == src.backlog.size()) {  // keep the newest
@@ -272,12 +272,18 @@ ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header
     ucp_am_data_release(worker, old.data);
     src.head = (src.head + 1) % src.backlog.size();
     --src.count;
-    dropped.fetch_add(1, std::memory_order_relaxed);
-    discarded[static_cast<std::size_t>(si)].fetch_add(1, std::memory_order_release);
+    discard(static_cast<std::size_t>(si), old.h.weight);
   }
   src.backlog[(src.head + src.count) % src.backlog.size()] = pending{h, data, length, rndv};
   ++src.count;
   return UCS_INPROGRESS;
+}
+
+void ucx_transport::impl::discard(std::size_t si, double weight) noexcept {
+  dropped.fetch_add(1, std::memory_order_relaxed);
+  // The weight first: a collect that sees the new count also sees its weight.
+  if (std::isfinite(weight)) discarded_weight[si].fetch_add(weight, std::memory_order_relaxed);
+  discarded[si].fetch_add(1, std::memory_order_release);
 }
 
 void ucx_transport::impl::land(source_state& src, const pending& m, bool owned) noexcept {

@@ -65,6 +65,7 @@ std::size_t ucx_transport::impl::collect(std::span<received> out) {
                           h.payload_bytes / sizeof(float)};
         if (const auto d = discarded[si].load(std::memory_order_acquire); d != src.gaps_told) {
           out[n].gap = true;
+          out[n].weight += discarded_weight[si].exchange(0.0, std::memory_order_relaxed);  // the dropped shares ride with this one
           src.gaps_told = d;
         }
         ++n;
