@@ -386,6 +386,13 @@ TEST_CASE("the switch mode may be named in [transport] or [protocol]: the other 
     CHECK(gossip::engine_spec::from(cfg).protocol.opts.string("mode") == "async");
     CHECK_NOTHROW(gossip::make_switch_transport(cfg, 0, 2));
   }
+  for (const char* section : {"transport", "protocol"}) {  // a misspelt mode is not taken for auto
+    auto typo = switch_config("periodic", 47999);
+    typo.apply_override(fmt::format("{}.mode=\"aync\"", section));
+    const auto message = fmt::format("--set {}.mode=\"aync\": key 'mode' must be auto, sync or async, got 'aync'", section);
+    CHECK_THROWS_WITH_AS((void)gossip::engine_spec::from(typo), message.c_str(), gossip::config_error);
+    CHECK_THROWS_WITH_AS(gossip::make_switch_transport(typo, 0, 2), message.c_str(), gossip::config_error);
+  }
   auto cfg = switch_config("periodic", 47999, "sync");
   cfg.apply_override("transport.mode=\"async\"");
   CHECK_THROWS_WITH_AS(gossip::make_switch_transport(cfg, 0, 2),

@@ -353,6 +353,9 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   const bool staggered = staggered_policy(cfg.policy);
   // Either section may name the mode; the other follows it.
   const std::string transport_mode = o.string("mode");
+  for (const auto& [m, w] : {std::pair{transport_mode, o.where("mode")}, std::pair{proto_mode, cfg.protocol.opts.where("mode")}})
+    if (m != "auto" && m != "sync" && m != "async")
+      throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", w, m));
   if (transport_mode != "auto" && proto_mode != "auto" && transport_mode != proto_mode)
     throw config_error(fmt::format("{} and {}: [transport] mode '{}' and [protocol] mode '{}' disagree; set both to the same, or set "
                                    "one only (the other follows it)",
