@@ -106,8 +106,8 @@ const std::vector<option_spec>& engine_option_specs() {
       {"momentum_beta", 0.9, "β of quasi-global momentum, in [0, 1): use the optimizer's momentum factor", ""},
       {"momentum_merge", std::string("auto"),
        "how much of a merge quasi-global momentum carries on: full (Lin et al.), spread (a merge after tau steps counts "
-       "min(1, 1/(2*(1-beta)*tau)) of it; stable for any fixed period), or auto (full for a policy that fires on drift, such as "
-       "consensus; spread for a fixed schedule)",
+       "min(1, 1/(2*(1-beta)*tau)) of it; stable for any fixed period), or auto (full for a closed-loop policy, "
+       "consensus; spread for every other)",
        ""},
   };
   return specs;

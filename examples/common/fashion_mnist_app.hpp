@@ -44,7 +44,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   int workers = 0, epochs = 0;
   std::int64_t seed = -1;
   double bandwidth = -1;
-  app.add_option("-c,--config", config_path, "TOML file with [policy], [topology], [protocol], [transport], [engine], [train]")->check(CLI::ExistingFile);
+  app.add_option("-c,--config", config_path, "TOML file with [policy], [topology], [protocol], [transport], [codec], [engine], [train] (and bench/traffic's [bench], [baseline], checked but unused here)")->check(CLI::ExistingFile);
   // An empty value would leave the config's choice in place without a word.
   const CLI::Validator not_empty([](std::string& v) { return v.empty() ? std::string("an empty value names nothing") : std::string(); }, "");
   app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")")->check(not_empty);

@@ -143,7 +143,8 @@ class engine {
   void flush();
 
   /// Runs `rounds` forced exchange rounds without local updates (final
-  /// averaging; -1 uses the [engine] finish_rounds setting), writes the stats
+  /// averaging; -2, the default, uses the [engine] finish_rounds setting, any
+  /// other negative value 2·⌈log2 world⌉), writes the stats
   /// and trace files if configured, and leaves the fabric. Idempotent.
   void finish(int rounds = -2);
 
