@@ -95,6 +95,8 @@ std::string engine_stats::to_json(int indent) const {
   j["lead_waits"] = lead_waits;
   j["lead_wait_seconds"] = lead_wait_seconds;
   j["lead_timeouts"] = lead_timeouts;
+  j["backlog_waits"] = backlog_waits;
+  j["backlog_wait_seconds"] = backlog_wait_seconds;
   j["step_beacons"] = step_beacons;
   j["peers"] = peers;
   j["tensors"] = tensors;

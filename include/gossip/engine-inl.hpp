@@ -301,6 +301,29 @@ inline void engine::throw_not_finite(std::uint64_t step) const {
                           m_rank, step, which));
 }
 
+// Sources that send faster than this rank merges (an inbox slot frees only
+// when the engine merges, and the transport's thread lands the next message
+// only after that) fill the transport's backlog: past its end messages are
+// dropped, a codec's stream with them. Steps are what paces the senders
+// (max_lead), so a rank that steps on without merging lets them run ahead:
+// once some source has more than backlog_high messages waiting, merge until
+// none has more than backlog_low, bounded by timeout_s.
+inline void engine::catch_up(std::uint64_t step, std::size_t& merged) {
+  const auto start = std::chrono::steady_clock::now();
+  ++m_stats.backlog_waits;
+  try {
+    detail::wait_for(
+        [&] {
+          merged += merge_inbound(step);
+          return m_transport.backlog() <= backlog_low;
+        },
+        m_settings.timeout, [&] { return fmt::format("rank {} to merge the messages waiting in its receive backlog", m_rank); });
+  } catch (const timeout_error&) {
+    // Still behind after timeout_s: train on; what overflows is counted (transport_dropped).
+  }
+  m_stats.backlog_wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
     throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (build a new engine to train on)", m_rank));
@@ -323,6 +346,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 
   // 1. merge what arrived since the last step
   result.merged = merge_inbound(t);
+  if (m_transport.backlog() > backlog_high) [[unlikely]]
+    catch_up(t, result.merged);
   // Lockstep transports (loopback) keep the ranks within a step already; an
   // aggregator's replies carry no member's step.
   // finish()'s forced rounds have their own drain handshake.

@@ -82,6 +82,11 @@ struct engine_stats {
   std::uint64_t lead_waits = 0;    ///< steps that waited for a peer to catch up ([engine] max_lead)
   double lead_wait_seconds = 0;    ///< time those waits took
   std::uint64_t lead_timeouts = 0; ///< lead waits that gave up after timeout_s (training went on unpaced)
+  /// Steps that first merged what waited in the transport's receive backlog
+  /// (engine::catch_up: its sources had sent faster than it merged), and the
+  /// time that took.
+  std::uint64_t backlog_waits = 0;
+  double backlog_wait_seconds = 0;
   std::uint64_t step_beacons = 0;  ///< step beacons sent, a few bytes each (max_lead over a peer-to-peer transport)
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;

@@ -209,6 +209,10 @@ class any_transport {
   /// the transport knows it), for timeout messages; "" when the transport
   /// cannot say.
   std::string waiting_on() const { return m_self->waiting_on(); }
+  /// The most messages any one source has delivered to this rank that wait
+  /// for a free inbox slot (UCX's receive backlog); 0 for transports that
+  /// have none. The engine merges until it is small again (engine::catch_up).
+  std::size_t backlog() const noexcept { return m_self->backlog(); }
   /// The model_fingerprint a neighbour attached with, once attach() has
   /// returned; 0 when it told none or the transport does not exchange it.
   std::uint64_t peer_model(int rank) const { return m_self->peer_model(rank); }
@@ -235,6 +239,7 @@ class any_transport {
     virtual transport_counters counters() const = 0;
     virtual bool drained() = 0;
     virtual std::string waiting_on() const = 0;
+    virtual std::size_t backlog() const noexcept = 0;
     virtual std::uint64_t peer_model(int) const = 0;
     virtual void waiting() noexcept = 0;
   };
@@ -263,6 +268,12 @@ class any_transport {
         return m_t.waiting_on();
       else
         return {};
+    }
+    std::size_t backlog() const noexcept override {
+      if constexpr (requires { m_t.backlog(); })
+        return m_t.backlog();
+      else
+        return 0;
     }
     std::uint64_t peer_model(int rank) const override {
       if constexpr (requires { m_t.peer_model(rank); })

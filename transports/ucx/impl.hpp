@@ -187,6 +187,9 @@ struct ucx_transport::impl {
   // on; collect adds it to the source's next message (received::gap), so the
   // total weight stays exact and the share rides with a newer model.
   std::unique_ptr<std::atomic<double>[]> discarded_weight;
+  // Per source: its backlog's length (source_state::count), published by the
+  // progress thread for ucx_transport::backlog().
+  std::unique_ptr<std::atomic<std::uint32_t>[]> backlogged;
   void discard(std::size_t si, double weight) noexcept;
   std::uint64_t generation = 0;
   bool drain_published = false, rendezvous_gone = false;

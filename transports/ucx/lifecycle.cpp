@@ -250,6 +250,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
   sources.resize(in_sources.size());
   discarded = std::make_unique<std::atomic<std::uint64_t>[]>(in_sources.size());
   discarded_weight = std::make_unique<std::atomic<double>[]>(in_sources.size());
+  backlogged = std::make_unique<std::atomic<std::uint32_t>[]>(in_sources.size());
   for (std::size_t i = 0; i < in_sources.size(); ++i) {
     auto& src = sources[i];
     src.rank = in_sources[i];

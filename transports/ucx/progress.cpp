@@ -276,6 +276,7 @@ ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header
   }
   src.backlog[(src.head + src.count) % src.backlog.size()] = pending{h, data, length, rndv};
   ++src.count;
+  backlogged[static_cast<std::size_t>(si)].store(static_cast<std::uint32_t>(src.count), std::memory_order_relaxed);
   return UCS_INPROGRESS;
 }
 
@@ -342,6 +343,7 @@ bool ucx_transport::impl::land_backlog() noexcept {
       const pending m = src.backlog[src.head];
       src.head = (src.head + 1) % src.backlog.size();
       --src.count;
+      backlogged[src.index].store(static_cast<std::uint32_t>(src.count), std::memory_order_relaxed);
       land(src, m, true);
       any = true;
     }

@@ -157,6 +157,12 @@ transport_capabilities ucx_transport::capabilities() const noexcept {
   return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .step_beacons = true, .name = "ucx"};
 }
 bool ucx_transport::drained() { return m->drained(); }
+std::size_t ucx_transport::backlog() const noexcept {
+  if (!m->attached) return 0;
+  std::size_t most = 0;
+  for (std::size_t i = 0; i < m->sources.size(); ++i) most = std::max<std::size_t>(most, m->backlogged[i].load(std::memory_order_relaxed));
+  return most;
+}
 std::string ucx_transport::waiting_on() const { return m->attached ? m->waiting_on() : std::string("no peer (not attached)"); }
 std::uint64_t ucx_transport::peer_model(int rank) const noexcept {
   const auto* p = m && m->attached ? m->peer(rank) : nullptr;

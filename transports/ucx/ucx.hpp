@@ -61,8 +61,13 @@ namespace gossip {
 
 struct ucx_options {
   /// Messages per source held inside UCX beyond the inbox slots. Cheap: an eager
-  /// message is small, a rendezvous one is only a descriptor (its data waits at the sender).
-  std::size_t backlog = 64;
+  /// message is small, a rendezvous one is only a descriptor (its data waits at the sender);
+  /// the ring costs about 64 bytes an entry. Pacing ([engine] max_lead) bounds
+  /// a source's lead only to within a beacon interval (5 ms), in which a
+  /// small model's rank steps hundreds of times: with 64 entries a
+  /// 5-parameter model over 2 processes on 2 cores overflowed it within
+  /// the first thousand steps in most runs.
+  std::size_t backlog = 1024;
   double keepalive_s = 1.0;      ///< UCX keepalive interval, unless UCX_KEEPALIVE_INTERVAL is set
   double close_timeout_s = 5.0;  ///< bound on the graceful endpoint close in leave()
   /// While a transfer is under way, the progress thread keeps polling (yielding
@@ -108,6 +113,8 @@ class ucx_transport {
   /// The peers this rank still waits for (sends in flight, drain counts), each
   /// as "rank J (host H)", for timeout messages.
   std::string waiting_on() const;
+  /// The longest backlog of any source: messages UCX delivered that wait for a slot.
+  std::size_t backlog() const noexcept;
   /// The model fingerprint neighbour `rank` attached with (0: none, or not a neighbour).
   std::uint64_t peer_model(int rank) const noexcept;
   transport_counters counters() const noexcept;
