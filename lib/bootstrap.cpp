@@ -19,6 +19,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -202,8 +203,18 @@ rank_identity bootstrap::identity_from_env() {
       "mpirun (OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE), srun (SLURM_PROCID/SLURM_NTASKS) or torchrun (RANK/WORLD_SIZE)");
 }
 
-bootstrap bootstrap::from_env(std::chrono::duration<double> timeout) {
+bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given) {
   const auto id = identity_from_env();
+  std::chrono::duration<double> timeout(60.0);
+  if (given) {
+    timeout = *given;
+  } else if (const char* t = std::getenv("GOSSIP_TIMEOUT_S"); t && *t) {
+    char* end = nullptr;
+    const double v = std::strtod(t, &end);
+    if (end == t || *end != '\0' || !std::isfinite(v) || v <= 0 || v > 31'536'000)
+      throw config_error(fmt::format("bootstrap: GOSSIP_TIMEOUT_S='{}' is not a timeout in seconds (> 0, at most 31536000)", t));
+    timeout = std::chrono::duration<double>(v);
+  }
   const char* addr = std::getenv("GOSSIP_MASTER_ADDR");
   const char* port_s = std::getenv("GOSSIP_MASTER_PORT");
   std::uint16_t port = 0;

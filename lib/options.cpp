@@ -116,7 +116,8 @@ options options::resolved(std::span<const option_spec> specs, std::string_view c
     }
     const bool widen = std::holds_alternative<double>(spec->default_value) && std::holds_alternative<std::int64_t>(value);
     if (value.index() != spec->default_value.index() && !widen)
-      throw config_error(fmt::format("{}: key '{}' of {} must be a {} (default {}), got {} {}", where(key), key, component,
+      throw config_error(fmt::format("{}: key '{}' of {} must be {} {} (default {}), got {} {}", where(key), key, component,
+                                     std::string_view("aeiou").find(option_type_name(spec->default_value)[0]) != std::string_view::npos ? "an" : "a",
                                      option_type_name(spec->default_value), to_string(spec->default_value),
                                      option_type_name(value), to_string(value)));
     out.set(key, widen ? option_value(static_cast<double>(std::get<std::int64_t>(value))) : value);

@@ -28,7 +28,7 @@ TEST_CASE("options are checked against their specs") {
   options typed("run.toml [policy]");
   typed.set("every", std::string("often"));
   CHECK_THROWS_WITH_AS(typed.resolved(specs, "policy 'drift'"),
-                       "run.toml [policy]: key 'every' of policy 'drift' must be a integer (default 1), got string \"often\"", config_error);
+                       "run.toml [policy]: key 'every' of policy 'drift' must be an integer (default 1), got string \"often\"", config_error);
 }
 
 TEST_CASE("an environment variable overrides the file for specs that name one") {
@@ -282,7 +282,7 @@ TEST_CASE("--set: unknown sections and keys name the override") {
   CHECK_THROWS_WITH_AS(app.section("train", train), doctest::Contains("--set train.bacth=64"), config_error);
   auto typed = config::parse("[train]\nepochs = 3\n", "run.toml", {"train"});
   typed.apply_override("train.epochs=\"many\"");
-  CHECK_THROWS_WITH_AS(typed.section("train", train), doctest::Contains("--set train.epochs=\"many\": key 'epochs' of [train] must be a integer"),
+  CHECK_THROWS_WITH_AS(typed.section("train", train), doctest::Contains("--set train.epochs=\"many\": key 'epochs' of [train] must be an integer"),
                        config_error);
   // A file's own key still names the file.
   auto file_key = config::parse("[train]\nepoch = 3\n", "run.toml", {"train"});

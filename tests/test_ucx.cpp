@@ -265,6 +265,15 @@ TEST_CASE("bootstrap: rank and world size from the environment, in order of prec
   CHECK_THROWS_WITH_AS(bootstrap::from_env(), doctest::Contains("GOSSIP_MASTER_PORT"), config_error);
   ::setenv("GOSSIP_MASTER_PORT", "70000", 1);
   CHECK_THROWS_AS(bootstrap::from_env(), config_error);
+  // The rendezvous waits as long as the engine: GOSSIP_TIMEOUT_S, checked alike.
+  ::setenv("GOSSIP_MASTER_PORT", "29999", 1);
+  for (const char* bad : {"abc", "0", "-1", "nan", "1e99"}) {
+    ::setenv("GOSSIP_TIMEOUT_S", bad, 1);
+    const auto message = fmt::format("GOSSIP_TIMEOUT_S='{}' is not a timeout", bad);
+    CHECK_THROWS_WITH_AS(bootstrap::from_env(), doctest::Contains(message.c_str()), config_error);
+  }
+  ::unsetenv("GOSSIP_TIMEOUT_S");
+  ::unsetenv("GOSSIP_MASTER_PORT");
 }
 
 // A listening TCP socket on 127.0.0.1:port: a stand-in for rank 0's rendezvous.

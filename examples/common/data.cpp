@@ -312,7 +312,8 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
   const std::size_t n = ds.size();
   if (workers < 1 || static_cast<std::size_t>(workers) > n)
     throw config_error(
-        fmt::format("cannot partition {} samples among workers = {}: expected 1..{}", n, workers, n));
+        fmt::format("cannot partition {} samples among workers = {}: each worker needs at least one sample (workers in 1..{}, or more samples: "
+                    "[train] train_limit)", n, workers, n));
   if (n > UINT32_MAX) throw config_error(fmt::format("cannot partition {} samples: indices are 32-bit", n));
 
   std::mt19937_64 rng(seed);

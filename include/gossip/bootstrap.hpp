@@ -44,8 +44,10 @@ class bootstrap {
   static rank_identity identity_from_env();
 
   /// identity_from_env() plus GOSSIP_MASTER_ADDR (default 127.0.0.1) and
-  /// GOSSIP_MASTER_PORT (required when world > 1).
-  static bootstrap from_env(std::chrono::duration<double> timeout = std::chrono::duration<double>(60.0));
+  /// GOSSIP_MASTER_PORT (required when world > 1). The timeout of every wait
+  /// on the rendezvous: `timeout` when given, else GOSSIP_TIMEOUT_S when set
+  /// (as for the engine's [engine] timeout_s), else 60 s.
+  static bootstrap from_env(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
 
   /// Rank 0 listens on address:port (0.0.0.0 or a local address); the others
   /// connect to it. A world of one needs no rendezvous (port may be 0).
