@@ -28,7 +28,7 @@ topology_registry_t& topology_registry() {
            }});
     t.add({"edges", "an explicit edge list",
            {{"edges", int_list{}, "flattened pairs [a0, b0, a1, b1, …] or nested [[a, b], …]"},
-            {"directed", false, "edges go one way (a sends to b) instead of both"}},
+            {"directed", false, "edges go one way (a sends to b) instead of both; a path must still lead from every rank to every other"}},
            [](const options& o, int rank, int world) {
              const auto& flat = o.integers("edges");
              if (flat.empty() || flat.size() % 2 != 0)

@@ -179,10 +179,28 @@ TEST_CASE("bad topology settings are refused with the key named") {
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", apart, 0, 4),
                        doctest::Contains("run.toml [topology]: the edges leave rank(s) 2, 3 unconnected to rank 0 in a world of 4"), config_error);
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", apart, 0, 5), doctest::Contains("rank(s) 2, 3, 4 unconnected"), config_error);
-  options one_way("run.toml [topology]");  // a directed chain joins every rank, though rank 0 has no source
+  options one_way("run.toml [topology]");  // a directed chain joins every rank, but rank 0 never hears the others
   one_way.set("edges", int_list{0, 1, 1, 2});
   one_way.set("directed", true);
-  CHECK_NOTHROW((void)topology_registry().make("edges", one_way, 2, 3));
+  CHECK_THROWS_WITH_AS((void)topology_registry().make("edges", one_way, 2, 3),
+                       "run.toml [topology]: the directed edges do not carry every rank's model to every other: nothing from rank(s) 1, 2 ever "
+                       "reaches rank 0; those models could never mix. Add edges so that a path leads from each rank to each other (e.g. a "
+                       "directed ring: [[0, 1], [1, 2], …, [2, 0]])",
+                       config_error);
+  options star("run.toml [topology]");  // rank 0 sends to all, hears none
+  star.set("edges", int_list{0, 1, 0, 2, 0, 3, 2, 0});
+  star.set("directed", true);
+  CHECK_THROWS_WITH_AS((void)topology_registry().make("edges", star, 0, 4), doctest::Contains("nothing from rank(s) 1, 3 ever reaches rank 0"),
+                       config_error);
+  options into("run.toml [topology]");  // every rank sends to 0, which sends to 1 only
+  into.set("edges", int_list{1, 0, 2, 0, 0, 1});
+  into.set("directed", true);
+  CHECK_THROWS_WITH_AS((void)topology_registry().make("edges", into, 0, 3), doctest::Contains("nothing from rank 0 ever reaches rank(s) 2"),
+                       config_error);
+  options ring("run.toml [topology]");  // a directed ring: strongly connected
+  ring.set("edges", int_list{0, 1, 1, 2, 2, 0});
+  ring.set("directed", true);
+  CHECK_NOTHROW((void)topology_registry().make("edges", ring, 1, 3));
   odd.set("edges", int_list{0, 1, 2});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", odd, 0, 4), doctest::Contains("key 'edges' must list pairs"), config_error);
   CHECK_THROWS_AS(topology_registry().make("ring", options("x"), 4, 4), config_error);

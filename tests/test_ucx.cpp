@@ -868,24 +868,6 @@ TEST_CASE("ucx: max_lead paces by the slowest source, not the fastest") {
   });
 }
 
-TEST_CASE("ucx: a rank that no one sends to is not held by max_lead") {
-  // Edges 0 → 1 only: rank 0 has no source, so nothing can pace it. It must
-  // not wait (it used to wait out its 10 s deadline once); rank 1 is paced by
-  // rank 0's beacons.
-  never_group(
-      {40, 40}, {0ms, 0ms},
-      [](int r, const engine_stats& st, double seconds) {
-        if (r == 0 && (st.lead_waits != 0 || st.lead_timeouts != 0 || seconds > 5))
-          throw error(fmt::format("rank 0, without sources, waited: {} lead waits ({} timed out), 40 steps in {:.1f} s", st.lead_waits,
-                                  st.lead_timeouts, seconds));
-      },
-      [](engine_spec& spec) {
-        spec.topology.name = "edges";
-        spec.topology.opts.set("edges", int_list{0, 1});
-        spec.topology.opts.set("directed", true);
-      });
-}
-
 TEST_CASE("ucx: a source that finished releases max_lead's bound") {
   // Rank 1 stops after 20 steps and finishes; rank 0 goes on to 80. Its
   // finish() tells rank 0 (the largest step) not to wait for it, so rank 0

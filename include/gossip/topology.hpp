@@ -183,6 +183,36 @@ struct edges {
       throw config_error(fmt::format("{}: the edges leave rank(s) {} unconnected to rank 0 in a world of {}; their models could never mix. "
                                      "Add edges that join every rank (e.g. a ring: [[0, 1], [1, 2], …, [{}, 0]])",
                                      where, fmt::join(apart, ", "), w, w - 1));
+    if (!directed) return;
+    // Directed: every rank's model must reach every other along the edges'
+    // direction — each reachable from rank 0, and rank 0 from each. Else some
+    // rank never takes in the others' models (a chain's head trains alone,
+    // and under push-sum its weight drains away to nothing).
+    auto unreached = [&](bool forward) {
+      std::vector<std::vector<int>> next(static_cast<std::size_t>(w));
+      for (auto [a, b] : list) forward ? next[static_cast<std::size_t>(a)].push_back(b) : next[static_cast<std::size_t>(b)].push_back(a);
+      std::vector<char> seen(static_cast<std::size_t>(w), 0);
+      std::vector<int> todo = {0};
+      seen[0] = 1;
+      while (!todo.empty()) {
+        const int x = todo.back();
+        todo.pop_back();
+        for (int y : next[static_cast<std::size_t>(x)])
+          if (!seen[static_cast<std::size_t>(y)]) seen[static_cast<std::size_t>(y)] = 1, todo.push_back(y);
+      }
+      std::vector<int> out;
+      for (int j = 0; j < w; ++j)
+        if (!seen[static_cast<std::size_t>(j)]) out.push_back(j);
+      return out;
+    };
+    const auto deaf = unreached(true), mute = unreached(false);
+    if (!deaf.empty() || !mute.empty())
+      throw config_error(fmt::format(
+          "{}: the directed edges do not carry every rank's model to every other: {}{}{}; those models could never mix. Add edges so "
+          "that a path leads from each rank to each other (e.g. a directed ring: [[0, 1], [1, 2], …, [{}, 0]])",
+          where, deaf.empty() ? "" : fmt::format("nothing from rank 0 ever reaches rank(s) {}", fmt::join(deaf, ", ")),
+          !deaf.empty() && !mute.empty() ? "; " : "",
+          mute.empty() ? "" : fmt::format("nothing from rank(s) {} ever reaches rank 0", fmt::join(mute, ", ")), w - 1));
   }
   std::size_t targets(std::uint64_t, std::span<int> out) const noexcept {
     std::copy(out_ranks.begin(), out_ranks.end(), out.begin());
