@@ -162,35 +162,15 @@ struct edges {
     }
     std::sort(out_ranks.begin(), out_ranks.end());
     std::sort(in_ranks.begin(), in_ranks.end());
-    // Every rank must be joined to every other, edges taken both ways (a
-    // directed graph may still leave a rank without sources): the models of
-    // ranks in separate pieces could never mix.
-    std::vector<int> piece(static_cast<std::size_t>(w), -1);
-    std::vector<std::vector<int>> adj(static_cast<std::size_t>(w));
-    for (auto [a, b] : list) adj[static_cast<std::size_t>(a)].push_back(b), adj[static_cast<std::size_t>(b)].push_back(a);
-    std::vector<int> stack = {0};
-    piece[0] = 0;
-    while (!stack.empty()) {
-      const int x = stack.back();
-      stack.pop_back();
-      for (int y : adj[static_cast<std::size_t>(x)])
-        if (piece[static_cast<std::size_t>(y)] < 0) piece[static_cast<std::size_t>(y)] = 0, stack.push_back(y);
-    }
-    std::vector<int> apart;
-    for (int j = 0; j < w; ++j)
-      if (piece[static_cast<std::size_t>(j)] < 0) apart.push_back(j);
-    if (!apart.empty())
-      throw config_error(fmt::format("{}: the edges leave rank(s) {} unconnected to rank 0 in a world of {}; their models could never mix. "
-                                     "Add edges that join every rank (e.g. a ring: [[0, 1], [1, 2], …, [{}, 0]])",
-                                     where, fmt::join(apart, ", "), w, w - 1));
-    if (!directed) return;
-    // Directed: every rank's model must reach every other along the edges'
-    // direction — each reachable from rank 0, and rank 0 from each. Else some
-    // rank never takes in the others' models (a chain's head trains alone,
-    // and under push-sum its weight drains away to nothing).
-    auto unreached = [&](bool forward) {
+    // The ranks that rank 0 cannot reach along the edges: forward (a → b),
+    // backward (b → a), or both ways.
+    enum class along { forward, backward, both };
+    auto unreached = [&](along way) {
       std::vector<std::vector<int>> next(static_cast<std::size_t>(w));
-      for (auto [a, b] : list) forward ? next[static_cast<std::size_t>(a)].push_back(b) : next[static_cast<std::size_t>(b)].push_back(a);
+      for (auto [a, b] : list) {
+        if (way != along::backward) next[static_cast<std::size_t>(a)].push_back(b);
+        if (way != along::forward) next[static_cast<std::size_t>(b)].push_back(a);
+      }
       std::vector<char> seen(static_cast<std::size_t>(w), 0);
       std::vector<int> todo = {0};
       seen[0] = 1;
@@ -205,7 +185,18 @@ struct edges {
         if (!seen[static_cast<std::size_t>(j)]) out.push_back(j);
       return out;
     };
-    const auto deaf = unreached(true), mute = unreached(false);
+    // Every rank must be joined to every other, edges taken both ways: the
+    // models of ranks in separate pieces could never mix.
+    if (const auto apart = unreached(along::both); !apart.empty())
+      throw config_error(fmt::format("{}: the edges leave rank(s) {} unconnected to rank 0 in a world of {}; their models could never mix. "
+                                     "Add edges that join every rank (e.g. a ring: [[0, 1], [1, 2], …, [{}, 0]])",
+                                     where, fmt::join(apart, ", "), w, w - 1));
+    if (!directed) return;
+    // Directed: every rank's model must reach every other along the edges'
+    // direction — each reachable from rank 0, and rank 0 from each. Else some
+    // rank never takes in the others' models (a chain's head trains alone,
+    // and under push-sum its weight drains away to nothing).
+    const auto deaf = unreached(along::forward), mute = unreached(along::backward);
     if (!deaf.empty() || !mute.empty())
       throw config_error(fmt::format(
           "{}: the directed edges do not carry every rank's model to every other: {}{}{}; those models could never mix. Add edges so "
