@@ -1,4 +1,5 @@
 #include "gossip/bootstrap.hpp"
+#include "gossip/engine.hpp"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -19,7 +20,6 @@
 #include <cerrno>
 #include <condition_variable>
 #include <charconv>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -205,16 +205,9 @@ rank_identity bootstrap::identity_from_env() {
 
 bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given) {
   const auto id = identity_from_env();
-  std::chrono::duration<double> timeout(60.0);
-  if (given) {
-    timeout = *given;
-  } else if (const char* t = std::getenv("GOSSIP_TIMEOUT_S"); t && *t) {
-    char* end = nullptr;
-    const double v = std::strtod(t, &end);
-    if (end == t || *end != '\0' || !std::isfinite(v) || v <= 0 || v > 31'536'000)
-      throw config_error(fmt::format("bootstrap: GOSSIP_TIMEOUT_S='{}' is not a timeout in seconds (> 0, at most 31536000)", t));
-    timeout = std::chrono::duration<double>(v);
-  }
+  // Not given: [engine] timeout_s's default, or GOSSIP_TIMEOUT_S, read and
+  // checked as the engine reads it.
+  const auto timeout = given ? *given : engine_settings::from(options("[engine]").resolved(engine_option_specs(), "[engine]")).timeout;
   const char* addr = std::getenv("GOSSIP_MASTER_ADDR");
   const char* port_s = std::getenv("GOSSIP_MASTER_PORT");
   std::uint16_t port = 0;

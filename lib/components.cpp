@@ -70,8 +70,7 @@ protocol_registry_t& protocol_registry() {
              const double g = o.real("gamma");
              if (!(g > 0 && g <= 1)) throw config_error(fmt::format("{}: key 'gamma' must be in (0, 1], got {}", o.where("gamma"), g));
              const auto& m = o.string("mode");
-             if (m != "auto" && m != "sync" && m != "async")
-               throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", o.where("mode"), m));
+             check_switch_mode(m, o.where("mode"));
              // "auto" reaching here was not resolved from a config's policy (engine built in code): async.
              return protocol(protocol::kind::switch_aggregate, g, "switch-aggregate",
                              m == "sync" ? protocol::payload::model : protocol::payload::delta);

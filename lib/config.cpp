@@ -153,6 +153,24 @@ config config::load(const std::string& path, std::vector<std::string> app_sectio
   return parse(ss.str(), path, std::move(app_sections));
 }
 
+void check_switch_mode(std::string_view mode, std::string_view where) {
+  if (mode != "auto" && mode != "sync" && mode != "async")
+    throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", where, mode));
+}
+
+switch_mode_request requested_switch_mode(const config& cfg) {
+  switch_mode_request proto{"auto", cfg.protocol.opts.where("mode")}, transport{"auto", cfg.transport.opts.where("mode")};
+  if (cfg.protocol.opts.has("mode")) proto.mode = cfg.protocol.opts.string("mode");
+  if (cfg.transport.name == "switch" && cfg.transport.opts.has("mode")) transport.mode = cfg.transport.opts.string("mode");
+  check_switch_mode(proto.mode, proto.where);
+  check_switch_mode(transport.mode, transport.where);
+  if (proto.mode != "auto" && transport.mode != "auto" && proto.mode != transport.mode)
+    throw config_error(fmt::format("{} and {}: [transport] mode '{}' and [protocol] mode '{}' disagree; set both to the same, or set one "
+                                   "only (the other follows it)",
+                                   transport.where, proto.where, transport.mode, proto.mode));
+  return proto.mode != "auto" ? proto : transport;
+}
+
 config config::from_env(std::vector<std::string> app_sections) {
   if (const char* path = std::getenv("GOSSIP_CONFIG"); path && *path) return load(path, std::move(app_sections));
   return config(std::move(app_sections));

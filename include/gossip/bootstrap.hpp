@@ -45,8 +45,8 @@ class bootstrap {
 
   /// identity_from_env() plus GOSSIP_MASTER_ADDR (default 127.0.0.1) and
   /// GOSSIP_MASTER_PORT (required when world > 1). The timeout of every wait
-  /// on the rendezvous: `timeout` when given, else GOSSIP_TIMEOUT_S when set
-  /// (as for the engine's [engine] timeout_s), else 60 s.
+  /// on the rendezvous: `timeout` when given, else [engine] timeout_s's
+  /// default (60 s) or GOSSIP_TIMEOUT_S, read as the engine reads it.
   static bootstrap from_env(std::optional<std::chrono::duration<double>> timeout = std::nullopt);
 
   /// Rank 0 listens on address:port (0.0.0.0 or a local address); the others

@@ -103,6 +103,18 @@ struct config {
 config_error settings_mismatch(std::string_view my_name, std::string_view their_name, std::uint64_t my_fingerprint,
                                std::uint64_t their_fingerprint, std::string_view mine, std::string_view theirs);
 
+/// Refuses a switch-aggregate mode other than auto, sync or async, naming `where`.
+void check_switch_mode(std::string_view mode, std::string_view where);
+/// The switch mode a config names, and where: [protocol] mode, or with the
+/// switch transport [transport] mode (either one: the other follows it);
+/// "auto" when neither names one. Each named mode is checked, and two
+/// different named modes are refused, naming where each was set.
+struct switch_mode_request {
+  std::string mode = "auto";
+  std::string where;
+};
+switch_mode_request requested_switch_mode(const config& cfg);
+
 /// Engine settings ([engine] section), with environment overrides.
 const std::vector<option_spec>& engine_option_specs();
 /// Loopback transport settings ([transport] with name = "loopback").

@@ -137,12 +137,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
   // The switch protocol's mode follows the policy unless the config names one,
   // in [protocol] or in [transport] (either one: the other follows it).
   if (s.protocol.name == "switch-aggregate") {
-    std::string requested = s.protocol.opts.has("mode") ? s.protocol.opts.string("mode") : "auto";
-    std::string where = s.protocol.opts.where("mode");
-    if (requested == "auto" && cfg.transport.name == "switch" && cfg.transport.opts.has("mode"))
-      requested = cfg.transport.opts.string("mode"), where = cfg.transport.opts.where("mode");
-    if (requested != "auto" && requested != "sync" && requested != "async")
-      throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", where, requested));
+    const std::string requested = requested_switch_mode(cfg).mode;
     const bool staggered = staggered_policy(cfg.policy);
     if (staggered && requested == "sync")
       throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "

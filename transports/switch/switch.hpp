@@ -349,18 +349,8 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
                                    cfg.topology.name));
   if (world < 2 || world > 64) throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {}", cfg.source, world));
   const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
-  const std::string proto_mode = cfg.protocol.opts.has("mode") ? cfg.protocol.opts.string("mode") : "auto";
-  const bool staggered = staggered_policy(cfg.policy);
   // Either section may name the mode; the other follows it.
-  const std::string transport_mode = o.string("mode");
-  for (const auto& [m, w] : {std::pair{transport_mode, o.where("mode")}, std::pair{proto_mode, cfg.protocol.opts.where("mode")}})
-    if (m != "auto" && m != "sync" && m != "async")
-      throw config_error(fmt::format("{}: key 'mode' must be auto, sync or async, got '{}'", w, m));
-  if (transport_mode != "auto" && proto_mode != "auto" && transport_mode != proto_mode)
-    throw config_error(fmt::format("{} and {}: [transport] mode '{}' and [protocol] mode '{}' disagree; set both to the same, or set "
-                                   "one only (the other follows it)",
-                                   o.where("mode"), cfg.protocol.opts.where("mode"), transport_mode, proto_mode));
-  const std::string mode = switch_mode(transport_mode != "auto" ? transport_mode : proto_mode, cfg.policy.name, staggered);
+  const std::string mode = switch_mode(requested_switch_mode(cfg).mode, cfg.policy.name, staggered_policy(cfg.policy));
   auto in_range = [&](const char* key, std::int64_t lo, std::int64_t hi) {
     const auto v = o.integer(key);
     if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
