@@ -197,6 +197,9 @@ void config::apply_override(std::string_view assignment) {
       throw config_error(fmt::format("{}: the value is not valid TOML ({})", where, e.description()));
     }
   }
+  // "v = 3\nw = 4" parses too: a value must be one TOML value, not more lines of a file.
+  if (parsed.size() != 1)
+    throw config_error(fmt::format("{}: the value must be a single TOML value (it spans several lines or keys); give each key its own --set", where));
   component_config* comp = section == "policy" ? &policy : section == "topology" ? &topology : section == "protocol" ? &protocol
                          : section == "transport" ? &transport : section == "codec" ? &codec : nullptr;
   const toml::node& v = *parsed.get("v");

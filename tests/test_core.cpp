@@ -181,6 +181,11 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK_THROWS_WITH_AS(engine_spec::from(file), doctest::Contains("--set policy.name=bogus: unknown policy 'bogus'"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
+  // One value per --set: a second line would set a key nobody named (and nothing would read it).
+  CHECK_THROWS_WITH_AS(cfg.apply_override("policy.every=3\nname = \"drift\""), doctest::Contains("must be a single TOML value"), config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid\"\nx = \"y"), doctest::Contains("must be a single TOML value"), config_error);
+  CHECK(cfg.policy.name == "drift");
+  CHECK_FALSE(cfg.policy.opts.has("every"));
 }
 
 TEST_CASE("settings every rank must share: the refusal names the first that differs") {
