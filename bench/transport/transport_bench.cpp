@@ -261,10 +261,11 @@ int main(int argc, char** argv) {
       for (const auto& z : step_sizes) s.step_elements.push_back(harness::parse_size(z, 64));
     }
     s.bytes_per_run = static_cast<std::size_t>(mib_per_run * mib);
+    cpu_set_t allowed;
+    CPU_ZERO(&allowed);
+    const bool known = ::sched_getaffinity(0, sizeof allowed, &allowed) == 0;
     if (pin == "auto" && !s.smoke) {
-      cpu_set_t allowed;
-      CPU_ZERO(&allowed);
-      if (::sched_getaffinity(0, sizeof allowed, &allowed) == 0)
+      if (known)
         for (int c = 0; c < CPU_SETSIZE && s.cpus.size() < 2; ++c)
           if (CPU_ISSET(c, &allowed)) s.cpus.push_back(c);
       if (s.cpus.size() < 2) s.cpus.clear();
@@ -277,6 +278,15 @@ int main(int argc, char** argv) {
         return std::stoi(t);
       };
       s.cpus = {cpu(pin.substr(0, comma)), cpu(pin.substr(comma + 1))};
+      // Refused here, before anything runs: a rank would only warn and run unpinned, and ucx_perftest -c would fail.
+      for (const int c : s.cpus)
+        if (known && (c >= CPU_SETSIZE || !CPU_ISSET(c, &allowed))) {
+          std::string list;
+          for (int a = 0; a < CPU_SETSIZE; ++a)
+            if (CPU_ISSET(a, &allowed)) list += fmt::format("{}{}", list.empty() ? "" : " ", a);
+          throw error(fmt::format("bench/transport: --pin {}: CPU {} is not one this process may run on (it may use: {}); "
+                                  "give two of those, or auto / off", pin, c, list));
+        }
     }
     if (s.min_messages > s.max_messages) throw error("bench/transport: --min-messages is larger than --max-messages");
     if (!s.out.empty()) gossip::bench::prepare_out_dir(s.out);

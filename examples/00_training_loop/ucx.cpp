@@ -31,7 +31,7 @@ int main(int argc, char** argv) try {
     const float err = pred - y, lr = 0.02f;
     for (std::size_t i = 0; i < w.size(); ++i) w[i] -= lr * err * x[i];
     b[0] -= lr * err;
-    eng.step({.lr = lr, .loss = 0.5 * err * err});  // sends in the background; waits only to stay within max_lead steps of its sources
+    eng.step({.lr = lr, .loss = 0.5 * err * err});  // sends in the background; waits only to pace (max_lead) or to merge a backlog
   }
   eng.finish();               // merges everything the peers sent before this rank leaves
   boot->barrier("done");      // rank 0 serves the rendezvous until every rank is through

@@ -312,9 +312,10 @@ void ucx_transport::impl::attach(const transport_setup& s) {
     if (auto st = ucp_ep_create(worker, &ep, &p.ep); st != UCS_OK) {
       p.ep = nullptr;
       throw transport_error(
-          fmt::format("ucx ({}): cannot reach {}: {}; check that UCX_TLS / UCX_NET_DEVICES offer a transport "
-                      "both ranks share (with error handling: UCX_POSIX_ERROR_HANDLING=y for posix)",
-                      self_name, p.name, status_text(st)));
+          fmt::format("ucx ({}): cannot reach {}: {}; either {} has exited since it published its address (its own "
+                      "output says why), or UCX_TLS / UCX_NET_DEVICES offer no transport both ranks share (with error "
+                      "handling: UCX_POSIX_ERROR_HANDLING=y for posix)",
+                      self_name, p.name, status_text(st), p.name));
     }
   }
   // max_lead's slowest source before anything is heard: 0 while some source
