@@ -24,6 +24,19 @@ constexpr std::size_t lowrank_segment_bytes(std::size_t rows, std::size_t cols, 
   return pad8(sizeof(codec_segment) + 2 * sizeof(std::uint32_t) + r * (rows + cols) * sizeof(float));
 }
 
+/// The instruction sets of the fp16, int8 and topk kernels. Every level gives
+/// the same bits (same operations in the same order, no fused multiply-add),
+/// so ranks on different CPUs keep identical x̂.
+enum class codec_isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+/// The fastest level this CPU runs (what the kernels use unless told otherwise).
+codec_isa codec_isa_best() noexcept;
+/// The level whose kernels a codec runs while `level` is in use: int8 has
+/// kernels up to AVX-512, fp16 and topk up to AVX2, the others none (scalar).
+codec_isa kernel_isa(codec_kind kind, codec_isa level) noexcept;
+/// Uses `level` (at most the best) from now on, in every thread; returns the
+/// level used before. For tests and benches that compare the levels.
+codec_isa use_codec_isa(codec_isa level) noexcept;
+
 /// Starting directions of a power iteration: `n` values uniform in [−1, 1).
 void seed_directions(float* q, std::size_t n, std::uint64_t seed) noexcept;
 

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gossip/codec.hpp"
+#include "codec_detail.hpp"
 #include "count_allocations.hpp"
 #include "test_support.hpp"
 
@@ -388,6 +389,65 @@ TEST_CASE("lowrank: factors a matrix's change, warm-started, with a fallback for
     CHECK(std::string(decode_segment(good, recv.data(), n, false).problem).find("first full message") != std::string::npos);
     CHECK_FALSE(decode_segment({good.data(), 20}, recv.data(), n, true).ok());
   }
+}
+
+TEST_CASE("codec kernels: every instruction set this CPU has gives the scalar code's bits") {
+  // Ranks on different CPUs must keep identical x̂: the same encode on each
+  // level must give the same payload and x̂, and any level must decode any
+  // level's payload to its sender's x̂. Lengths that end mid-vector, ragged
+  // last blocks, zero, huge, tiny, infinite and NaN changes.
+  using detail::codec_isa;
+  const codec_isa best = detail::codec_isa_best();
+  const std::string kernels = best == codec_isa::avx512 ? "avx512" : best == codec_isa::avx2 ? "avx2" : "scalar only";
+  MESSAGE("kernels on this CPU: ", kernels);
+  const codec_isa before = detail::use_codec_isa(best);
+  for (const std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{17}, std::size_t{255}, std::size_t{1000}, std::size_t{4099}}) {
+    std::vector<float> x = normal(n, 31 + n, 3.0f), hat0 = normal(n, 77 + n, 0.5f);
+    for (std::size_t i = 0; i < n; i += 37) x[i] = hat0[i];                  // no change
+    for (std::size_t i = 5; i < n; i += 101) x[i] = 1e30f;                   // beyond fp16, a huge int8 scale
+    for (std::size_t i = 9; i < n; i += 211) x[i] = hat0[i] + 1e-40f;        // subnormal change
+    if (n > 600) std::fill(x.begin() + 300, x.begin() + 600, 1.0f), std::fill(hat0.begin() + 300, hat0.begin() + 600, 1.0f);  // all-zero blocks
+    if (n > 1000) x[700] = INFINITY, x[950] = NAN;                           // non-finite: stays in the residual
+    for (const char* name : {"fp16", "int8"}) {
+      std::vector<std::byte> ref_out;
+      std::vector<float> ref_hat, ref_recv;
+      for (int level = 0; level <= static_cast<int>(best); ++level) {
+        const std::string what = std::string(name) + ", n = " + std::to_string(n) + ", level " + std::to_string(level);
+        INFO("codec ", what);
+        detail::use_codec_isa(static_cast<codec_isa>(level));
+        // int8 blocks of 40: AVX2 runs 32 + 8 a block, AVX-512 16 + 16 and a scalar 8.
+        auto c = std::string(name) == "int8" ? make(name, {{"block", std::int64_t{40}}}) : make(name);
+        c.prepare(n);
+        buffer out(c.segment_capacity(n));
+        std::vector<float> hat = hat0, recv = hat0;
+        const std::size_t bytes = c.encode(x.data(), hat.data(), n, out.data(), false, 1);
+        REQUIRE(decode_segment({out.data(), bytes}, recv.data(), n, true).ok());
+        REQUIRE(std::memcmp(hat.data(), recv.data(), n * sizeof(float)) == 0);
+        if (level == 0) {
+          ref_out.assign(out.data(), out.data() + bytes), ref_hat = hat, ref_recv = recv;
+          continue;
+        }
+        REQUIRE(bytes == ref_out.size());
+        if (n <= 1000) {  // finite changes: the very same bytes and x̂
+          CHECK(std::memcmp(out.data(), ref_out.data(), bytes) == 0);
+          CHECK(std::memcmp(hat.data(), ref_hat.data(), n * sizeof(float)) == 0);
+        }
+        // A NaN change may go out differently (the engine refuses a non-finite
+        // model before it encodes), but a sender and a receiver on different
+        // levels still agree: the scalar decoder on this level's payload, and
+        // this level's decoder on the scalar payload.
+        detail::use_codec_isa(codec_isa::scalar);
+        std::vector<float> cross = hat0;
+        REQUIRE(decode_segment({out.data(), bytes}, cross.data(), n, true).ok());
+        CHECK(std::memcmp(cross.data(), hat.data(), n * sizeof(float)) == 0);
+        detail::use_codec_isa(static_cast<codec_isa>(level));
+        cross = hat0;
+        REQUIRE(decode_segment({ref_out.data(), bytes}, cross.data(), n, true).ok());
+        CHECK(std::memcmp(cross.data(), ref_hat.data(), n * sizeof(float)) == 0);
+      }
+    }
+  }
+  detail::use_codec_isa(before);
 }
 
 TEST_CASE("error feedback: what was sent plus the residual is what was fed in, and nothing is lost over time") {

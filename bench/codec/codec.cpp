@@ -39,6 +39,7 @@
 #include "../output.hpp"
 #include "gossip/codec.hpp"
 #include "gossip/error.hpp"
+#include "codec_detail.hpp"  // the kernels' instruction sets
 
 namespace {
 
@@ -96,7 +97,8 @@ void check(const std::string& name, const std::vector<float>& x, const std::vect
 }  // namespace
 
 namespace {
-int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows);
+int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows,
+        const std::string& isa);
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -112,9 +114,13 @@ int main(int argc, char** argv) {
   app.add_option("--rank", rank, "lowrank rank")->check(CLI::Range(1, 256));
   app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(CLI::Range(1, 1 << 20));
   app.add_option("--out", out_dir, "write DIR/codec.json");
+  std::string isa = "best";
+  app.add_option("--isa", isa, "instruction set of the fp16, int8 and topk kernels: best (this CPU's), avx512, avx2, scalar, or all "
+                               "(each this CPU has, fp16/int8/topk only below the best, in one run)")
+      ->check(CLI::IsMember({"best", "avx512", "avx2", "scalar", "all"}));
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(sizes_mib, repeats, out_dir, ratio, rank, rows);
+    return run(sizes_mib, repeats, out_dir, ratio, rank, rows, isa);
   } catch (const gossip::error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
@@ -122,7 +128,23 @@ int main(int argc, char** argv) {
 }
 
 namespace {
-int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows) {
+int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows,
+        const std::string& isa) {
+  using gossip::detail::codec_isa;
+  const codec_isa best_isa = gossip::detail::codec_isa_best();
+  const auto isa_name = [](codec_isa l) { return l == codec_isa::avx512 ? "avx512" : l == codec_isa::avx2 ? "avx2" : "scalar"; };
+  std::vector<codec_isa> levels;
+  if (isa == "all") {
+    for (int l = static_cast<int>(best_isa); l >= 0; --l) levels.push_back(static_cast<codec_isa>(l));
+  } else if (isa == "best") {
+    levels = {best_isa};
+  } else {
+    const codec_isa want = isa == "avx512" ? codec_isa::avx512 : isa == "avx2" ? codec_isa::avx2 : codec_isa::scalar;
+    if (want > best_isa)
+      throw gossip::config_error(fmt::format("--isa {}: this CPU's codec kernels go up to {}; pick that, a lower one, best or all", isa,
+                                             isa_name(best_isa)));
+    levels = {want};
+  }
   // Every size is checked before the first is timed.
   for (const double mib : sizes_mib) {
     const double values = mib * 1024 * 1024 / sizeof(float);
@@ -146,8 +168,29 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
     cases.push_back({n, c});
   }
 
+  // Each codec once per level of kernels it has (int8 up to AVX-512, fp16
+  // and topk up to AVX2, randomk and lowrank none: shown as "-").
+  struct codec_run {
+    codec_isa level;  // in use
+    std::string label;
+    const codec_case* cc;
+  };
+  std::vector<codec_run> runs;
+  for (const auto& cc : cases) {
+    const auto kind = gossip::make_codec(cc.cfg).settings().kind;
+    std::vector<codec_isa> seen;
+    for (const codec_isa level : levels) {
+      const codec_isa k = gossip::detail::kernel_isa(kind, level);
+      if (std::find(seen.begin(), seen.end(), k) != seen.end()) continue;
+      seen.push_back(k);
+      const bool kernels = gossip::detail::kernel_isa(kind, codec_isa::avx512) != codec_isa::scalar;
+      runs.push_back({level, kernels ? isa_name(k) : "-", &cc});
+    }
+  }
+  std::stable_sort(runs.begin(), runs.end(), [&](const codec_run& a, const codec_run& b) { return a.level > b.level; });
+
   nlohmann::json results = nlohmann::json::array();
-  fmt::print("{:>8} {:<8} {:>11} {:>11} {:>13} {:>13} {:>12} {:>7} {:>9} {:>13}\n", "MiB", "codec", "encode-ms", "decode-ms", "codec-GB/s",
+  fmt::print("{:>8} {:<8} {:<7} {:>11} {:>11} {:>13} {:>13} {:>12} {:>7} {:>9} {:>13}\n", "MiB", "codec", "isa", "encode-ms", "decode-ms", "codec-GB/s",
              "memcpy-GB/s", "vs-memcpy", "best", "bytes-out", "traffic-share");
   for (const double mib : sizes_mib) {
     const auto n = static_cast<std::size_t>(mib * 1024 * 1024 / sizeof(float));
@@ -161,7 +204,9 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
     }
     std::vector<float> sender(n), receiver(n), copy(n);
     const auto matrix_rows = static_cast<std::size_t>(rows);
-    for (auto& cc : cases) {
+    for (const auto& run : runs) {
+      const codec_case& cc = *run.cc;
+      gossip::detail::use_codec_isa(run.level);
       auto c = gossip::make_codec(cc.cfg);
       const std::size_t mrows = cc.name == "lowrank" ? matrix_rows : 0;
       c.prepare(n, mrows ? mrows + n / mrows : gossip::codec::any_side);
@@ -212,11 +257,12 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
                                                   : 5 * model + 2 * msg;
       const double traffic_share = 2 * model / moved;
       const double best = best_memcpy / best_codec;
-      fmt::print("{:>8g} {:<8} {:>11.3f} {:>11.3f} {:>8.2f}±{:<4.2f} {:>8.2f}±{:<4.2f} {:>6.2f}±{:<5.2f} {:>7.2f} {:>9.4f} {:>13.2f}\n", mib,
-                 cc.name, es.mean * 1e3, ds.mean * 1e3, cs.mean, cs.sd, ms.mean, ms.sd, v.mean, v.sd, best, bytes_ratio, traffic_share);
+      fmt::print("{:>8g} {:<8} {:<7} {:>11.3f} {:>11.3f} {:>8.2f}±{:<4.2f} {:>8.2f}±{:<4.2f} {:>6.2f}±{:<5.2f} {:>7.2f} {:>9.4f} {:>13.2f}\n",
+                 mib, cc.name, run.label, es.mean * 1e3, ds.mean * 1e3, cs.mean, cs.sd, ms.mean, ms.sd, v.mean, v.sd, best, bytes_ratio, traffic_share);
       auto js = [](const sample_stats& s) { return nlohmann::json{{"mean", s.mean}, {"sd", s.sd}, {"min", s.min}, {"max", s.max}}; };
       results.push_back({{"mib", mib},
                          {"codec", cc.name},
+                         {"isa", run.label == "-" ? nlohmann::json() : nlohmann::json(run.label)},
                          {"options", cc.name == "int8"      ? nlohmann::json{{"block", c.settings().block}}
                                      : cc.name == "fp16"    ? nlohmann::json::object()
                                      : cc.name == "lowrank" ? nlohmann::json{{"rank", c.settings().rank}, {"rows", mrows}}
