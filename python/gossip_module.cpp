@@ -348,6 +348,10 @@ class py_engine {
 
   step_result step(double lr, double loss) {
     engine& e = running("step");
+    if (!(lr >= 0) || !std::isfinite(lr))
+      throw py::value_error(fmt::format("gossip.Engine.step: lr={}; pass the learning rate the optimizer used at this step (finite, "
+                                        ">= 0; 0 or leaving it out: not known)",
+                                        lr));
     if (m_has_momentum && !(lr > 0))
       throw py::value_error(fmt::format("gossip.Engine.step: lr={} but the engine keeps quasi-global momentum, which needs the step's "
                                         "learning rate (> 0): pass lr=",

@@ -285,6 +285,11 @@ TEST_CASE("engine: a step without its learning rate is refused when momentum is 
     engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
     INFO(mode);
     if (std::string(mode) == "local") {
+      // Without quasi-global momentum lr only informs the policies: 0 is "not
+      // known", a negative or non-finite one is refused before anything happens.
+      for (const double lr : {-0.1, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()})
+        CHECK_THROWS_WITH_AS(e.step({.lr = lr}), doctest::Contains("pass the learning rate the optimizer used"), gossip::error);
+      CHECK(e.stats().steps == 0);
       CHECK_NOTHROW(e.step({}));
     } else {
       for (const double lr : {0.0, -0.1, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()})

@@ -333,6 +333,11 @@ inline step_result engine::step(const step_info& info) {
     throw error(fmt::format("engine (rank {}): step with lr = {}, but the engine keeps quasi-global momentum, which needs the learning "
                             "rate the optimizer used at this step (> 0): pass step({{.lr = …}}), or set [engine] momentum = \"local\"",
                             m_rank, info.lr));
+  // lr 0 means "not given"; a negative or non-finite one is a caller's bug that
+  // would silently change what the policies decide (a NaN threshold never fires).
+  if (!(info.lr >= 0) || !std::isfinite(info.lr)) [[unlikely]]
+    throw error(fmt::format("engine (rank {}): step {} with lr = {}; pass the learning rate the optimizer used at this step "
+                            "(finite, >= 0; 0 or leaving it out: not known)", m_rank, m_step, info.lr));
   return run_step(info, false);
 }
 

@@ -301,6 +301,16 @@ def test_storage_reallocated_after_registration(one_rank):
         eng.step(lr=0.1)
 
 
+def test_a_learning_rate_that_is_negative_or_not_finite_is_refused(one_rank):
+    model = torch.nn.Linear(3, 2)
+    with gossip.Engine(model.named_parameters()) as eng:
+        for lr in (-0.1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=r"gossip.Engine.step: lr=.*finite, >= 0; 0 or leaving it out: not known"):
+                eng.step(lr=lr)
+        assert eng.stats()["steps"] == 0
+        eng.step()  # lr not known: fine
+
+
 def test_a_model_gone_nan_is_refused_before_it_is_sent(one_rank):
     model = torch.nn.Linear(3, 2)
     eng = gossip.Engine(model.named_parameters())
