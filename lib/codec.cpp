@@ -22,6 +22,15 @@
 #define GOSSIP_CODEC_F16C 1
 #endif
 
+// The kernels must give the same bits on every rank and level: no multiply-add
+// may be contracted into an FMA (a target with FMA, such as the AVX-512
+// kernels', would otherwise fuse x̂ + q·scale in one place and not another).
+// meson builds the library with -ffp-contract=off; clang also takes it here,
+// whatever the build (GCC has no such pragma).
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+
 namespace gossip {
 namespace {
 
