@@ -323,6 +323,11 @@ class py_engine {
     any_transport transport = make_transport(cfg, id, spec.settings.timeout);
     py::gil_scoped_release unlocked;  // connecting waits for peers
     m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
+    {
+      py::gil_scoped_acquire held;
+      for (auto& [state, buf] : m_new_buffers) state["momentum_buffer"] = buf;
+      m_new_buffers.clear();
+    }
     // [engine] momentum = auto keeps the buffers local over UCX: lr is then optional.
     m_has_momentum = m_has_momentum && m_engine->stats().momentum == "quasi-global";
   }
@@ -460,6 +465,12 @@ class py_engine {
     if (!py::hasattr(optimizer, "param_groups") || !py::hasattr(optimizer, "state"))
       throw py::type_error(fmt::format("gossip.Engine: optimizer= must be a torch.optim optimizer (param_groups, state), got a {}",
                                        py_str(py::type::of(optimizer).attr("__name__"))));
+    // RMSprop has a "momentum" too, and a momentum_buffer it did not create
+    // would skip its own set-up (KeyError: 'square_avg' at its first step).
+    if (!py::isinstance(optimizer, py::module_::import("torch.optim").attr("SGD")))
+      throw py::value_error(fmt::format("gossip.Engine: optimizer= takes torch.optim.SGD (heavy-ball momentum buffers), got a {}. "
+                                        "Leave optimizer= out: its state stays local",
+                                        py_str(py::type::of(optimizer).attr("__name__"))));
     const auto engine_opts = cfg.engine.resolved(engine_option_specs(), "[engine]");
     if (engine_opts.string("momentum") == "local") return;
     py::dict group_of;  // param → its group's momentum
@@ -489,9 +500,9 @@ class py_engine {
       if (!group_of.contains(t.tensor) || group_of[t.tensor].cast<double>() <= 0) continue;
       py::object s = state.attr("__getitem__")(t.tensor);  // state is a defaultdict(dict)
       py::object buf = s.attr("get")("momentum_buffer");
-      if (buf.is_none()) {
+      if (buf.is_none()) {  // given to the optimizer once the engine is built: a failed Engine() leaves it as it was
         buf = t.tensor.attr("detach")().attr("new_zeros")(t.tensor.attr("shape"));
-        s["momentum_buffer"] = buf;
+        m_new_buffers.emplace_back(s, buf);
       }
       const auto [n, place] = check_tensor(fmt::format("the momentum buffer of parameter '{}'", t.name), buf);
       if (place != m_place)
@@ -551,6 +562,7 @@ class py_engine {
   std::shared_ptr<bootstrap> m_boot;
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
   std::atomic<bool> m_busy{false};
+  std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
   std::vector<std::pair<std::size_t, py::object>> m_momentum_groups;  // (index, group) of the optimizer's groups with momentum
   bool m_has_momentum = false, m_finished = false;
   int m_rank = 0, m_world = 1;

@@ -1,7 +1,7 @@
 # The training loop of loopback.cpp in PyTorch, one rank per process under torchrun:
 # each rank fits y = sum(x) + rank on its own data, and the ranks gossip over UCX.
-# Run: UCX_NET_DEVICES=lo PYTHONPATH=build/python \
-#        /usr/bin/python3 -m torch.distributed.run --nproc_per_node 4 --redirects 2 --tee 2 pytorch.py
+# Run from the repository root: UCX_NET_DEVICES=lo PYTHONPATH=build/python \
+#        /usr/bin/python3 -m torch.distributed.run --nproc_per_node 4 --redirects 2 --tee 2 examples/00_training_loop/pytorch.py
 import os
 
 import torch

@@ -234,6 +234,14 @@ def test_errors_name_the_parameter(one_rank):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.Adam(model.parameters()))
     with pytest.raises(ValueError, match=r"nesterov=True"):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True))
+    # RMSprop has a momentum too; a buffer it did not make would break its first step.
+    with pytest.raises(ValueError, match=r"optimizer= takes torch\.optim\.SGD .*got a RMSprop"):
+        gossip.Engine(model.named_parameters(), optimizer=torch.optim.RMSprop(model.parameters(), momentum=0.9))
+    # An Engine() that fails leaves the optimizer as it was.
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(gossip.ConfigError, match=r"workers"):
+        gossip.Engine(model.named_parameters(), optimizer=sgd, config={"train": {"workers": 4}})
+    assert all("momentum_buffer" not in sgd.state[p] for p in model.parameters())
 
 
 def test_device_errors_name_the_parameter(one_rank):
