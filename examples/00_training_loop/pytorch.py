@@ -24,7 +24,7 @@ for step in range(400):
     loss.backward()
     opt.step()
     eng.step(lr=0.02, loss=loss.item())  # merge what peers sent, measure drift, decide, send
-eng.finish()  # final averaging rounds
+eng.finish()  # final exchange rounds (over UCX they bring the ranks closer, not to the exact average)
 
 b = model.bias.item()
 stats = eng.stats()  # the engine's report as a dict
