@@ -13,7 +13,7 @@
 #include <fmt/format.h>
 
 #include "codec_detail.hpp"
-#include "did_you_mean.hpp"
+#include "gossip/did_you_mean.hpp"
 #include "gossip/error.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -13,7 +13,7 @@
 #include <fmt/ranges.h>
 #include <toml++/toml.h>
 
-#include "did_you_mean.hpp"
+#include "gossip/did_you_mean.hpp"
 #include "gossip/codec.hpp"
 #include "gossip/error.hpp"
 #include "gossip/policy.hpp"

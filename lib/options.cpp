@@ -5,7 +5,7 @@
 
 #include <fmt/ranges.h>
 
-#include "did_you_mean.hpp"
+#include "gossip/did_you_mean.hpp"
 
 namespace gossip {
 

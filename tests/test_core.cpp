@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "did_you_mean.hpp"
+#include "gossip/did_you_mean.hpp"
 #include "gossip/gossip.hpp"
 
 using namespace gossip;
@@ -93,7 +93,8 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\nsend_buffers = 4294967298\n", "run.toml")),
                        "run.toml [engine]: key 'send_buffers' must be in 1..16, got 4294967298", config_error);
   CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[engine]\ntrace_capacity = -1\n", "run.toml")),
-                       "run.toml [engine]: key 'trace_capacity' must be >= 0, got -1", config_error);
+                       "run.toml [engine]: key 'trace_capacity' must be in 0..100000000 (events preallocated per rank, about 72 bytes each), got -1",
+                       config_error);
   CHECK_THROWS_AS(engine_spec::from(config::parse("[engine]\nfinish_rounds = 4294967296\n", "run.toml")), config_error);
   // The switch's protocol and topology are refused without the switch transport.
   CHECK_THROWS_WITH_AS(engine_spec::from(config::parse("[protocol]\nname = \"switch-aggregate\"\n", "run.toml")),

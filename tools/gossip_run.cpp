@@ -28,6 +28,7 @@
 #include <csignal>
 #include <cstring>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -69,17 +70,32 @@ std::string describe(int status) {
   return fmt::format("status {}", status);
 }
 
+// Set when writing to our stdout or stderr failed (a closed pipe: `| head`).
+bool g_out_closed = false, g_err_closed = false;
+
 // Writes complete lines of `buf` with the rank prefix; keeps a partial tail.
+// Once `to` cannot be written (its reader left), its lines are dropped and
+// the ranks are stopped as by SIGTERM: a pipeline whose reader has gone ends,
+// and no rank is left running without this process watching it.
 void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
-  std::size_t start = 0;
-  for (std::size_t nl; (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
-    fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
-  buf.erase(0, start);
-  if (all && !buf.empty()) {
-    fmt::print(to, "[{}] {}\n", rank, buf);
+  bool& closed = to == stdout ? g_out_closed : g_err_closed;
+  try {
+    std::size_t start = 0;
+    for (std::size_t nl; !closed && (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
+      fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
+    buf.erase(0, start);
+    if (all && !buf.empty() && !closed) fmt::print(to, "[{}] {}\n", rank, buf);
+    if (all || closed) buf.clear();
+    if (!closed && std::fflush(to) != 0) throw std::runtime_error("flush failed");
+  } catch (const std::exception&) {
     buf.clear();
+    if (!closed) {
+      closed = true;
+      if (!g_signal) g_signal = SIGTERM;  // the main loop forwards it and reports it
+      if (to != stderr && !g_err_closed)
+        std::fprintf(stderr, "gossip-run: cannot write to stdout any more (its reader closed it); stopping the ranks\n");
+    }
   }
-  std::fflush(to);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <new>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -436,6 +437,12 @@ int main(int argc, char** argv) {
     else
       fmt::print("(no PNG: {} failed; apt-get install python3-matplotlib)\n", cmd);
   } catch (const gossip::error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of memory (fewer workers, a sparser topology or a smaller model needs less)\n");
+    return 1;
+  } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
   }

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <new>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -148,6 +149,12 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       if (!json_out) throw config_error(fmt::format("--json {}: writing the report failed ({})", json_path, std::strerror(errno)));
     }
   } catch (const gossip::error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of memory (fewer workers, a sparser topology or a smaller model needs less)\n");
+    return 1;
+  } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
   }

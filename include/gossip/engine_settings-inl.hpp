@@ -31,7 +31,9 @@ inline constexpr std::array<engine_range, 7> engine_ranges{{
     {"timeout_s", "timeout", false, 0, 365.0 * 24 * 3600, true, false, "> 0 and at most 31536000 seconds (a year)",
      [](const engine_settings& s) { return s.timeout.count(); }},
     {"send_buffers", "send_buffers", true, 1, 16, false, false, "in 1..16", [](const engine_settings& s) { return double(s.send_buffers); }},
-    {"trace_capacity", "trace_capacity", true, 0, 2e19, false, false, ">= 0", [](const engine_settings& s) { return double(s.trace_capacity); }},
+    // Preallocated when the engine is built, about 72 bytes an event: 1e8 is 7 GB per rank.
+    {"trace_capacity", "trace_capacity", true, 0, 1e8, false, false, "in 0..100000000 (events preallocated per rank, about 72 bytes each)",
+     [](const engine_settings& s) { return double(s.trace_capacity); }},
     {"trace_skips_every", "trace_skips_every", true, 1, std::numeric_limits<int>::max(), false, false, ">= 1",
      [](const engine_settings& s) { return double(s.trace_skips_every); }},
     {"finish_rounds", "finish_rounds", true, -1, std::numeric_limits<int>::max(), false, false, ">= 0, or -1 for automatic",

@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 
+#include "gossip/did_you_mean.hpp"
 #include "gossip/error.hpp"
 #include "gossip/options.hpp"
 
@@ -53,7 +54,10 @@ class registry {
   const entry& find(std::string_view name, std::string_view where) const {
     for (const auto& x : m_entries)
       if (x.name == name) return x;
-    throw config_error(fmt::format("{}: unknown {} '{}'; known {}: {}", where, m_kind, name, plural(), names_joined()));
+    std::vector<std::string_view> known;
+    for (const auto& x : m_entries) known.push_back(x.name);
+    throw config_error(
+        fmt::format("{}: unknown {} '{}'{}; known {}: {}", where, m_kind, name, detail::did_you_mean(name, known), plural(), names_joined()));
   }
 
   /// Builds the named component from raw options (checked against its specs).
