@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <new>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -26,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../output.hpp"
+#include "common/report_error.hpp"
 #include "common/trainer.hpp"
 #include "common/traffic_specs.hpp"
 
@@ -436,15 +436,8 @@ int main(int argc, char** argv) {
       fmt::print("wrote {}\n", diag);
     else
       fmt::print("(no PNG: {} failed; apt-get install python3-matplotlib)\n", cmd);
-  } catch (const gossip::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of memory (fewer workers, a sparser topology or a smaller model needs less)\n");
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+  } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
+    return gossip::examples::report_error();
   }
   return 0;
 }

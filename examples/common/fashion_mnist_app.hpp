@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cstdio>
-#include <new>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "common/report_error.hpp"
 #include "common/traffic_specs.hpp"
 #include "common/trainer.hpp"
 #include "gossip_build_config.hpp"
@@ -148,15 +148,8 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       json_out.close();
       if (!json_out) throw config_error(fmt::format("--json {}: writing the report failed ({})", json_path, std::strerror(errno)));
     }
-  } catch (const gossip::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of memory (fewer workers, a sparser topology or a smaller model needs less)\n");
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+  } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
+    return gossip::examples::report_error();
   }
   return 0;
 }
