@@ -132,9 +132,9 @@ bool detect_f16c() noexcept {
 const bool have_f16c = detect_f16c();
 
 // AVX-512 (F, BW, DQ, VL) for int8: sixteen values a step, and the
-// saturating narrow in one instruction; 1.1–1.5 times the AVX2 kernel's speed
-// on models of 1–8 MiB, the same from 16 MiB up, where memory bounds both
-// (bench/codec --isa all). fp16 stays on AVX2: its AVX-512 kernel was slower
+// saturating narrow in one instruction; 1.5 times the AVX2 kernel's speed at
+// 1 MiB and 1.1–1.3 at 4 MiB, the same from 16 MiB up, where memory bounds
+// both (bench/codec --isa all). fp16 stays on AVX2: its AVX-512 kernel was slower
 // at 2–4 MiB. The same operations in the same order as the AVX2 and scalar
 // code, so every level gives the same bits.
 bool detect_avx512() noexcept {
