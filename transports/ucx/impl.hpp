@@ -140,6 +140,15 @@ struct ucx_transport::impl {
   int worker_fd = -1, wake_fd = -1;
   std::thread thread;
   std::atomic<bool> stop{false};
+  // The worker's driver: whoever holds it (the progress thread, or the
+  // engine thread inside help()) may call into the worker and touch the
+  // state marked "progress thread" below. Taken with exchange, never waited
+  // for by the engine thread.
+  std::atomic<bool> driver{false};
+  bool running = false;  // engine thread: the progress thread has started and not been stopped
+  // Progress thread → engine thread: it sleeps on its long idle wait, so a
+  // transfer that help() starts needs a wake-up to be carried on.
+  std::atomic<bool> idle{false};
 
   std::vector<std::unique_ptr<peer_state>> peers;  // by rank; null when not a neighbour
   std::vector<int> neighbours;
@@ -209,6 +218,9 @@ struct ucx_transport::impl {
     return r >= 0 && static_cast<std::size_t>(r) < peers.size() ? peers[static_cast<std::size_t>(r)].get() : nullptr;
   }
 
+  // Engine thread: drives the worker once (queued sends, held messages,
+  // ucp_worker_progress) unless the progress thread holds it; true if it did.
+  bool help() noexcept;
   void init_ucx();
   void attach(const transport_setup& s);
   int find_buffer(const std::byte* ptr) noexcept;

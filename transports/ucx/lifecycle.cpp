@@ -322,6 +322,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
   // has yet to speak, ~0 when none ever will (no sources at all).
   heard_step.store(slowest_source(), std::memory_order_release);
   thread = std::thread([this] { run(); });
+  running = true;
 }
 
 bool ucx_transport::impl::drained() {
@@ -402,6 +403,7 @@ void ucx_transport::impl::flush(std::chrono::duration<double> timeout) {
   if (!attached || left) return;
   detail::wait_for(
       [&] {
+        help();
         for (int j : neighbours)
           if (peer(j)->inflight.load(std::memory_order_acquire) > 0) return false;
         return true;
@@ -422,6 +424,7 @@ void ucx_transport::impl::leave() {
 
 void ucx_transport::impl::teardown_now() noexcept {
   left = true;
+  running = false;
   if (thread.joinable()) {
     stop.store(true, std::memory_order_release);
     wake();

@@ -428,16 +428,25 @@ void ucx_transport::impl::run() noexcept {
   pollfd fds[2] = {{wake_fd, POLLIN, 0}, {worker_fd, POLLIN, 0}};
   const nfds_t nfds = worker_fd >= 0 ? 2 : 1;
   const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(opt.spin_us));
+  const timespec busy_wait{0, 50'000};
   auto last_work = clock::now();
   while (!stop.load(std::memory_order_acquire)) {
+    if (driver.exchange(true, std::memory_order_acquire)) {
+      // The engine thread drives the worker right now (help()): it is in a
+      // transport call, which returns in microseconds.
+      std::this_thread::yield();
+      continue;
+    }
     bool work = drain_sends();
     work = send_beacons() || work;
     work = land_backlog() || work;
     close_dead();
     abandon_stuck_sends();
     while (ucp_worker_progress(worker) != 0) work = true;
+    const auto now = clock::now();
     if (work) {
-      last_work = clock::now();
+      last_work = now;
+      driver.store(false, std::memory_order_release);
       continue;
     }
     // Mid-transfer, poll instead of sleeping: each rendezvous step (RTS, RTR,
@@ -447,18 +456,22 @@ void ucx_transport::impl::run() noexcept {
     // already saturate memory, and polling then only steals the training's
     // core. What counts is each transfer's size, not the slots' (a model of
     // 64 MiB under a codec sends small messages).
-    if (spin.count() > 0 && clock::now() - last_work < spin && under_way().smallest < spin_below) {
+    const transfers u = under_way();
+    if (spin.count() > 0 && now - last_work < spin && u.smallest < spin_below) {
+      driver.store(false, std::memory_order_release);
       std::this_thread::yield();
       continue;
     }
-    if (worker_fd >= 0) {
-      const ucs_status_t s = ucp_worker_arm(worker);
-      if (s == UCS_ERR_BUSY) continue;
+    if (worker_fd >= 0 && ucp_worker_arm(worker) == UCS_ERR_BUSY) {
+      driver.store(false, std::memory_order_release);
+      continue;
     }
-    if (q_head.load(std::memory_order_acquire) != q_tail.load(std::memory_order_acquire)) continue;
-    // While a transfer is under way, wake often so that a missed wake-up
+    if (q_head.load(std::memory_order_acquire) != q_tail.load(std::memory_order_acquire)) {
+      driver.store(false, std::memory_order_release);
+      continue;
+    }
+    // While a transfer is under way, wake often, so that a missed wake-up
     // costs 50 µs rather than 10 ms. Idle, sleep long (keepalive still runs).
-    const timespec busy_wait{0, 50'000};
     timespec idle_wait{0, worker_fd >= 0 ? 10'000'000 : 1'000'000};
     // A step beacon held back (beacon_interval_ms) goes out when it falls due.
     if (held_step.load(std::memory_order_acquire) > told) {
@@ -467,12 +480,19 @@ void ucx_transport::impl::run() noexcept {
                                   .count();
       if (ns < idle_wait.tv_nsec) idle_wait.tv_nsec = std::max<std::int64_t>(ns, 0);
     }
-    ::ppoll(fds, nfds, under_way().any ? &busy_wait : &idle_wait, nullptr);
+    // Set while this thread holds the worker: a help() that starts a
+    // transfer after this sees it, and wakes the thread to carry it on.
+    idle.store(!u.any, std::memory_order_release);
+    driver.store(false, std::memory_order_release);
+    ::ppoll(fds, nfds, u.any ? &busy_wait : &idle_wait, nullptr);
+    idle.store(false, std::memory_order_relaxed);
     if (fds[0].revents & POLLIN) {
       std::uint64_t v;
-      [[maybe_unused]] auto n = ::read(wake_fd, &v, sizeof v);
+      [[maybe_unused]] auto r = ::read(wake_fd, &v, sizeof v);
     }
   }
+  // The engine thread has stopped calling help() (teardown_now joins this thread).
+  (void)driver.exchange(true, std::memory_order_acquire);
   shutdown_ucx();
 }
 

@@ -44,11 +44,26 @@ post_status ucx_transport::impl::post(int to, std::span<const std::byte> msg, st
   ++p->posted;
   queue[tail % queue_capacity] = {to, e, msg.data(), msg.size()};
   q_tail.store(tail + 1, std::memory_order_release);
-  wake();
+  // Started here when the progress thread is elsewhere; it carries the
+  // transfer on, woken if it sleeps long.
+  if (!help() || idle.load(std::memory_order_acquire)) wake();
   return post_status::ok;
 }
 
+bool ucx_transport::impl::help() noexcept {
+  if (!running || driver.exchange(true, std::memory_order_acquire)) return false;
+  drain_sends();
+  land_backlog();
+  while (ucp_worker_progress(worker) != 0) {
+  }
+  driver.store(false, std::memory_order_release);
+  return true;
+}
+
 std::size_t ucx_transport::impl::collect(std::span<received> out) {
+  // Lands what has arrived, unless the progress thread sleeps idle: then
+  // nothing is under way, and a skipped step costs no call into UCX.
+  if (!idle.load(std::memory_order_relaxed)) help();
   std::size_t n = 0;
   const std::size_t depth = setup.inbox->depth();
   for (std::size_t si = 0; si < sources.size(); ++si) {
@@ -83,7 +98,8 @@ void ucx_transport::impl::release() {
       setup.inbox->at(src.index, src.read).state.store(inbox::empty, std::memory_order_release);
       freed = true;
     }
-  if (freed) wake();  // the progress thread may hold messages for these slots
+  // Messages held for these slots land now, or the progress thread lands them.
+  if (freed && (!help() || idle.load(std::memory_order_acquire))) wake();
 }
 
 ucx_transport::ucx_transport(std::shared_ptr<gossip::bootstrap> boot, ucx_options options) : m(std::make_unique<impl>()) {
@@ -148,7 +164,11 @@ void ucx_transport::impl::publish_step(std::uint64_t step, std::chrono::steady_c
 }
 bool ucx_transport::busy(const std::byte* buffer) const noexcept {
   for (const auto& b : m->buffers)
-    if (b.ptr == buffer) return b.inflight.load(std::memory_order_acquire) > 0;
+    if (b.ptr == buffer) {
+      if (b.inflight.load(std::memory_order_acquire) == 0) return false;
+      m->help();
+      return b.inflight.load(std::memory_order_acquire) > 0;
+    }
   return false;
 }
 void ucx_transport::flush(std::chrono::duration<double> timeout) { m->flush(timeout); }

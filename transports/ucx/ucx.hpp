@@ -21,15 +21,22 @@
 /// fetched by ucp_am_recv_data_nbx straight into the engine-owned slot, with
 /// no intermediate copy.
 ///
-/// Progress. A progress thread per transport makes every UCX call after
-/// attach (worker in UCS_THREAD_MODE_SERIALIZED: attach hands the worker to
-/// the thread, leave takes it back after joining). The engine thread never
-/// touches UCX: post() pushes onto a lock-free single-producer queue and
-/// wakes the thread through an eventfd; collect()/release() only read and
-/// write the inbox slot states (atomics). So step() never blocks on the
-/// network, and large rendezvous transfers move while the training computes.
-/// When idle the thread sleeps in poll() on the worker's event fd (or at most
-/// a few milliseconds, so UCX keepalive still runs).
+/// Progress. A progress thread per transport drives the worker after attach
+/// (worker in UCS_THREAD_MODE_SERIALIZED: attach hands the worker to the
+/// thread, leave takes it back after joining), so large rendezvous transfers
+/// move while the training computes. post() pushes onto a lock-free
+/// single-producer queue; post(), busy() on a buffer in flight, collect()
+/// (unless the thread sleeps idle: nothing is under way) and release() then
+/// drive the worker once themselves — hand the queued send to UCX, land
+/// what has arrived, ucp_worker_progress — when the progress thread is not
+/// driving it at that moment. Whoever drives holds a flag taken by an atomic
+/// exchange; the engine thread never waits for it (it leaves the work to the
+/// thread), so step() never blocks on the network. On a core shared by the
+/// caller and the progress thread this saves a thread switch per rendezvous
+/// hop (docs/ucx-small-messages.md, §6). When idle the thread sleeps in
+/// poll() on the worker's event fd (or at most a few milliseconds, so UCX
+/// keepalive still runs); post() wakes it through an eventfd when it did not
+/// drive the worker itself or the thread sleeps idle.
 ///
 /// Delivery. All messages, in order per source (not only the newest): a
 /// push-sum weight must be merged exactly once. A source has `depth` inbox
