@@ -420,6 +420,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
     if (attempt > 0) {
       if (m_contacted && last == std::strerror(ECONNREFUSED) && clock::now() >= refused_since_limit) throw transport_error(gone());
       if (clock::now() >= deadline) throw timeout_error(describe());
+      detail::check_interrupt();
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));
     }
     // Once rank 0 has answered, each phase of an attempt (connect, request,
@@ -550,6 +551,7 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
     if (clock::now() >= deadline)
       throw timeout_error(fmt::format("timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}')",
                                       timeout.count(), waiting_for, where(), m_rank, key));
+    detail::check_interrupt();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
   }
 }

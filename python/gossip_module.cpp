@@ -48,6 +48,27 @@ namespace {
 
 std::string py_str(const py::handle& h) { return py::str(h).cast<std::string>(); }
 
+// A call that may wait on the network: releases the GIL, and lets Python's
+// signal handlers run during its waits (gossip::set_interrupt_check), so
+// that Ctrl-C raises KeyboardInterrupt out of a wait on a peer instead of
+// going unseen until the wait times out. The exception leaves the engine as
+// a timeout would; the peers see this rank gone once it exits.
+class waiting_call {
+ public:
+  waiting_call() : m_previous(set_interrupt_check(&run_signal_handlers)) {}
+  ~waiting_call() { set_interrupt_check(m_previous); }
+  waiting_call(const waiting_call&) = delete;
+  waiting_call& operator=(const waiting_call&) = delete;
+
+ private:
+  static void run_signal_handlers() {
+    py::gil_scoped_acquire held;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+  interrupt_check m_previous;
+  py::gil_scoped_release m_unlocked;
+};
+
 std::optional<long long> env_int(const char* name) {
   const char* s = std::getenv(name);
   if (!s || !*s) return std::nullopt;
@@ -320,8 +341,8 @@ class py_engine {
     m_world = id.world;
     check_world(cfg, id);
     engine_spec spec = engine_spec::from(cfg);
+    waiting_call unlocked;  // the rendezvous and connecting wait for peers
     any_transport transport = make_transport(cfg, id, spec.settings.timeout);
-    py::gil_scoped_release unlocked;  // connecting waits for peers
     m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
     {
       py::gil_scoped_acquire held;
@@ -371,7 +392,7 @@ class py_engine {
                                             lr, index, group_lr));
     check_storage();
     busy_guard guard(m_busy, "step");
-    py::gil_scoped_release unlocked;
+    waiting_call unlocked;  // max_lead, busy send buffers, the receive backlog
     return e.step({.lr = lr, .loss = loss});
   }
 
@@ -379,7 +400,7 @@ class py_engine {
     engine& e = running("poll");
     check_storage();
     busy_guard guard(m_busy, "poll");
-    py::gil_scoped_release unlocked;
+    waiting_call unlocked;
     return e.poll();
   }
 
@@ -391,7 +412,7 @@ class py_engine {
                                         rounds));
     check_storage();
     busy_guard guard(m_busy, "finish");
-    py::gil_scoped_release unlocked;
+    waiting_call unlocked;  // final rounds, the drain handshake, the finish barrier
     m_engine->finish(rounds);
     // Rank 0 serves the rendezvous: it stays until every rank is through.
     if (m_boot && !m_finished) m_boot->barrier("gossip/python/finish");

@@ -1,6 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "gossip/did_you_mean.hpp"
 #include "gossip/gossip.hpp"
@@ -304,4 +306,36 @@ TEST_CASE("did you mean: edit distance with swapped letters as one edit") {
   CHECK(detail::closest("protocl", known) == "protocol");
   CHECK(detail::closest("nosuch", known).empty());
   CHECK(detail::closest("x", std::vector<std::string>{"y"}).empty());  // too short to guess
+}
+
+namespace {
+int interrupt_calls = 0;
+struct interrupted {};
+void interrupt_on_third_call() {
+  if (++interrupt_calls == 3) throw interrupted{};
+}
+}  // namespace
+
+TEST_CASE("a wait runs the thread's interrupt check, which can end it; the check is per thread") {
+  interrupt_calls = 0;
+  const auto previous = gossip::set_interrupt_check(&interrupt_on_third_call);
+  const bool none_before = previous == nullptr;
+  CHECK(none_before);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(gossip::detail::wait_for([] { return false; }, std::chrono::seconds(30), [] { return std::string("nothing"); }),
+                  interrupted);
+  CHECK(interrupt_calls == 3);
+  // Checks come about every 20 ms: three of them long before the 30 s timeout.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  // Another thread's waits run no check of this thread's.
+  std::thread([] {
+    CHECK_THROWS_AS(gossip::detail::wait_for([] { return false; }, std::chrono::milliseconds(100), [] { return std::string("nothing"); }),
+                    gossip::timeout_error);
+  }).join();
+  CHECK(interrupt_calls == 3);
+  const bool restored_ours = gossip::set_interrupt_check(previous) == &interrupt_on_third_call;
+  CHECK(restored_ours);
+  CHECK_THROWS_AS(gossip::detail::wait_for([] { return false; }, std::chrono::milliseconds(100), [] { return std::string("nothing"); }),
+                  gossip::timeout_error);
+  CHECK(interrupt_calls == 3);
 }

@@ -214,6 +214,16 @@ def test_a_rank_that_drops_its_engine_without_finish_holds_no_one(tmp_path):
     assert "left before its drain handshake" in out, out
 
 
+def test_ctrl_c_ends_a_wait_on_a_peer(tmp_path):
+    # finish() waits on a silent peer with the GIL released: SIGINT must raise
+    # KeyboardInterrupt out of it at once, not after the engine's 20 s timeout.
+    status, out = torchrun(2, WORKER, "interrupt", tmp_path, 8)
+    assert status == 0, out
+    r0 = torch.load(tmp_path / "rank0.pt")
+    assert r0["outcome"] == "interrupted", (r0, out)
+    assert r0["seconds"] < 5, (r0, out)
+
+
 def test_world_size_disagreeing_with_config(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[policy]\nname = "periodic"\n\n[train]\nworkers = 4\n')

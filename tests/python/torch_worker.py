@@ -8,9 +8,14 @@
 #   torch_worker.py train OUT_DIR STEPS [MOMENTUM]
 #                                           SGD with momentum on rank-shifted data, optimizer= given and
 #                                           [engine] momentum = MOMENTUM (default quasi-global)
+#   torch_worker.py drop OUT_DIR STEPS      rank 1 drops its engine without finish(); rank 0 steps on and finishes
+#   torch_worker.py interrupt OUT_DIR SECONDS
+#                                           rank 0 gets SIGINT while its finish() waits on rank 1, silent for SECONDS
 #   torch_worker.py config PATH             builds an Engine from the config file PATH and exits
 import os
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -91,6 +96,24 @@ def main():
             eng.step(lr=0.1)
         eng.finish()
         torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "interrupt":
+        # Rank 0's finish() waits on rank 1, which neither steps nor finishes;
+        # a SIGINT (Ctrl-C) one second in must end that wait at once.
+        eng = gossip.Engine({"w": torch.full((8,), float(rank))},
+                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0}})
+        if rank == 1:
+            time.sleep(steps)  # alive and connected, but silent
+            return
+        for _ in range(3):
+            eng.step(lr=0.1)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            eng.finish()
+            outcome = "finished"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        torch.save({"outcome": outcome, "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
     else:
         sys.exit(f"torch_worker.py: unknown mode '{mode}'")
 
