@@ -42,3 +42,11 @@ refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"
+# A report that cannot be written (a full disk) is an error, not exit 0.
+if [ -w /dev/full ]; then
+  if "$exe" --epochs 1 --set train.train_limit=2000 --set transport.bandwidth_gbps=0 >/dev/full 2>"$out/err"; then
+    echo "a report written to /dev/full exited 0" >&2; exit 1
+  fi
+  grep -qF "error: writing the report to standard output failed (No space left on device)" "$out/err" \
+    || { echo "/dev/full: expected the write error, got:" >&2; cat "$out/err" >&2; exit 1; }
+fi

@@ -148,6 +148,9 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       json_out.close();
       if (!json_out) throw config_error(fmt::format("--json {}: writing the report failed ({})", json_path, std::strerror(errno)));
     }
+    // The report went to a buffer: a full disk or /dev/full shows only now.
+    if (std::fflush(stdout) != 0 || std::ferror(stdout))
+      throw error(fmt::format("writing the report to standard output failed ({})", std::strerror(errno)));
   } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
     return gossip::examples::report_error();
   }
