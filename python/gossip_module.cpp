@@ -626,8 +626,10 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
     }
   }
   check_world(cfg, id);
-  (void)engine_spec::from(cfg);
+  const engine_spec spec = engine_spec::from(cfg);
   check_transport(cfg, id);
+  // The topology against the world size, as the engine builds it (the switch builds none).
+  if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, id.rank, id.world);
 }
 
 }  // namespace gossip::python
@@ -702,7 +704,7 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
   m.def("check_config", &gp::check_config, py::arg("config"), py::kw_only(), py::arg("world") = py::none(),
         py::arg("app_sections") = std::vector<std::string>{"train"},
         "Checks a config (a TOML path or a dict) as gossip.Engine would, without a model or peers: every component and key, the "
-        "codec against the transport, [train] workers against the world (default: from the torchrun or GOSSIP_* environment). "
+        "codec against the transport, [train] workers and the topology against the world (default: from the torchrun or GOSSIP_* environment). "
         "Raises gossip.ConfigError naming the file or dict key; returns None.");
   m.def("policies", [] { return gp::describe(gossip::policy_registry()); }, "Policies a config's [policy] name may choose, with their settings.");
   m.def("components", [] {

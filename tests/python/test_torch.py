@@ -404,6 +404,14 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
         gossip.check_config({"train": {"workers": 4}})
     with pytest.raises(ValueError, match=r"world = 0"):
         gossip.check_config({}, world=0)
+    # The topology against the world size, as the engine builds it.
+    with pytest.raises(gossip.ConfigError, match=r"the edges leave rank\(s\) 3 unconnected to rank 0 in a world of 4"):
+        gossip.check_config({"topology": {"name": "edges", "edges": [[0, 1], [1, 2]]}}, world=4)
+    with pytest.raises(gossip.ConfigError, match=r"edge \[1, 5\] is invalid for a world of 4 ranks"):
+        gossip.check_config({"topology": {"name": "edges", "edges": [[0, 1], [1, 5]]}}, world=4)
+    with pytest.raises(gossip.ConfigError, match=r"key 'edges' must list pairs of ranks"):
+        gossip.check_config({"topology": {"name": "edges"}}, world=4)
+    assert gossip.check_config({"topology": {"name": "edges", "edges": [[0, 1], [1, 2], [2, 3]]}}, world=4) is None
 
 
 def test_misuse_that_would_give_wrong_results_is_refused(one_rank):
