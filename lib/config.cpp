@@ -14,30 +14,10 @@
 #include <toml++/toml.h>
 
 #include "gossip/did_you_mean.hpp"
-#include "gossip/codec.hpp"
 #include "gossip/error.hpp"
-#include "gossip/policy.hpp"
-#include "gossip/protocol.hpp"
-#include "gossip/topology.hpp"
 
 namespace gossip {
 namespace {
-
-// The settings component `name` of `section` declares, where this library
-// knows them (not for the switch transport, or an unknown name).
-std::optional<std::vector<option_spec>> specs_of(const std::string& section, const std::string& name) {
-  const auto in = [&](const auto& registry) -> std::optional<std::vector<option_spec>> {
-    for (const auto& e : registry.entries())
-      if (e.name == name) return e.specs;
-    return std::nullopt;
-  };
-  if (section == "policy") return in(policy_registry());
-  if (section == "topology") return in(topology_registry());
-  if (section == "protocol") return in(protocol_registry());
-  if (section == "codec") return in(codec_registry());
-  if (section == "transport" && name == "loopback") return loopback_option_specs();
-  return std::nullopt;
-}
 
 option_value to_value(const toml::node& n, const std::string& where, const std::string& key) {
   if (auto v = n.as_boolean()) return v->get();
@@ -207,19 +187,16 @@ void config::apply_override(std::string_view assignment) {
     auto str = v.as_string();
     if (!str) throw config_error(fmt::format("{}: a component name must be a string", where));
     if (str->get() != comp->name) {
-      // The old component's settings go with it, but a key set by --set that
-      // the new one also has stays, whatever the order of the --set options
-      // (--set policy.threshold=0.5 --set policy.name=drift).
+      // The file's settings for the old component go with it; a key set by
+      // --set stays, whatever the order of the --set options, and the new
+      // component takes it or refuses it by name when the config is resolved
+      // (--set policy.threshold=0.5 --set policy.name=drift keeps it;
+      // ... --set policy.name=periodic refuses it, as the other order does).
       // The new component's section is the override's: its errors ("unknown
       // policy") name the --set, not a file that never chose it.
-      const auto declared = specs_of(section, str->get());
       options kept(where);
-      for (const auto& entry : comp->opts.values()) {
-        const std::string& k = entry.first;  // not a structured binding: clang 14 cannot capture one
-        if (const auto& origin = comp->opts.where(k); origin != comp->opts.where() && declared &&
-            std::any_of(declared->begin(), declared->end(), [&](const option_spec& s) { return s.key == k; }))
-          kept.set(k, entry.second, origin);
-      }
+      for (const auto& entry : comp->opts.values())
+        if (const auto& origin = comp->opts.where(entry.first); origin != comp->opts.where()) kept.set(entry.first, entry.second, origin);
       *comp = {str->get(), std::move(kept)};
     }
     return;

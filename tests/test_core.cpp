@@ -156,26 +156,45 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK(cfg.sections.at("train").string("partition") == "by_label");
   CHECK(cfg.topology.name == "ring");
   CHECK(cfg.engine.real("timeout_s") == 5.0);
-  cfg.apply_override("policy.name=periodic");  // switching the policy drops the options the new one does not have
+  // Switching the policy drops the file's settings for the old one; a --set
+  // key stays, and the new policy refuses it by name if it has no such key.
+  cfg.apply_override("policy.name=periodic");
   CHECK(cfg.policy.name == "periodic");
-  CHECK_FALSE(cfg.policy.opts.has("threshold"));
-  // A --set key the new component has stays, whatever the order of the --set options;
-  // the old component's keys from the file do not.
+  CHECK(cfg.policy.opts.where("threshold") == "--set policy.threshold=0.1");
+  CHECK_THROWS_WITH_AS(engine_spec::from(cfg), doctest::Contains("--set policy.threshold=0.1: unknown key 'threshold' for policy 'periodic'"),
+                       config_error);
+  auto from_file = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n", "run.toml");
+  from_file.apply_override("policy.name=periodic");
+  CHECK_FALSE(from_file.policy.opts.has("threshold"));
+  CHECK_NOTHROW((void)engine_spec::from(from_file));
+  // A --set key stays, whatever the order of the --set options: the new
+  // component takes it, or refuses it by name, as it would the other order;
+  // the old component's keys from the file go.
   cfg.apply_override("policy.every=5");
   cfg.apply_override("policy.name=drift");
-  CHECK_FALSE(cfg.policy.opts.has("every"));
+  CHECK(cfg.policy.opts.has("every"));
+  CHECK_THROWS_WITH_AS(engine_spec::from(cfg), doctest::Contains("--set policy.every=5: unknown key 'every' for policy 'drift'"), config_error);
+  auto other_order = config::parse("[policy]\nname = \"drift\"\n", "run.toml");
+  other_order.apply_override("policy.name=drift");
+  other_order.apply_override("policy.every=5");
+  CHECK_THROWS_WITH_AS(engine_spec::from(other_order), doctest::Contains("--set policy.every=5: unknown key 'every' for policy 'drift'"),
+                       config_error);
+  cfg.apply_override("policy.name=periodic");
   cfg.apply_override("policy.threshold=0.5");
+  cfg.apply_override("policy.name=drift");
+  CHECK_THROWS_WITH_AS(engine_spec::from(cfg), doctest::Contains("unknown key 'every' for policy 'drift'"), config_error);
   cfg.apply_override("policy.name=periodic");
   cfg.apply_override("policy.max_interval=7");
   cfg.apply_override("policy.name=drift");
-  CHECK_FALSE(cfg.policy.opts.has("threshold"));  // dropped on the way through periodic
+  CHECK(cfg.policy.opts.real("threshold") == 0.5);  // kept on the way through periodic
   CHECK(cfg.policy.opts.integer("max_interval") == 7);
   CHECK(cfg.policy.opts.where("max_interval") == "--set policy.max_interval=7");
   auto file = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\nmax_interval = 9\n", "run.toml");
   file.apply_override("policy.threshold=0.2");
-  file.apply_override("policy.name=drift-lr");  // drift-lr has no threshold; the file's max_interval goes with drift
-  CHECK_FALSE(file.policy.opts.has("threshold"));
+  file.apply_override("policy.name=drift-lr");  // the file's max_interval goes with drift; drift-lr refuses the --set threshold
   CHECK_FALSE(file.policy.opts.has("max_interval"));
+  CHECK_THROWS_WITH_AS(engine_spec::from(file), doctest::Contains("--set policy.threshold=0.2: unknown key 'threshold' for policy 'drift-lr'"),
+                       config_error);
   file.apply_override("policy.name=drift");
   file.apply_override("policy.threshold=0.2");
   file.apply_override("policy.name=consensus");  // consensus has a threshold: the --set value stays
@@ -188,7 +207,7 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.every=3\nname = \"drift\""), doctest::Contains("must be a single TOML value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid\"\nx = \"y"), doctest::Contains("must be a single TOML value"), config_error);
   CHECK(cfg.policy.name == "drift");
-  CHECK_FALSE(cfg.policy.opts.has("every"));
+  CHECK(cfg.policy.opts.integer("every") == 5);  // the refused override changed nothing
 }
 
 TEST_CASE("settings every rank must share: the refusal names the first that differs") {
