@@ -219,7 +219,8 @@ struct ucx_transport::impl {
   }
 
   // Engine thread: drives the worker once (queued sends, held messages,
-  // ucp_worker_progress) unless the progress thread holds it; true if it did.
+  // ucp_worker_progress, at most 8 passes) unless the progress thread holds
+  // it; true if it did.
   bool help() noexcept;
   void init_ucx();
   void attach(const transport_setup& s);

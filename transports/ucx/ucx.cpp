@@ -54,7 +54,10 @@ bool ucx_transport::impl::help() noexcept {
   if (!running || driver.exchange(true, std::memory_order_acquire)) return false;
   drain_sends();
   land_backlog();
-  while (ucp_worker_progress(worker) != 0) {
+  // A bounded number of passes: while a transfer streams (tcp at a slow
+  // link's pace), every pass finds a little to do, and the caller's step
+  // must not wait for the transfer; the progress thread carries it on.
+  for (int pass = 0; pass < 8 && ucp_worker_progress(worker) != 0; ++pass) {
   }
   driver.store(false, std::memory_order_release);
   return true;
