@@ -53,3 +53,7 @@ assert {"local-sgd", "diloco"} <= {r["role"] for r in d["runs"]}
 assert d["summary"]["accuracy_delta_sigma_pt"] is None  # one seed
 print("bench smoke (dirichlet):", d["summary"]["equal_traffic_best"], d["summary"]["equal_traffic_accuracy_delta_pt"])
 PY
+# Keys each run sets itself are refused, not silently replaced.
+if "$exe" --quick --seeds 1 --out "$out/refused" --set train.outer_lr=0.5 2>"$out/err"; then echo "train.outer_lr was accepted" >&2; exit 1; fi
+grep -qF -- "--set train.outer_lr=0.5: bench/traffic sets train.outer_lr per run" "$out/err" \
+  || { echo "train.outer_lr: expected the refusal, got:" >&2; cat "$out/err" >&2; exit 1; }

@@ -148,6 +148,16 @@ int main(int argc, char** argv) {
       settings.epochs = static_cast<int>(quick_epochs);
       if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
     }
+    // Each run sets these itself (0 / automatic for the gossip runs, [baseline]
+    // for the local-SGD and DiLoCo controls): a value given for them would be
+    // dropped without a word.
+    if (const auto it = base.sections.find("train"); it != base.sections.end())
+      for (const char* key : {"average_every", "average_rounds", "outer_lr", "outer_momentum"})
+        if (it->second.has(key))
+          throw config_error(fmt::format("{}: bench/traffic sets train.{} per run (the gossip runs average by gossip alone; the local-SGD "
+                                         "and DiLoCo controls take their period from the adaptive run's bytes, and [baseline] rounds, "
+                                         "outer_lr and outer_momentum); leave it out",
+                                         it->second.where(key), key));
     std::vector<std::string> roles;
     {
       const std::string list = bl.string("roles");
