@@ -71,7 +71,9 @@ struct config {
   /// [1, 2]) on top of the file, e.g. from a --set command-line option: errors
   /// about it, now or when its section is read, name "--set section.key=value".
   /// Setting `policy.name` (or topology/protocol/transport/codec) switches the
-  /// component and drops the options of the old one.
+  /// component and drops the file's options for the old one; options set by
+  /// apply_override stay, in either order, and the new component refuses
+  /// those it does not have when the section is resolved.
   void apply_override(std::string_view assignment);
 
   /// A section of the program's own, checked against `specs` (absent: all
