@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/traffic on a slice of the data: checks the JSON schema, the roles and
-# the equal-bytes rule; a second run on Dirichlet shards with 8 workers.
+# the equal-bytes rule; a second run on Dirichlet shards with 8 workers; with
+# a third argument "ucx", a run over processes (gossip-run) as well.
 set -euo pipefail
-exe=$1 src=$2
+exe=$1 src=$2 ucx=${3:-}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$exe" --quick --seeds 2 --out "$out" --set train.train_limit=3000 --set bench.quick_epochs=1 --set transport.bandwidth_gbps=0
@@ -57,3 +58,18 @@ PY
 if "$exe" --quick --seeds 1 --out "$out/refused" --set train.outer_lr=0.5 2>"$out/err"; then echo "train.outer_lr was accepted" >&2; exit 1; fi
 grep -qF -- "--set train.outer_lr=0.5: bench/traffic sets train.outer_lr per run" "$out/err" \
   || { echo "train.outer_lr: expected the refusal, got:" >&2; cat "$out/err" >&2; exit 1; }
+# Over processes: the controls get the whole of their own policy, not the
+# adaptive run's --set policy keys (a periodic control would refuse max_interval).
+if [ "$ucx" = ucx ]; then
+  UCX_NET_DEVICES=lo "$exe" --quick --seeds 1 --out "$out/ucx" --set transport.name=ucx --set train.train_limit=2000 \
+    --set bench.quick_epochs=1 --set policy.max_interval=50 --set baseline.roles=equal-traffic
+  /usr/bin/python3 - "$out/ucx/traffic.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+roles = {r["role"]: r for r in d["runs"]}
+assert {"never", "periodic-1", "adaptive", "equal-traffic"} <= set(roles), list(roles)
+assert roles["adaptive"]["options"].get("max_interval") == 50, roles["adaptive"]
+assert "max_interval" not in roles["equal-traffic"]["options"], roles["equal-traffic"]
+print("bench smoke (ucx):", {k: roles[k]["accuracy"] for k in roles})
+PY
+fi

@@ -68,9 +68,19 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
 #if defined(GOSSIP_RUN_PATH) && defined(GOSSIP_FASHION_MNIST_PATH)
   const auto report = std::filesystem::absolute(std::filesystem::path(out_dir) / "run.json").string();
   std::filesystem::remove(report);
-  std::string cmd = fmt::format("'{}' -n {} --config '{}' -- '{}'", GOSSIP_RUN_PATH, s.workers, config_path, GOSSIP_FASHION_MNIST_PATH);
-  auto set = [&](const std::string& kv) { cmd += fmt::format(" --set '{}'", kv); };
-  for (const auto& o : overrides) set(o);
+  // Every word single-quoted for the shell, a ' inside as '\''.
+  const auto quoted = [](const std::string& word) {
+    std::string q = "'";
+    for (const char c : word) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q + "'";
+  };
+  std::string cmd = fmt::format("{} -n {} --config {} -- {}", quoted(GOSSIP_RUN_PATH), s.workers, quoted(config_path),
+                                quoted(GOSSIP_FASHION_MNIST_PATH));
+  auto set = [&](const std::string& kv) { cmd += " --set " + quoted(kv); };
+  // The run's policy is given whole below (the adaptive run's carries the
+  // --set policy keys already); a control's must not inherit them.
+  for (const auto& o : overrides)
+    if (!o.starts_with("policy.")) set(o);
   set("policy.name=" + policy.name);
   for (const auto& [k, v] : policy.opts.values()) set(fmt::format("policy.{}={}", k, to_string(v)));
   set(fmt::format("train.seed={}", s.seed));
@@ -81,7 +91,7 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   set(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
   set(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
   if (!momentum.empty()) set("engine.momentum=\"" + momentum + "\"");
-  cmd += fmt::format(" --json '{}' > '{}/run.log' 2>&1", report, out_dir);
+  cmd += fmt::format(" --json {} > {} 2>&1", quoted(report), quoted(out_dir + "/run.log"));
   if (std::system(cmd.c_str()) != 0 || !std::filesystem::exists(report))
     throw error(fmt::format("a run over processes failed; its output is in {}/run.log (command: {})", out_dir, cmd));
   std::ifstream in(report);
