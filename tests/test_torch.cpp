@@ -37,6 +37,21 @@ TEST_CASE("torch_model views every parameter in place, by its torch name") {
   DOCTEST_CHECK(prefixed[0].name == "student.fc1.weight");
 }
 
+TEST_CASE("a layer registered twice is one tensor of the view, under its first name") {
+  struct shared : torch::nn::Module {
+    shared() : fc(register_module("fc", torch::nn::Linear(4, 4))) { register_module("again", fc); }
+    torch::nn::Linear fc;
+  } net;
+  DOCTEST_REQUIRE(net.named_parameters().size() == 4);  // libtorch lists fc's two tensors under both names
+  auto view = gossip::torch_model(net);
+  DOCTEST_REQUIRE(view.size() == 2);
+  DOCTEST_CHECK(view[0].name == "fc.weight");
+  DOCTEST_CHECK(view[1].name == "fc.bias");
+  torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  DOCTEST_CHECK_NOTHROW(gossip::torch_momentum(view, net, opt));
+  DOCTEST_CHECK(view[1].momentum != nullptr);
+}
+
 TEST_CASE("torch_model refuses a parameter it cannot use, naming it") {
   two_layers net;
   net.to(torch::kFloat64);

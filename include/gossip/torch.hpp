@@ -13,6 +13,9 @@
 /// (update them in place, as the optimizers do). Only built where libtorch is
 /// found (meson option `torch`); the rest of libgossip does not include it.
 #include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <torch/nn/module.h>
@@ -36,12 +39,26 @@ inline void check_torch_tensor(const std::string& what, const torch::Tensor& t) 
 }
 }  // namespace detail
 
+namespace detail {
+/// named_parameters() without repeats: a module registered twice (a shared
+/// layer) lists its parameters under each name, as Python's
+/// named_parameters(remove_duplicate=True) does not; the first name is kept.
+inline std::vector<std::pair<std::string, torch::Tensor>> unique_parameters(const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true))
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(item.key(), item.value());
+  return out;
+}
+}  // namespace detail
+
 /// Adds every parameter of `module` (recursively, named as named_parameters()
-/// names them, after `prefix`) to `view`.
+/// names them, after `prefix`; a parameter shared by two submodules once,
+/// under its first name) to `view`.
 inline model_view& add_parameters(model_view& view, const torch::nn::Module& module, const std::string& prefix = "") {
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    const auto& t = item.value();
-    const std::string name = prefix + item.key();
+  for (const auto& item : detail::unique_parameters(module)) {
+    const auto& t = item.second;
+    const std::string name = prefix + item.first;
     detail::check_torch_tensor(fmt::format("parameter '{}'", name), t);
     view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
     // A weight (dim ≥ 2) is a matrix of size(0) rows, for codecs that factor them.
@@ -71,8 +88,8 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
       throw config_error(fmt::format("torch_momentum: the optimizer has dampening {}; quasi-global momentum needs 0", o.dampening()));
   }
   auto& state = opt.state();
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    const auto& p = item.value();
+  for (const auto& item : detail::unique_parameters(module)) {
+    const auto& p = item.second;
     const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());  // how torch::optim::SGD keys its state
     auto it = state.find(key);
     if (it == state.end()) {
@@ -81,7 +98,7 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
       it = state.emplace(key, std::move(s)).first;
     }
     auto& buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
-    const std::string name = prefix + item.key();
+    const std::string name = prefix + item.first;
     detail::check_torch_tensor(fmt::format("the momentum buffer of parameter '{}'", name), buffer);
     view.momentum(name, {buffer.data_ptr<float>(), static_cast<std::size_t>(buffer.numel())});
   }
