@@ -50,3 +50,14 @@ if [ -w /dev/full ]; then
   grep -qF "error: writing the report to standard output failed (No space left on device)" "$out/err" \
     || { echo "/dev/full: expected the write error, got:" >&2; cat "$out/err" >&2; exit 1; }
 fi
+# A worker thread that cannot be started (a low memory or thread limit) is an
+# error that says what to do, not an abort. Sanitizer builds reserve far more
+# address space than any such limit allows: not there.
+if ! ldd "$exe" 2>/dev/null | grep -qE 'lib(asan|tsan)'; then
+  if (ulimit -v 400000 && exec "$exe" --epochs 1 --workers 48 --set topology.name=complete --set train.train_limit=2000 \
+      --set transport.bandwidth_gbps=0 >/dev/null 2>"$out/err"); then
+    echo "48 workers under ulimit -v 400000 ran: the limit no longer bites, raise the worker count" >&2; exit 1
+  fi
+  grep -qE "error: cannot start the thread of worker [0-9]+ of 48: .*lower \[train\] workers" "$out/err" \
+    || { echo "thread limit: expected the start error, got:" >&2; cat "$out/err" >&2; exit 1; }
+fi

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <map>
 #include <cstdlib>
@@ -19,8 +20,10 @@
 #include <span>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -497,17 +500,36 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
   const int steps = detail::steps_per_epoch(cfg, s, shards);
   thread_exchange exchange(world);
   std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  // No rank trains before every rank's thread exists: a rank that starts
+  // while another could not would wait for it until the engine's timeout.
+  enum : int { starting, go, abandon };
+  std::atomic<int> start{starting};
   std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        train_rank(r, world, base, endpoint(r), s, data, shards, steps, exchange, report, on_epoch, make_net);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-        exchange.drop();
-      }
-    });
+  threads.reserve(static_cast<std::size_t>(world));
+  std::string failed;
+  for (int r = 0; r < world && failed.empty(); ++r) {
+    try {
+      threads.emplace_back([&, r] {
+        start.wait(starting, std::memory_order_acquire);
+        if (start.load(std::memory_order_acquire) == abandon) return;
+        try {
+          train_rank(r, world, base, endpoint(r), s, data, shards, steps, exchange, report, on_epoch, make_net);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+          exchange.drop();
+        }
+      });
+    } catch (const std::system_error& e) {
+      failed = fmt::format("cannot start the thread of worker {} of {}: {}; the process's thread or memory limit "
+                           "(ulimit -u, ulimit -v) is too low for this many workers: lower [train] workers, or run "
+                           "the ranks as processes ([transport] name = \"ucx\")",
+                           r, world, e.what());
+    }
+  }
+  start.store(failed.empty() ? go : abandon, std::memory_order_release);
+  start.notify_all();
   for (auto& th : threads) th.join();
+  if (!failed.empty()) throw std::runtime_error(failed);
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   report.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
