@@ -196,6 +196,8 @@ struct registered_tensor {
   py::object tensor;     // kept alive: the engine points at its storage
   py::object data_ptr;   // its bound data_ptr method (a reassigned .data shows up here)
   std::uintptr_t address = 0;
+  py::object numel;      // its bound numel method (resize_ to fewer values keeps data_ptr)
+  std::size_t count = 0;
   py::object momentum;   // the optimizer's momentum buffer, or None
   py::object optimizer;  // its optimizer: optimizer.state[param] is looked up again at each step
   std::uintptr_t momentum_address = 0;
@@ -323,6 +325,8 @@ class py_engine {
       }
       r.data_ptr = r.tensor.attr("data_ptr");
       r.address = address_of(r.data_ptr);
+      r.numel = r.tensor.attr("numel");
+      r.count = n;
       view.add(r.name, {reinterpret_cast<float*>(r.address), n}, on_cuda() ? memory_kind::cuda : memory_kind::host);
       // A weight (dim >= 2) is a matrix of size(0) rows, for codecs that factor them (lowrank).
       if (r.tensor.attr("dim")().cast<int>() >= 2 && n > 0) {
@@ -457,7 +461,9 @@ class py_engine {
   }
 
   // A parameter whose storage moved (p.data = …, resize_, a reloaded state
-  // dict) would leave the engine writing freed memory: refuse, naming it.
+  // dict) would leave the engine writing freed memory, and one resized in
+  // place (resize_ to fewer values keeps data_ptr) past its values: refuse,
+  // naming it.
   void check_storage() {
     for (const auto& t : m_tensors) {
       const auto now = address_of(t.data_ptr);
@@ -466,6 +472,10 @@ class py_engine {
                                              "{:#x}, registered {:#x}); update parameters in place (optimizer.step(), p.data.copy_(…)) "
                                              "or build a new Engine",
                                              t.name, now, t.address));
+      if (const auto n = t.numel().cast<std::size_t>(); n != t.count)
+        throw error(fmt::format("gossip.Engine: parameter '{}' was resized after registration ({} values, registered {}); "
+                                "the engine exchanges the shapes it was built with: build a new Engine for the new shapes",
+                                t.name, n, t.count));
       if (t.momentum_address) {
         // optimizer.state is looked up afresh: load_state_dict replaces it, entries and all.
         const py::object entry = t.optimizer.attr("state").attr("get")(t.tensor);

@@ -319,6 +319,18 @@ def test_storage_reallocated_after_registration(one_rank):
         eng.step(lr=0.1)
 
 
+def test_a_parameter_resized_in_place_is_refused(one_rank):
+    model = torch.nn.Linear(3, 2)
+    eng = gossip.Engine(model.named_parameters())
+    eng.step(lr=0.1)
+    model.bias.requires_grad_(False)  # frozen: torch resizes it in place (one that requires grad it refuses to)
+    before = model.bias.data_ptr()
+    model.bias.resize_(1)  # fewer values, same storage
+    assert model.bias.data_ptr() == before
+    with pytest.raises(gossip.Error, match=r"parameter 'bias' was resized after registration \(1 values, registered 2\)"):
+        eng.step(lr=0.1)
+
+
 def test_a_learning_rate_that_is_negative_or_not_finite_is_refused(one_rank):
     model = torch.nn.Linear(3, 2)
     with gossip.Engine(model.named_parameters()) as eng:
