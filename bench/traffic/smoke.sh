@@ -58,6 +58,14 @@ PY
 if "$exe" --quick --seeds 1 --out "$out/refused" --set train.outer_lr=0.5 2>"$out/err"; then echo "train.outer_lr was accepted" >&2; exit 1; fi
 grep -qF -- "--set train.outer_lr=0.5: bench/traffic sets train.outer_lr per run" "$out/err" \
   || { echo "train.outer_lr: expected the refusal, got:" >&2; cat "$out/err" >&2; exit 1; }
+# A bad key of the adaptive run's policy is refused before any run (the
+# controls run first, and used to train before it was seen).
+if "$exe" --quick --seeds 1 --out "$out/badkey" --set policy.threshold=-1 >"$out/stdout" 2>"$out/err"; then
+  echo "policy.threshold = -1 was accepted" >&2; exit 1
+fi
+grep -qF -- "--set policy.threshold=-1: key 'threshold' of policy 'consensus' must be" "$out/err" \
+  || { echo "policy.threshold=-1: expected the refusal, got:" >&2; cat "$out/err" >&2; exit 1; }
+if grep -q "periodic-1" "$out/stdout"; then echo "a run trained before the bad policy key was refused:" >&2; cat "$out/stdout" >&2; exit 1; fi
 # Over processes: the controls get the whole of their own policy, not the
 # adaptive run's --set policy keys (a periodic control would refuse max_interval).
 if [ "$ucx" = ucx ]; then

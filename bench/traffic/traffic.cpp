@@ -197,6 +197,9 @@ int main(int argc, char** argv) {
     if (!(outer_momentum >= 0 && outer_momentum < 1))
       throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", bl.where("outer_momentum"), outer_momentum));
     const int max_attempts = static_cast<int>(in_range(bl, "max_attempts", 1, 100));
+    // The adaptive run's [policy], [engine], [topology] … as the example would
+    // build them: a bad key is refused now, not after the controls that run first.
+    examples::check_components(base, settings);
     gossip::bench::prepare_out_dir(out_dir);
     const auto data = examples::datasets::load(settings);
 

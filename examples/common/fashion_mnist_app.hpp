@@ -90,14 +90,8 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     (void)cfg.section("baseline", traffic_baseline_specs());
     // A bad [policy], [topology], [protocol], [codec], [engine] or [transport]
     // key is refused now, before the header and the data: train() builds them again.
-    {
-      const engine_spec spec = detail::engine_spec_for(cfg, settings);
-      (void)detail::check_transport(cfg);
-      if constexpr (requires { make_net.check(cfg, settings); }) make_net.check(cfg, settings);
-      // The switch transport checks its own topology ('switch', which it registers).
-      if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, settings.workers);
-      (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
-    }
+    check_components(cfg, settings);
+    if constexpr (requires { make_net.check(cfg, settings); }) make_net.check(cfg, settings);
 
     const bool quiet = runs_as_processes(cfg) && bootstrap::identity_from_env().rank != 0;
     // Where the report goes is checked now, not after the run.

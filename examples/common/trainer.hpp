@@ -448,6 +448,17 @@ inline link_emulation check_transport(const config& cfg) {
 }
 }  // namespace detail
 
+/// Builds what train() builds from `cfg` and throws as train() would: a bad
+/// [policy], [topology], [protocol], [codec], [engine] or [transport] key is
+/// refused before any data is loaded or any run begins.
+inline void check_components(const config& cfg, const train_settings& s) {
+  const engine_spec spec = detail::engine_spec_for(cfg, s);
+  (void)detail::check_transport(cfg);
+  // The switch transport checks its own topology ('switch', which it registers).
+  if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, s.workers);
+  (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+}
+
 /// Trains with the gossip settings of `cfg` (policy, topology, protocol,
 /// transport, engine); `on_epoch` sees each epoch's record as it completes.
 ///
