@@ -242,11 +242,13 @@ std::string config::shared_settings() const {
   return s;
 }
 
-std::uint64_t config::fingerprint() const {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char ch : shared_settings()) h = (h ^ ch) * 1099511628211ull;
+std::uint64_t settings_fingerprint(std::string_view settings) noexcept {
+  std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char ch : settings) h = (h ^ ch) * 1099511628211ull;
   return h;
 }
+
+std::uint64_t config::fingerprint() const { return settings_fingerprint(shared_settings()); }
 
 namespace {
 

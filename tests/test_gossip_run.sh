@@ -86,6 +86,13 @@ workers = 4
 epochs = 3
 train_limit = 24000
 TOML
+# Ranks that would train differently refuse each other at connection, the
+# [train] key named: here each rank was given its own seed.
+UCX_NET_DEVICES=lo UCX_TLS=${UCX_TLS:-tcp} "$run" -n 2 --config "$tmp/ucx.toml" -- \
+  sh -c 'exec "$0" --set train.workers=2 --set train.train_limit=2000 --epochs 1 --seed $((GOSSIP_RANK + 1))' "$example" \
+  >"$tmp/seeds.out" 2>"$tmp/seeds.err" && fail "ranks with different train.seed trained together: $(cat "$tmp/seeds.out")"
+grep -q 'train.seed is [12] here but [12] on rank [01]' "$tmp/seeds.err" || fail "different seeds: the key is not named: $(cat "$tmp/seeds.err")"
+
 train_and_kill() {  # MODE OUT_PREFIX
   UCX_NET_DEVICES=lo UCX_TLS=${UCX_TLS:-tcp} "$run" -n 4 --on-failure "$1" --config "$tmp/ucx.toml" -- "$example" --json "$2.json" \
     >"$2.out" 2>"$2.err" &

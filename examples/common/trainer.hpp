@@ -400,6 +400,14 @@ inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
   config c = cfg;
   if (s.momentum > 0) c.follow_momentum(s.momentum, "[train] momentum");
   engine_spec spec = engine_spec::from(c);
+  // Ranks in processes must train alike: [train] joins the settings peers
+  // compare at connection (all of it but data_dir, a path on this host, and
+  // probe_every, which only threads use), so a rank started with another
+  // seed, partition or schedule is refused, the key named.
+  const options train = cfg.section("train", train_option_specs());
+  for (const auto& [k, v] : train.values())
+    if (k != "data_dir" && k != "probe_every") spec.config_settings += fmt::format("train.{}={}\n", k, to_string(v));
+  spec.config_fingerprint = settings_fingerprint(spec.config_settings);
   if (s.average_every > 0)
     spec.policy = any_policy(averaging_schedule{.every = static_cast<std::uint64_t>(s.average_every),
                                                 .rounds = static_cast<std::uint64_t>(s.rounds_per_average())},

@@ -98,6 +98,11 @@ struct config {
   void follow_momentum(double beta, std::string_view origin);
 };
 
+/// The fingerprint of a settings text as config::shared_settings() writes it
+/// (an application that appends settings of its own, one "section.key=value"
+/// line each, to engine_spec::config_settings fingerprints the whole with it).
+std::uint64_t settings_fingerprint(std::string_view settings) noexcept;
+
 /// The error for two ranks whose shared settings differ (`my_name`, `their_name`:
 /// "rank 0", "rank 1 (host h)"). It names the first setting that differs when
 /// both shared_settings() texts are known (`topology.name is "ring" here but
