@@ -367,7 +367,13 @@ bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t por
   set_nonblocking(m_server->listen_fd);
   if (::pipe2(m_server->stop_pipe, O_CLOEXEC) != 0) throw transport_error(fmt::format("bootstrap: pipe: {}", std::strerror(errno)));
   m_server->idle = std::chrono::duration_cast<clock::duration>(std::max(timeout, std::chrono::duration<double>(5.0)));
-  m_server->thread = std::thread([s = m_server.get()] { s->serve(); });
+  try {
+    m_server->thread = std::thread([s = m_server.get()] { s->serve(); });
+  } catch (const std::system_error& e) {
+    throw transport_error(fmt::format("bootstrap: rank 0 cannot start the rendezvous server's thread: {}; the process's thread or "
+                                      "memory limit (ulimit -u, ulimit -v) is too low",
+                                      e.what()));
+  }
 }
 
 bootstrap::bootstrap(bootstrap&&) noexcept = default;

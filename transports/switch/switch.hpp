@@ -56,6 +56,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -115,7 +116,13 @@ class switch_transport {
     st.cfg.client.worker = static_cast<std::uint16_t>(s.rank);
     st.cfg.client.members = static_cast<std::uint16_t>(s.world);
     st.client = std::make_unique<sw::client>(st.cfg.client);
-    st.thread = std::thread([p = m_state.get()] { p->run(); });
+    try {
+      st.thread = std::thread([p = m_state.get()] { p->run(); });
+    } catch (const std::system_error& e) {
+      throw transport_error(fmt::format("switch transport (rank {}): cannot start its worker thread: {}; the process's thread or "
+                                        "memory limit (ulimit -u, ulimit -v) is too low",
+                                        s.rank, e.what()));
+    }
   }
 
   post_status post(int, std::span<const std::byte> msg, std::uint64_t step) {

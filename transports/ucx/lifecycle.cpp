@@ -11,6 +11,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -321,7 +322,13 @@ void ucx_transport::impl::attach(const transport_setup& s) {
   // max_lead's slowest source before anything is heard: 0 while some source
   // has yet to speak, ~0 when none ever will (no sources at all).
   heard_step.store(slowest_source(), std::memory_order_release);
-  thread = std::thread([this] { run(); });
+  try {
+    thread = std::thread([this] { run(); });
+  } catch (const std::system_error& e) {
+    throw transport_error(fmt::format("ucx ({}): cannot start the progress thread: {}; the process's thread or memory limit "
+                                      "(ulimit -u, ulimit -v) is too low",
+                                      self_name, e.what()));
+  }
   running = true;
 }
 
