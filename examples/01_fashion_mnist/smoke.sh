@@ -41,6 +41,7 @@ refused "--set train.lr=inf: key 'lr' must be a finite number > 0" --set train.l
 refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch-aggregate
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
+refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact push-sum average" --set engine.finish_rounds=2
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"
 # A report that cannot be written (a full disk) is an error, not exit 0.
 if [ -w /dev/full ]; then

@@ -397,6 +397,13 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
 inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
   // Quasi-global momentum rebuilds SGD's buffers with [engine] momentum_beta:
   // it follows [train] momentum unless set, and must then agree with it.
+  // The report is the ranks' exact push-sum average after the last epoch, and
+  // the ranks leave without forced rounds (finish(0)), whose bytes it would not count.
+  if (cfg.engine.has("finish_rounds"))
+    throw config_error(fmt::format("{}: this program evaluates the ranks' exact push-sum average after the last epoch and ends "
+                                   "without forced rounds, so finish_rounds would go unused; remove it (it is for training "
+                                   "loops of your own that call finish())",
+                                   cfg.engine.where("finish_rounds")));
   config c = cfg;
   if (s.momentum > 0) c.follow_momentum(s.momentum, "[train] momentum");
   engine_spec spec = engine_spec::from(c);
