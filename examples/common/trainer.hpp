@@ -395,8 +395,6 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
 /// The engine settings of `cfg`; for local SGD (s.average_every > 0) the
 /// [policy] is replaced by the averaging schedule.
 inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
-  // Quasi-global momentum rebuilds SGD's buffers with [engine] momentum_beta:
-  // it follows [train] momentum unless set, and must then agree with it.
   // The report is the ranks' exact push-sum average after the last epoch, and
   // the ranks leave without forced rounds (finish(0)), whose bytes it would not count.
   if (cfg.engine.has("finish_rounds"))
@@ -404,6 +402,8 @@ inline engine_spec engine_spec_for(const config& cfg, const train_settings& s) {
                                    "without forced rounds, so finish_rounds would go unused; remove it (it is for training "
                                    "loops of your own that call finish())",
                                    cfg.engine.where("finish_rounds")));
+  // Quasi-global momentum rebuilds SGD's buffers with [engine] momentum_beta:
+  // it follows [train] momentum unless set, and must then agree with it.
   config c = cfg;
   if (s.momentum > 0) c.follow_momentum(s.momentum, "[train] momentum");
   engine_spec spec = engine_spec::from(c);
