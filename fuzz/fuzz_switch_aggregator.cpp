@@ -7,8 +7,9 @@
 // group, so valid headers (see the seed corpus) reach every handler.
 // Checked besides memory safety: every datagram is counted once, every reply
 // is a well-formed packet for a member of the group (a rejoin request only
-// from the async group, header only), and the async group's
-// joined count never exceeds its members.
+// from the async group, header only), a refusal answers exactly the drops
+// that say the packet and its group disagree and is dropped by a switch, and
+// the async group's joined count never exceeds its members.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -29,7 +30,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::size_t len = static_cast<std::size_t>(data[0]) | static_cast<std::size_t>(data[1]) << 8;
     p += 2, data += 2, size -= 2;
     if (len > size) len = size;
-    agg.handle(std::span<const std::byte>(p, len), [&](std::uint16_t worker, std::span<const std::byte> reply) {
+    sw::packet_header in;
+    const bool readable = agg.validate(std::span<const std::byte>(p, len), in) != sw::drop_reason::too_short;
+    const auto why = agg.handle(std::span<const std::byte>(p, len), [&](std::uint16_t worker, std::span<const std::byte> reply) {
       sw::packet_header h;
       if (!sw::read_header(reply.data(), reply.size(), h)) std::abort();
       const auto* g = agg.config(h.group);
@@ -40,6 +43,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::abort();
       if (h.type == sw::packet_type::async_rejoin && (h.elements != 0 || h.group != 3)) std::abort();  // header only, async group only
     });
+    // A refusal answers only a readable packet at odds with its group, echoes
+    // it and is never answered itself.
+    if (sw::packet_header r; agg.refusal(in, why, r)) {
+      if (!readable || !sw::refusable(why) || r.type != sw::packet_type::refused || r.flags != static_cast<std::uint8_t>(why) ||
+          r.group != in.group || r.worker != in.worker || r.session != in.session || r.chunk != in.chunk ||
+          (agg.config(in.group) == nullptr) != (r.reserved == 0))
+        std::abort();
+      sw::packet_header back;
+      if (agg.validate(std::as_bytes(std::span(&r, 1)), back) != sw::drop_reason::bad_type) std::abort();
+    } else if (sw::refusable(why)) {
+      std::abort();
+    }
     ++datagrams;
     p += len, data += len, size -= len;
   }

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <map>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -446,6 +447,66 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   std::vector<std::byte> exact(p.begin(), p.end());
   CHECK(agg.handle(exact, [](auto, auto) {}) == drop_reason::bad_length);
   CHECK(agg.stats().dropped() == 19);
+}
+
+TEST_CASE("refusals: a packet at odds with its group is answered with the reason and the group's view, no other drop") {
+  aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 8, .slots = 4},
+                  group_config{.id = 2, .mode = group_mode::async, .members = 3, .chunk = 8, .elements = 20}});
+  const packet_header good{.type = packet_type::sync_contribution, .group = 1, .worker = 1, .slot = 1, .chunk = 5, .sequence = 1,
+                           .session = 42};
+  auto refusal_of = [&](packet_header h, std::size_t elements, drop_reason want) {
+    const auto p = make_packet(h, std::vector<float>(elements, 1.0f));
+    packet_header read, r;
+    REQUIRE(agg.validate(p, read) == want);
+    return agg.refusal(read, want, r) ? std::optional<packet_header>(r) : std::nullopt;
+  };
+  auto h = good;
+  h.group = 9;
+  auto r = refusal_of(h, 8, drop_reason::unknown_group);
+  REQUIRE(r);
+  CHECK((r->type == packet_type::refused && r->flags == static_cast<std::uint8_t>(drop_reason::unknown_group) && r->group == 9 &&
+         r->worker == 1 && r->chunk == 5 && r->session == 42));
+  CHECK((r->reserved == 0 && r->count == 0 && r->elements == 0 && r->slot == 0 && r->sequence == 0));  // no such group: no view
+  CHECK(refusal_of(good, 8, drop_reason::accepted) == std::nullopt);
+  h = good;
+  h.worker = 2;
+  r = refusal_of(h, 8, drop_reason::bad_worker);
+  REQUIRE(r);
+  CHECK((r->worker == 2 && r->reserved == 1 && r->count == 2 && r->elements == 8 && r->slot == 4 && r->sequence == 0));
+  h = good;
+  h.type = packet_type::async_delta;
+  h.slot = 0;
+  r = refusal_of(h, 8, drop_reason::wrong_mode);
+  REQUIRE(r);
+  CHECK(r->flags == static_cast<std::uint8_t>(drop_reason::wrong_mode));
+  h.group = 2;
+  h.chunk = 2;  // the last chunk holds 4 values
+  r = refusal_of(h, 8, drop_reason::bad_elements);
+  REQUIRE(r);
+  CHECK((r->reserved == 2 && r->count == 3 && r->elements == 8 && r->slot == 0 && r->sequence == 20 && r->chunk == 2));
+  h.chunk = 0;
+  h.sequence = 0;  // a delta from the future of no sequence: the sender's state, not the group's
+  CHECK(refusal_of(h, 8, drop_reason::sequence_gap) == std::nullopt);
+  h = good;
+  h.magic = 0;
+  CHECK(refusal_of(h, 8, drop_reason::bad_magic) == std::nullopt);
+  // A refusal sent to a switch is dropped there, unanswered: no ping-pong between two switches.
+  h = good;
+  h.group = 9;
+  r = refusal_of(h, 8, drop_reason::unknown_group);
+  REQUIRE(r);
+  const auto back = make_packet(*r, {});
+  packet_header read, again;
+  CHECK(agg.validate(back, read) == drop_reason::bad_type);
+  CHECK_FALSE(agg.refusal(read, drop_reason::bad_type, again));
+  for (std::size_t i = 0; i < drop_reason_count; ++i) {  // exactly the drops that say the group disagrees
+    const auto why = static_cast<drop_reason>(i);
+    CAPTURE(to_string(why));
+    const bool group_mismatch = why == drop_reason::unknown_group || why == drop_reason::bad_worker || why == drop_reason::bad_elements ||
+                                why == drop_reason::bad_length || why == drop_reason::bad_chunk || why == drop_reason::bad_slot ||
+                                why == drop_reason::wrong_mode;
+    CHECK(refusable(why) == group_mismatch);
+  }
 }
 
 TEST_CASE("drop injector hits its rate") {

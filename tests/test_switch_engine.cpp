@@ -89,11 +89,12 @@ class udp_aggregator {
       const std::span<const std::byte> pkt(buf.data(), static_cast<std::size_t>(n));
       std::lock_guard lock(m_mutex);
       if (m_agg.validate(pkt, h) == gossip::sw::drop_reason::accepted) peers[std::uint32_t{h.group} << 16 | h.worker] = from;
-      m_agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> r) {
+      const auto why = m_agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> r) {
         if (m_drop.drop()) return;
         const auto it = peers.find(std::uint32_t{h.group} << 16 | w);
         if (it != peers.end()) ::sendto(m_fd, r.data(), r.size(), 0, reinterpret_cast<const sockaddr*>(&it->second), sizeof it->second);
       });
+      if (gossip::sw::packet_header r; m_agg.refusal(h, why, r)) ::sendto(m_fd, &r, sizeof r, 0, reinterpret_cast<const sockaddr*>(&from), sizeof from);
     }
   }
   std::mutex m_mutex;
@@ -363,6 +364,48 @@ TEST_CASE("consensus through the switch: sync all-reduce rounds at the same step
   for (int r = 1; r < world; ++r)
     for (std::size_t i = 0; i < n; i += 7) CHECK(std::abs(finals[static_cast<std::size_t>(r)][i] - finals[0][i]) < 0.1f);
   CHECK(agg.stats().dropped() == 0);
+}
+
+TEST_CASE("a switch whose group disagrees with the workers refuses their packets: they stop at once with what differs") {
+  using gossip::sw::group_config, gossip::sw::group_mode;
+  struct mismatch {
+    group_config group;
+    const char* set;       // override of the workers' config
+    const char* expected;  // in the error
+  };
+  const std::vector<mismatch> cases = {
+      {{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 64, .slots = 16}, "transport.group=5",
+       "refused the packets of worker 0 (group 5; unknown_group): it serves no group 5; start the switch with a --group id=5"},
+      {{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 32, .slots = 16}, "transport.rto_ms=2",
+       "(group 1; bad_elements): its group 1 is sync, with 2 members, chunk 32, 16 slots and a model of any size; this worker is worker 0 of "
+       "2, sync mode, chunk 64, window 16, a model of 1000 floats (chunk 0 refused)"},
+      {{.id = 1, .mode = group_mode::async, .members = 2, .chunk = 64, .elements = 1000}, "transport.rto_ms=2",
+       "(group 1; wrong_mode): its group 1 is async, with 2 members, chunk 64 and a model of 1000 floats; this worker is worker 0 of 2, "
+       "sync mode"},
+      {{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 64, .slots = 8}, "transport.rto_ms=2", "(group 1; bad_slot)"},  // chunk 8 on slot 8
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.set);
+    udp_aggregator agg({c.group});
+    auto cfg = switch_config("periodic", agg.port());
+    cfg.apply_override(c.set);
+    const auto start = std::chrono::steady_clock::now();
+    gossip::test::run_ranks(1, [&](int) {
+      std::vector<float> x(1000, 1.0f);
+      gossip::model_view view;
+      view.add("w", x);
+      gossip::engine e(view, 0, 2, cfg, gossip::make_switch_transport(cfg, 0, 2));
+      // The refusal comes back at the first send; the next step rethrows it.
+      CHECK_THROWS_WITH_AS(
+          for (int s = 0; s < 100; ++s) {
+            e.step();
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          },
+          doctest::Contains(c.expected), gossip::config_error);
+    });
+    // Long before the transport's 20 s timeout.
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  }
 }
 
 TEST_CASE("switch transport refuses a config that does not pair with it") {

@@ -144,6 +144,10 @@ std::pair<packet_header, std::vector<float>> check_reply(const bytes& f, const e
   CHECK(get16(udp + 6) == 0);  // no UDP checksum
   packet_header h;
   std::memcpy(&h, udp + 8, sizeof h);
+  if (h.type == packet_type::refused) {  // header only; `elements` is the group's chunk size
+    REQUIRE(f.size() == 42 + sizeof h);
+    return {h, {}};
+  }
   REQUIRE(f.size() == 42 + packet_bytes(h.elements));
   std::vector<float> v(h.elements);
   if (!v.empty()) std::memcpy(v.data(), udp + 8 + sizeof h, v.size() * sizeof(float));
@@ -191,7 +195,9 @@ TEST_CASE("gossip-switch's packet path on a net_ring port: ARP, replies, and eve
   REQUIRE(out.size() == 1);
   CHECK(check_reply(out[0], w1).second == std::vector<float>{5, 6});
 
-  // Every malformed frame is dropped, counted under its reason, and answered never.
+  // Every malformed frame is dropped and counted under its reason. A packet at
+  // odds with its group (refusable()) is answered with a refusal to the
+  // address it came from, naming the reason; any other is answered never.
   const auto good = udp_frame(w0, packet({.type = packet_type::async_delta, .group = 2, .worker = 0, .chunk = 1, .sequence = 1, .session = 10}, {1, 1}));
   struct bad_case {
     const char* what;
@@ -229,20 +235,32 @@ TEST_CASE("gossip-switch's packet path on a net_ring port: ARP, replies, and eve
   });
   edit("unknown group", drop_reason::unknown_group, [](bytes& f) { f[42 + 8] = 77; });
   edit("worker outside the group", drop_reason::bad_worker, [](bytes& f) { f[42 + 10] = 5; });
+  std::size_t refusals = 0;
   for (const auto& c : cases) {
     CAPTURE(c.what);
     const auto before = rs.drops(c.why);
     const auto total = rs.sw.agg().stats().dropped();
-    CHECK(rs.exchange({c.frame}).empty());
+    const auto answers = rs.exchange({c.frame});
+    if (refusable(c.why)) {
+      ++refusals;
+      REQUIRE(answers.size() == 1);
+      const auto [h, v] = check_reply(answers[0], w0);
+      CHECK(h.type == packet_type::refused);
+      CHECK(h.flags == static_cast<std::uint8_t>(c.why));
+      CHECK((h.worker == (c.frame[42 + 10] | c.frame[42 + 11] << 8) && h.session == 10));
+    } else {
+      CHECK(answers.empty());
+    }
     CHECK(rs.drops(c.why) == before + 1);
     CHECK(rs.sw.agg().stats().dropped() == total + 1);
   }
+  CHECK(refusals == 3);  // bad_length, unknown_group, bad_worker
 
   // All of them at once, then a valid frame: still served.
   std::vector<bytes> burst;
   for (const auto& c : cases) burst.push_back(c.frame);
   const auto total = rs.sw.agg().stats().dropped();
-  CHECK(rs.exchange(burst).empty());
+  CHECK(rs.exchange(burst).size() == refusals);
   CHECK(rs.sw.agg().stats().dropped() == total + cases.size());
   out = rs.exchange({good});
   REQUIRE(out.size() == 1);
@@ -252,7 +270,7 @@ TEST_CASE("gossip-switch's packet path on a net_ring port: ARP, replies, and eve
   REQUIRE(r.ports.size() == 1);
   CHECK(r.arp_replies == 1);
   CHECK(r.ports[0].rx_packets == 2 + 2 + 1 + 2 * cases.size() + 1);
-  CHECK(r.ports[0].tx_packets == 1 + 2 + 1 + 1);
+  CHECK(r.ports[0].tx_packets == 1 + 2 + 1 + 2 * refusals + 1);
 }
 
 int main(int argc, char** argv) {

@@ -6,8 +6,10 @@ version, type, group, worker, element count, slot, chunk, mode, sequence,
 session, slot conflict) must be dropped and counted under its own reason, with
 the well-formed traffic around it still aggregated exactly: sync results are
 the exact sums, duplicates get the stored result again, async replies are the
-exact averages. The switch's --stats-json (written on SIGUSR1) must list
-exactly the expected drops.
+exact averages. A packet at odds with its group's configuration is answered
+with one `refused` header to its sender, naming the reason and the group as
+the switch has it; no other drop is answered. The switch's --stats-json
+(written on SIGUSR1) must list exactly the expected drops.
 
 Usage: test_switch_udp_crafted.py PATH/TO/gossip-switch-udp
 """
@@ -22,7 +24,10 @@ import tempfile
 import time
 
 MAGIC, VERSION = 0x31575347, 2
-SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN = 1, 2, 3, 4, 5, 6
+SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN, REFUSED = 1, 2, 3, 4, 5, 6, 7
+# drop_reason codes (packet.hpp) of the drops the switch answers with REFUSED
+REFUSABLE = {"unknown_group": 5, "bad_worker": 6, "bad_elements": 7, "bad_length": 8, "bad_chunk": 9, "bad_slot": 10,
+             "wrong_mode": 11}
 HDR = struct.Struct("<IBBBBHHHHIIII")
 
 
@@ -36,8 +41,9 @@ def packet(type_, group, worker, values=(), slot=0, chunk=0, flags=0, sequence=0
 def parse(data):
     f = HDR.unpack_from(data)
     n = f[8]
-    return {"type": f[2], "group": f[5], "worker": f[6], "chunk": f[9], "count": f[10], "session": f[12],
-            "values": list(struct.unpack_from("<%df" % n, data, HDR.size))}
+    return {"type": f[2], "flags": f[3], "reserved": f[4], "group": f[5], "worker": f[6], "slot": f[7], "elements": n,
+            "chunk": f[9], "count": f[10], "sequence": f[11], "session": f[12], "length": len(data),
+            "values": list(struct.unpack_from("<%df" % n, data, HDR.size)) if f[2] != REFUSED else []}
 
 
 def free_port():
@@ -78,12 +84,24 @@ def main():
             s.settimeout(5)
         expected = {}
 
-        def drop(reason, data, sender=0):
-            w[sender].sendto(data, addr)
-            expected[reason] = expected.get(reason, 0) + 1
-
         def reply(sender):
             return parse(w[sender].recvfrom(4096)[0])
+
+        # The switch's view of each group, as a refusal carries it: mode, members, chunk, slots, model size.
+        groups = {1: (1, 2, 4, 2, 0), 2: (2, 2, 4, 0, 6)}
+
+        def drop(reason, data, sender=0, refused=True):
+            w[sender].sendto(data, addr)
+            expected[reason] = expected.get(reason, 0) + 1
+            if reason not in REFUSABLE or not refused:
+                return
+            sent = HDR.unpack_from(data)
+            r = reply(sender)
+            view = groups.get(sent[5], (0, 0, 0, 0, 0))
+            check(r["type"] == REFUSED and r["length"] == HDR.size and r["flags"] == REFUSABLE[reason] and
+                  (r["group"], r["worker"], r["chunk"], r["session"]) == (sent[5], sent[6], sent[9], sent[12]) and
+                  (r["reserved"], r["count"], r["elements"], r["slot"], r["sequence"]) == view,
+                  "%s is refused to its sender with the reason, its fields and the group's view (got %s)" % (reason, r))
 
         def quiet(sender):  # nothing more for this worker
             w[sender].settimeout(0.3)
@@ -109,7 +127,7 @@ def main():
         drop("bad_worker", packet(SYNC, 1, 2, a, session=7))
         drop("bad_length", packet(SYNC, 1, 1, a, session=8)[:-4])  # truncated: header says 4 values, 3 follow
         drop("bad_length", packet(SYNC, 1, 1, a, session=8) + b"\0\0\0\0")  # oversized by one value
-        drop("bad_length", packet(SYNC, 1, 1, a, session=8) + bytes(2000))  # larger than any packet
+        drop("bad_length", packet(SYNC, 1, 1, a, session=8) + bytes(2000), refused=False)  # cut by the kernel: unread
         drop("bad_elements", packet(SYNC, 1, 1, a + [9.0], session=8))  # above the chunk size
         drop("bad_elements", packet(SYNC, 1, 1, [], session=8))
         drop("bad_slot", packet(SYNC, 1, 1, b, slot=1, chunk=0, session=8))  # slot != chunk % slots

@@ -257,6 +257,28 @@ class aggregator {
     return drop_reason::accepted;
   }
 
+  /// The `refused` answer to a packet `validate` dropped for `why` (its header
+  /// as validate read it), or false when that drop is not answered (see
+  /// refusable() in packet.hpp). The caller sends it to the packet's source.
+  bool refusal(const packet_header& dropped, drop_reason why, packet_header& out) const noexcept {
+    if (!refusable(why)) return false;
+    out = packet_header{};
+    out.type = packet_type::refused;
+    out.flags = static_cast<std::uint8_t>(why);
+    out.group = dropped.group;
+    out.worker = dropped.worker;
+    out.chunk = dropped.chunk;
+    out.session = dropped.session;
+    if (const group_config* g = config(dropped.group)) {
+      out.reserved = g->mode == group_mode::sync ? 1 : 2;
+      out.count = g->members;
+      out.elements = g->chunk;
+      out.slot = g->mode == group_mode::sync ? g->slots : 0;  // async groups have no slots
+      out.sequence = static_cast<std::uint32_t>(std::min<std::uint64_t>(g->elements, 0xffffffffull));
+    }
+    return true;
+  }
+
   /// Handles one datagram; `emit(worker, reply)` is called for every reply.
   /// Returns why it was dropped, or accepted (also for answered duplicates).
   template <class Emit>

@@ -39,6 +39,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -200,6 +201,7 @@ class client {
           ++m_counters.packets_received;
           m_counters.bytes_received += static_cast<std::uint64_t>(len);
           packet_header r;
+          check_refusal(buf.data(), static_cast<std::size_t>(len), "async", 0);
           if (read_header(buf.data(), static_cast<std::size_t>(len), r) && r.magic == packet_header::magic_value &&
               r.version == packet_header::version_value && r.type == packet_type::async_reply && r.elements == 0 &&
               static_cast<std::size_t>(len) == sizeof r && r.session == m_session && r.worker == m_cfg.worker && r.group == m_cfg.group)
@@ -240,6 +242,46 @@ class client {
   void close() noexcept {
     if (m_fd >= 0) ::close(m_fd);
     m_fd = -1;
+  }
+
+  // Throws config_error when the datagram is the switch's refusal of one of
+  // this session's packets (packet.hpp): the switch and this worker disagree
+  // on the group, and every retransmission would be dropped as well. `mode`
+  // and `elements` (0: a leave) describe what this worker sent.
+  void check_refusal(const std::byte* p, std::size_t len, std::string_view mode, std::uint64_t elements) const {
+    packet_header r;
+    if (len != sizeof r || !read_header(p, len, r) || r.magic != packet_header::magic_value ||
+        r.version != packet_header::version_value || r.type != packet_type::refused || r.group != m_cfg.group ||
+        r.worker != m_cfg.worker || r.session != m_session)
+      return;
+    const auto why = static_cast<drop_reason>(r.flags);
+    const std::string_view group_mode = r.reserved == 1 ? "sync" : "async";
+    const std::string group = fmt::format(
+        "its group {} is {}, with {} members, chunk {}{} and a model of {}", r.group, group_mode, r.count, r.elements,
+        r.reserved == 1 ? fmt::format(", {} slots", r.slot) : std::string(), r.sequence == 0 ? std::string("any size") : fmt::format("{} floats", r.sequence));
+    const std::string mine = fmt::format("this worker is worker {} of {}, {} mode, chunk {}, window {}{}", m_cfg.worker, m_cfg.members, mode,
+                                         m_cfg.chunk, m_cfg.window,
+                                         elements ? fmt::format(", a model of {} floats", elements) : std::string());
+    std::string what;
+    switch (why) {
+      case drop_reason::unknown_group:
+        what = fmt::format("it serves no group {}; start the switch with a --group id={},… for this run, or set the workers' group "
+                           "([transport] group) to one it serves", r.group, r.group);
+        break;
+      case drop_reason::bad_worker:
+        what = fmt::format("{}; {}: the group needs as many members as the run has ranks", group, mine);
+        break;
+      case drop_reason::wrong_mode:
+        what = fmt::format("{}; {}: set the switch group's mode and the workers' ([transport] mode) alike", group, mine);
+        break;
+      default:  // bad_elements, bad_length, bad_chunk, bad_slot
+        what = fmt::format("{}; {} (chunk {} refused): set the workers' chunk and window ([transport] chunk, window) to the group's "
+                           "chunk and slots, and the group's elements to the model's size",
+                           group, mine, r.chunk);
+        break;
+    }
+    throw config_error(fmt::format("switch at {}:{} refused the packets of worker {} (group {}; {}): {}", m_cfg.address, m_cfg.port,
+                                   m_cfg.worker, m_cfg.group, to_string(why), what));
   }
 
   // One operation over every chunk; true when the switch answered
@@ -350,6 +392,7 @@ class client {
           ++m_counters.packets_received;
           m_counters.bytes_received += len;
           packet_header h;
+          check_refusal(p, len, sync ? "sync" : "async", n);
           const auto want = sync ? packet_type::sync_result : packet_type::async_reply;
           if (!sync && read_header(p, len, h) && h.magic == packet_header::magic_value && h.version == packet_header::version_value &&
               h.type == packet_type::async_rejoin) {

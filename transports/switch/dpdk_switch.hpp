@@ -242,15 +242,18 @@ class dpdk_switch {
     const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(udp + 8), udp_len - 8);
 
     packet_header h;
-    if (m_agg.validate(payload, h) == drop_reason::accepted) {
-      auto& mb = m_members[group_index(h.group)][h.worker];
-      mb.known = true;
-      mb.port_index = static_cast<std::uint16_t>(&p - m_ports.data());
-      std::memcpy(&mb.mac, f + 6, 6);
-      mb.ip = src;
-      std::memcpy(&mb.udp_port, udp, 2);
-    }
-    m_agg.handle(payload, [&](std::uint16_t w, std::span<const std::byte> reply) { send_reply(h.group, w, reply); });
+    member source{.known = true, .port_index = static_cast<std::uint16_t>(&p - m_ports.data()), .ip = src};
+    std::memcpy(&source.mac, f + 6, 6);
+    std::memcpy(&source.udp_port, udp, 2);
+    if (m_agg.validate(payload, h) == drop_reason::accepted) m_members[group_index(h.group)][h.worker] = source;
+    const drop_reason why = m_agg.handle(payload, [&](std::uint16_t w, std::span<const std::byte> reply) {
+      const auto& mb = m_members[group_index(h.group)][w];
+      if (!mb.known) return drop(drop_reason::no_route);
+      send_to(mb, reply);
+    });
+    // A packet at odds with its group's configuration is answered where it
+    // came from, so that its worker stops with the reason.
+    if (packet_header r; m_agg.refusal(h, why, r)) send_to(source, std::as_bytes(std::span(&r, 1)));
   }
 
   void handle_arp(port_state& p, const std::uint8_t* f, std::size_t len) {
@@ -286,9 +289,7 @@ class dpdk_switch {
     return 0;  // only called for validated packets
   }
 
-  void send_reply(std::uint16_t group, std::uint16_t worker, std::span<const std::byte> reply) {
-    const auto& mb = m_members[group_index(group)][worker];
-    if (!mb.known) return drop(drop_reason::no_route);
+  void send_to(const member& mb, std::span<const std::byte> reply) {
     if (m_drop_tx.drop()) return drop(drop_reason::injected);
     auto& p = m_ports[mb.port_index];
     rte_mbuf* r = rte_pktmbuf_alloc(m_pool);

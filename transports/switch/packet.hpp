@@ -7,8 +7,8 @@
 ///     offset  size  field
 ///          0     4  magic      "GSW1" (0x31575347)
 ///          4     1  version    2
-///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin
-///          6     1  flags      bit 0: shadow set of the slot (sync)
+///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin | refused
+///          6     1  flags      bit 0: shadow set of the slot (sync); refused: the drop_reason
 ///          7     1  reserved   0
 ///          8     2  group      aggregation group id (configured on the switch)
 ///         10     2  worker     member id within the group, 0..members-1
@@ -28,6 +28,19 @@
 /// joins as a new session, sending everything it had sent so far (the switch
 /// transport survives a switch restart this way).
 /// Sequence numbers are 32 bits: 2^32 deltas per chunk and session.
+///
+/// A packet the switch drops because it disagrees with the group's
+/// configuration (no such group, a worker id past the members, the other mode,
+/// a chunk, slot or length the group does not have; see refusable()) is
+/// answered with `refused`, header only, to the address it came from. It
+/// echoes the dropped packet's group, worker, chunk and session, carries the
+/// drop_reason in `flags` and, when the group exists, the switch's view of it:
+/// `reserved` = mode (1 sync, 2 async; 0: no such group), `count` = members,
+/// `elements` = chunk size, `slot` = slots (sync; 0 async), `sequence` = model size in floats
+/// (0: any; saturated at 2^32 − 1). The client stops at once with an error
+/// that says what differs, instead of retransmitting until its timeout. A
+/// refusal is never larger than what it answers, and a refusal sent to a
+/// switch is dropped there as bad_type, never answered.
 ///
 ///     gossip::sw::packet_header h{.type = gossip::sw::packet_type::sync_contribution, .group = 1, .worker = 0};
 ///     const std::size_t bytes = gossip::sw::packet_bytes(h.elements);
@@ -57,6 +70,7 @@ enum class packet_type : std::uint8_t {
   async_reply = 4,
   async_leave = 5,  ///< header only: remove my contribution from S; answered by an async_reply of 0 elements
   async_rejoin = 6, ///< switch to worker, header only: "I hold no session of yours" (an answer to a delta, echoing its fields)
+  refused = 7,      ///< switch to worker, header only: a packet dropped as inconsistent with the group (see above)
 };
 
 struct packet_header {
@@ -119,6 +133,23 @@ inline constexpr std::string_view to_string(drop_reason r) noexcept {
       "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session"};
   const auto i = static_cast<std::size_t>(r);
   return i < names.size() ? names[i] : "?";
+}
+
+/// The drops a switch answers with `refused`: the packet and the group's
+/// configuration disagree, so every retransmission would be dropped too.
+inline constexpr bool refusable(drop_reason r) noexcept {
+  switch (r) {
+    case drop_reason::unknown_group:
+    case drop_reason::bad_worker:
+    case drop_reason::bad_elements:
+    case drop_reason::bad_length:
+    case drop_reason::bad_chunk:
+    case drop_reason::bad_slot:
+    case drop_reason::wrong_mode:
+      return true;
+    default:
+      return false;
+  }
 }
 
 /// Reads the header of a datagram of `len` bytes; false if it is too short.

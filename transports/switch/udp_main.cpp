@@ -129,6 +129,24 @@ int main(int argc, char** argv) {
     pending = 0;
   };
 
+  auto send = [&](std::span<const std::byte> reply, const sockaddr_in& dest) {
+    if (drop_tx.drop()) {
+      agg.count_drop(drop_reason::injected);
+      return;
+    }
+    if (pending == tx_batch) flush();
+    std::byte* q = txbuf.data() + pending * max_packet_bytes;
+    std::memcpy(q, reply.data(), reply.size());
+    tiovs[pending] = {q, reply.size()};
+    to[pending] = dest;
+    tmsgs[pending].msg_hdr = msghdr{};
+    tmsgs[pending].msg_hdr.msg_iov = &tiovs[pending];
+    tmsgs[pending].msg_hdr.msg_iovlen = 1;
+    tmsgs[pending].msg_hdr.msg_name = &to[pending];
+    tmsgs[pending].msg_hdr.msg_namelen = sizeof(sockaddr_in);
+    ++pending;
+  };
+
   const auto start = std::chrono::steady_clock::now();
   fmt::print(stderr, "gossip-switch-udp: serving {} group(s) on {}:{}{}\n", groups.size(), bind, port,
              drop > 0 ? fmt::format(", dropping {:.1f} % of packets", 100 * drop) : "");
@@ -174,28 +192,17 @@ int main(int argc, char** argv) {
         members[static_cast<std::size_t>(gi)][h.worker] = from[static_cast<std::size_t>(i)];
         known[static_cast<std::size_t>(gi)][h.worker] = 1;
       }
-      agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> reply) {
+      const drop_reason why = agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> reply) {
         const int gi = group_index(h.group);
         if (!known[static_cast<std::size_t>(gi)][w]) {
           agg.count_drop(drop_reason::no_route);  // the member's address was never seen; it will retransmit
           return;
         }
-        if (drop_tx.drop()) {
-          agg.count_drop(drop_reason::injected);
-          return;
-        }
-        if (pending == tx_batch) flush();
-        std::byte* q = txbuf.data() + pending * max_packet_bytes;
-        std::memcpy(q, reply.data(), reply.size());
-        tiovs[pending] = {q, reply.size()};
-        to[pending] = members[static_cast<std::size_t>(gi)][w];
-        tmsgs[pending].msg_hdr = msghdr{};
-        tmsgs[pending].msg_hdr.msg_iov = &tiovs[pending];
-        tmsgs[pending].msg_hdr.msg_iovlen = 1;
-        tmsgs[pending].msg_hdr.msg_name = &to[pending];
-        tmsgs[pending].msg_hdr.msg_namelen = sizeof(sockaddr_in);
-        ++pending;
+        send(reply, members[static_cast<std::size_t>(gi)][w]);
       });
+      // A packet at odds with its group's configuration is answered where it
+      // came from, so that its worker stops with the reason.
+      if (packet_header r; agg.refusal(h, why, r)) send(std::as_bytes(std::span(&r, 1)), from[static_cast<std::size_t>(i)]);
     }
     flush();
   }
