@@ -13,6 +13,7 @@
 #include <barrier>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <thread>
 
 #include "gossip/gossip.hpp"
@@ -406,6 +407,34 @@ TEST_CASE("a switch whose group disagrees with the workers refuses their packets
     // Long before the transport's 20 s timeout.
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
   }
+}
+
+TEST_CASE("a sync all-reduce that a member never joins times out naming the chunk and what the worker sent and heard") {
+  udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
+  auto cfg = switch_config("periodic", agg.port());
+  cfg.apply_override("transport.timeout_s=0.5");
+  gossip::test::run_ranks(1, [&](int) {
+    std::vector<float> x(1000, 1.0f);
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, 0, 2, cfg, gossip::make_switch_transport(cfg, 0, 2));
+    std::string what;
+    try {
+      for (int s = 0; s < 300; ++s) {
+        e.step();
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (const gossip::timeout_error& err) {
+      what = err.what();
+    }
+    CAPTURE(what);
+    CHECK(what.find("(group 1, worker 0 of 2, sync mode): chunk 0 of 16 unanswered (") != std::string::npos);
+    std::smatch m;
+    REQUIRE(std::regex_search(what, m, std::regex(R"(\((\d+) packets sent, (\d+) of them retransmissions; 0 received, 0 of them stale and 0 malformed\))")));
+    CHECK(std::stoi(m[2]) > 0);
+    CHECK(std::stoi(m[1]) == 16 + std::stoi(m[2]));  // the window once, then retransmissions
+  });
+  CHECK(agg.stats().accepted() > 16);  // the retransmissions reached it
 }
 
 TEST_CASE("switch transport refuses a config that does not pair with it") {

@@ -449,9 +449,11 @@ class client {
         for (const auto& f : m_flight)
           if (f.active) waiting = std::min<std::uint64_t>(waiting, f.chunk);
         throw timeout_error(fmt::format(
-            "timed out after {:.1f} s waiting for the switch at {}:{} (group {}, worker {} of {}, {} mode): chunk {} of {} unanswered; "
-            "is gossip-switch running with this group and all {} members?",
+            "timed out after {:.1f} s waiting for the switch at {}:{} (group {}, worker {} of {}, {} mode): chunk {} of {} unanswered "
+            "({} packets sent, {} of them retransmissions; {} received, {} of them stale and {} malformed); is gossip-switch running with "
+            "this group and all {} members? (its --stats-json counts what it dropped, by reason)",
             m_cfg.timeout_s, m_cfg.address, m_cfg.port, m_cfg.group, m_cfg.worker, m_cfg.members, sync ? "sync" : "async", waiting, chunks,
+            m_counters.packets_sent, m_counters.retransmits, m_counters.packets_received, m_counters.stale, m_counters.malformed,
             m_cfg.members));
       }
       for (std::size_t s = 0; s < m_flight.size(); ++s) {
