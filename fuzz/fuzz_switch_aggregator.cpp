@@ -2,7 +2,8 @@
 // the code that runs inside gossip-switch and gossip-switch-udp.
 //
 // Input: a sequence of datagrams, each a little-endian 16-bit length and that
-// many bytes (a length past the end takes what is left). The groups are fixed:
+// many bytes (a length past the end takes what is left), one second apart
+// (the async group evicts a member silent for 8). The groups are fixed:
 // a sync group of any model size, a sync group of a known size and an async
 // group, so valid headers (see the seed corpus) reach every handler.
 // Checked besides memory safety: every datagram is counted once, every reply
@@ -23,13 +24,14 @@ namespace sw = gossip::sw;
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   sw::aggregator agg({sw::group_config::parse("id=1,mode=sync,members=3,chunk=4,slots=2"),
                       sw::group_config::parse("id=2,mode=sync,members=2,chunk=8,slots=4,elements=20"),
-                      sw::group_config::parse("id=3,mode=async,members=3,chunk=4,elements=10")});
+                      sw::group_config::parse("id=3,mode=async,members=3,chunk=4,elements=10,idle_s=8")});
   std::uint64_t datagrams = 0;
   const auto* p = reinterpret_cast<const std::byte*>(data);
   while (size >= 2) {
     std::size_t len = static_cast<std::size_t>(data[0]) | static_cast<std::size_t>(data[1]) << 8;
     p += 2, data += 2, size -= 2;
     if (len > size) len = size;
+    agg.advance(static_cast<double>(datagrams));  // one second per datagram: members silent for 8 are evicted
     sw::packet_header in;
     const bool readable = agg.validate(std::span<const std::byte>(p, len), in) != sw::drop_reason::too_short;
     const auto why = agg.handle(std::span<const std::byte>(p, len), [&](std::uint16_t worker, std::span<const std::byte> reply) {

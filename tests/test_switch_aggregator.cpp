@@ -134,6 +134,9 @@ TEST_CASE("group_config parses and rejects with the key named") {
   CHECK(g.chunk == 128);
   CHECK(g.chunks() == 8);
   CHECK(g.chunk_length(7) == 1000 - 7 * 128);
+  CHECK(g.idle_s == 60);
+  CHECK(group_config::parse("id=3,mode=async,members=4,elements=10,idle_s=0").idle_s == 0);
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,idle_s=90000"), doctest::Contains("key 'idle_s' must be in 0..86400"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,mode=async,members=2"), doctest::Contains("elements"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=65"), doctest::Contains("members"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,chunk=400"), doctest::Contains("chunk"), std::invalid_argument);
@@ -343,6 +346,59 @@ TEST_CASE("async: a switch that holds no session of a member asks it to rejoin, 
   h.sequence = 2;
   CHECK(agg.handle(make_packet(h, std::vector<float>(4, 3.0f)), log.sink()) == drop_reason::stale_session);
   CHECK(log.all.empty());
+}
+
+TEST_CASE("async: a member silent past idle_s is evicted from S; its session is asked to rejoin, and S is exact again") {
+  aggregator agg({group_config{.id = 2, .mode = group_mode::async, .members = 2, .chunk = 4, .elements = 6, .idle_s = 10},
+                  group_config{.id = 3, .mode = group_mode::async, .members = 2, .chunk = 4, .elements = 4, .idle_s = 0}});
+  reply_log log;
+  auto delta = [&](std::uint16_t group, std::uint16_t worker, std::uint32_t session, std::uint32_t sequence, float value) {
+    drop_reason why = drop_reason::accepted;
+    for (std::uint32_t c = 0; c < (group == 2 ? 2u : 1u); ++c) {
+      const packet_header h{.type = packet_type::async_delta, .group = group, .worker = worker, .chunk = c, .sequence = sequence, .session = session};
+      const auto w = agg.handle(make_packet(h, std::vector<float>(c == 0 ? 4 : 2, value)), log.sink());
+      if (w != drop_reason::accepted) why = w;
+    }
+    return why;
+  };
+  agg.advance(1);
+  CHECK(delta(2, 0, 100, 1, 1.0f) == drop_reason::accepted);
+  CHECK(delta(2, 1, 200, 1, 2.0f) == drop_reason::accepted);
+  CHECK(delta(3, 0, 300, 1, 4.0f) == drop_reason::accepted);  // idle_s = 0: never evicted
+  agg.advance(9);
+  CHECK(delta(2, 0, 100, 2, 1.0f) == drop_reason::accepted);  // member 0 heard at 9, member 1 last at 1
+  agg.advance(11);
+  CHECK(agg.stats().evictions == 0);  // 10 s since member 1, not more
+  agg.advance(11.5);
+  CHECK(agg.stats().evictions == 1);
+  CHECK(agg.async_joined(2) == 1);
+  for (float v : agg.async_sum(2)) CHECK(v == 2.0f);  // member 0's part only
+  CHECK(agg.async_joined(3) == 1);
+  // Member 0's replies now average over itself alone.
+  log.all.clear();
+  CHECK(delta(2, 0, 100, 3, 0.0f) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 2);
+  CHECK(header_of(log.all[0].second).count == 1);
+  CHECK(values_of(log.all[0].second) == std::vector<float>(4, 2.0f));
+  // The evicted session's next delta is not applied; it is asked to rejoin.
+  log.all.clear();
+  CHECK(delta(2, 1, 200, 2, 7.0f) == drop_reason::evicted);
+  REQUIRE(log.all.size() == 2);
+  CHECK(header_of(log.all[0].second).type == packet_type::async_rejoin);
+  for (float v : agg.async_sum(2)) CHECK(v == 2.0f);
+  // It joins again as a new session with everything it had sent: S is exact.
+  CHECK(delta(2, 1, 201, 1, 9.0f) == drop_reason::accepted);
+  for (float v : agg.async_sum(2)) CHECK(v == 11.0f);
+  CHECK(agg.async_joined(2) == 2);
+  // A late packet of the evicted session is now stale.
+  log.all.clear();
+  CHECK(delta(2, 1, 200, 3, 1.0f) == drop_reason::stale_session);
+  CHECK(log.all.empty());
+  agg.advance(1000);  // both silent now, and the idle_s = 0 group keeps its member
+  CHECK(agg.async_joined(2) == 0);
+  for (float v : agg.async_sum(2)) CHECK(v == 0.0f);
+  CHECK(agg.async_joined(3) == 1);
+  CHECK(agg.stats().evictions == 3);
 }
 
 TEST_CASE("sync sessions: a restarted group is exact after a finished run and after a run cut off mid-all-reduce") {

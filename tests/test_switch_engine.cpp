@@ -89,6 +89,7 @@ class udp_aggregator {
       gossip::sw::packet_header h;
       const std::span<const std::byte> pkt(buf.data(), static_cast<std::size_t>(n));
       std::lock_guard lock(m_mutex);
+      m_agg.advance(std::chrono::duration<double>(std::chrono::steady_clock::now() - m_start).count());  // as gossip-switch-udp
       if (m_agg.validate(pkt, h) == gossip::sw::drop_reason::accepted) peers[std::uint32_t{h.group} << 16 | h.worker] = from;
       const auto why = m_agg.handle(pkt, [&](std::uint16_t w, std::span<const std::byte> r) {
         if (m_drop.drop()) return;
@@ -107,6 +108,7 @@ class udp_aggregator {
   int m_fd = -1;
   std::uint16_t m_port = 0;
   std::atomic<bool> m_stop{false};
+  std::chrono::steady_clock::time_point m_start = std::chrono::steady_clock::now();
   std::thread m_thread;
 };
 
@@ -280,6 +282,59 @@ TEST_CASE("async mode survives a switch restart: every member rejoins with what 
   CHECK(agg.live_drops(gossip::sw::drop_reason::unknown_session) >= world);
   for (int r = 0; r < world; ++r) CHECK(rejoins[static_cast<std::size_t>(r)] == 1);
   // The restarted switch's S is again the sum of what every member last sent.
+  CHECK(live.second == world);
+  for (std::size_t i = 0; i < n; ++i) {
+    double ref = 0;
+    for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
+    REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
+  }
+}
+
+TEST_CASE("async mode: a member silent past the group's idle_s is evicted, then rejoins with what it had sent; S is exact again") {
+  const int world = 2;
+  const std::size_t n = 300;
+  udp_aggregator agg(
+      {gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::async, .members = world, .chunk = 64, .elements = n, .idle_s = 1}});
+  auto cfg = switch_config("periodic", agg.port(), "async");
+  cfg.apply_override("transport.mode=\"async\"");
+  std::vector<std::vector<float>> hats(world);
+  std::vector<std::uint64_t> rejoins(world);
+  std::pair<std::vector<float>, int> during, live;
+  std::barrier sync(world);
+  gossip::test::run_ranks(world, [&](int r) {
+    std::vector<float> x(n);
+    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
+    auto step = [&] {
+      for (std::size_t i = 0; i < n; i += 7) x[i] += 0.25f * static_cast<float>(r + 1);
+      e.step();
+      e.flush();
+    };
+    for (int s = 0; s < 10; ++s) step();
+    sync.arrive_and_wait();
+    if (r == 0) {  // rank 1 is silent; rank 0 trains on until the switch has evicted it
+      const auto start = std::chrono::steady_clock::now();
+      while (agg.live_sum(1).second == world &&
+             std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+        step();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      during = agg.live_sum(1);
+    }
+    sync.arrive_and_wait();
+    for (int s = 0; s < 10; ++s) step();  // rank 1's first delta is answered async_rejoin
+    sync.arrive_and_wait();
+    if (r == 0) live = agg.live_sum(1);
+    sync.arrive_and_wait();
+    rejoins[static_cast<std::size_t>(r)] = e.stats().transport_rejoins;
+    hats[static_cast<std::size_t>(r)].assign(e.snapshot().begin(), e.snapshot().end());
+    e.finish(0);
+  });
+  CHECK(during.second == 1);  // rank 0 alone
+  CHECK(agg.live_drops(gossip::sw::drop_reason::evicted) >= 1);
+  CHECK(rejoins == std::vector<std::uint64_t>{0, 1});
   CHECK(live.second == world);
   for (std::size_t i = 0; i < n; ++i) {
     double ref = 0;

@@ -70,7 +70,8 @@ def main():
     port = free_port()
     sw = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--stats-json", stats,
                            "--group", "id=1,mode=sync,members=2,chunk=4,slots=2",
-                           "--group", "id=2,mode=async,members=2,chunk=4,elements=6"],
+                           "--group", "id=2,mode=async,members=2,chunk=4,elements=6",
+                           "--group", "id=3,mode=async,members=2,chunk=4,elements=4,idle_s=1"],
                           stderr=subprocess.PIPE, text=True)
     try:
         line = sw.stderr.readline()
@@ -179,6 +180,31 @@ def main():
         r = reply(1)
         check(r["values"] == d1 and r["count"] == 1, "after the leave S holds only the remaining member")
 
+        # Eviction: in group 3 (idle_s = 1) member 1 falls silent while member 0 goes on; after a second the
+        # switch takes member 1's part out, and asks its session to rejoin at its next delta.
+        e0, e1 = [1.0, 2.0, 3.0, 4.0], [3.0, 2.0, 1.0, 0.0]
+        w[0].sendto(packet(DELTA, 3, 0, e0, sequence=1, session=300), addr)
+        reply(0)
+        w[1].sendto(packet(DELTA, 3, 1, e1, sequence=1, session=301), addr)
+        check(reply(1)["values"] == [2.0] * 4, "group 3: the average of both members")
+        seq, r, start = 1, None, time.time()
+        while time.time() - start < 8:
+            time.sleep(0.1)
+            seq += 1
+            w[0].sendto(packet(DELTA, 3, 0, [0.0] * 4, sequence=seq, session=300), addr)
+            r = reply(0)
+            if r["count"] == 1:
+                break
+        evicted_after = time.time() - start
+        check(r["count"] == 1 and r["values"] == e0 and 0.9 < evicted_after < 5,
+              "member 1 silent for idle_s is evicted after %.1f s: member 0 gets its own part back (%s)" % (evicted_after, r))
+        drop("evicted", packet(DELTA, 3, 1, [0.0] * 4, sequence=2, session=301), sender=1)
+        r = reply(1)
+        check(r["type"] == REJOIN and r["session"] == 301 and quiet(1), "the evicted session's next delta is answered async_rejoin")
+        w[1].sendto(packet(DELTA, 3, 1, e1, sequence=1, session=302), addr)
+        r = reply(1)
+        check(r["values"] == [2.0] * 4 and r["count"] == 2, "rejoined with everything it had sent: the average is exact again")
+
         os.kill(sw.pid, signal.SIGUSR1)
         deadline = time.time() + 10
         while time.time() < deadline and not os.path.exists(stats):
@@ -187,10 +213,11 @@ def main():
         s = json.load(open(stats))
         got = {k: v for k, v in s["drops"].items() if v}
         check(got == expected, "drops by reason: got %s, expected %s" % (sorted(got.items()), sorted(expected.items())))
-        check(s["accepted"] == 10, "accepted %d packets, expected 10" % s["accepted"])
-        check(s["deltas_applied"] == 3 and s["aggregations_completed"] == 2 and s["results_resent"] == 1,
-              "deltas_applied %d (3), aggregations_completed %d (2), results_resent %d (1)" %
-              (s["deltas_applied"], s["aggregations_completed"], s["results_resent"]))
+        check(s["accepted"] == 10 + seq + 2, "accepted %d packets, expected %d" % (s["accepted"], 10 + seq + 2))
+        check(s["deltas_applied"] == 3 + seq + 2 and s["aggregations_completed"] == 2 and s["results_resent"] == 1,
+              "deltas_applied %d (%d), aggregations_completed %d (2), results_resent %d (1)" %
+              (s["deltas_applied"], 3 + seq + 2, s["aggregations_completed"], s["results_resent"]))
+        check(s["evictions"] == 1 and s["groups"][2]["idle_s"] == 1, "evictions %d (1), group 3's idle_s in the report" % s["evictions"])
     finally:
         sw.send_signal(signal.SIGTERM)
         try:

@@ -48,12 +48,19 @@
 ///    the member was joined): it is not applied (unknown_session) and answered
 ///    with async_rejoin, so that the member joins again as a new session whose
 ///    first delta is everything it had sent (see client.hpp).
+///  - async: a member silent for longer than the group's idle_s (advance()
+///    tells the aggregator the time) is evicted: its part is taken out of S as
+///    by a leave, so the average is over the members still training. A later
+///    delta of the evicted session is not applied (evicted) and is answered
+///    with async_rejoin, as after a restart: a member that was only slow joins
+///    again with everything it had sent, one model's worth of packets.
 ///  - sync: the first contribution of a new session clears the member's bit
 ///    in every completed set and discards every set still in progress that
 ///    holds its contribution (that all-reduce can no longer complete).
 /// So each delta is applied exactly once within its session, and S is always
 /// the sum of the last-sent models of the members currently joined. Members
-/// that died without leaving stay in S until their id rejoins.
+/// that died without leaving stay in S until their id rejoins or idle_s
+/// passes.
 ///
 /// Not thread-safe: one polling thread owns an aggregator.
 #include <algorithm>
@@ -83,6 +90,7 @@ struct group_config {
   std::uint16_t chunk = default_chunk;    ///< float32 values per packet, 1..max_chunk
   std::uint16_t slots = 128;              ///< sync: slots per set (the pool holds 2·slots)
   std::uint64_t elements = 0;             ///< async: model size (required); sync: 0 = any
+  std::uint32_t idle_s = 60;              ///< async: evict a member silent this long (s); 0: never
 
   std::uint64_t chunks() const noexcept { return (elements + chunk - 1) / chunk; }
   /// Exact length of `c` when the model size is known, else the chunk size.
@@ -123,6 +131,7 @@ struct group_config {
       else if (key == "chunk") g.chunk = static_cast<std::uint16_t>(number(1, max_chunk));
       else if (key == "slots") g.slots = static_cast<std::uint16_t>(number(1, 4096));
       else if (key == "elements") g.elements = number(0, std::uint64_t{1} << 32);
+      else if (key == "idle_s") g.idle_s = static_cast<std::uint32_t>(number(0, 86400));
       else if (key == "mode") {
         if (value == "sync") g.mode = group_mode::sync;
         else if (value == "async") g.mode = group_mode::async;
@@ -144,6 +153,7 @@ struct aggregator_stats {
   std::uint64_t retransmissions_seen = 0;    ///< contributions or deltas seen before (sync and async)
   std::uint64_t deltas_applied = 0;          ///< async
   std::uint64_t replies = 0;                 ///< reply datagrams emitted
+  std::uint64_t evictions = 0;               ///< async: members evicted after idle_s of silence
 
   std::uint64_t dropped() const noexcept {
     std::uint64_t n = 0;
@@ -279,6 +289,23 @@ class aggregator {
     return true;
   }
 
+  /// Tells the aggregator the time (seconds, from any fixed origin, never
+  /// decreasing) and evicts every async member silent for longer than its
+  /// group's idle_s. The switches call it between bursts; cheap (a pass over
+  /// the members).
+  void advance(double now_s) noexcept {
+    m_now = now_s;
+    for (auto& g : m_groups) {
+      if (g->cfg.mode != group_mode::async || g->cfg.idle_s == 0) continue;
+      for (std::uint16_t w = 0; w < g->cfg.members; ++w)
+        if (auto& m = g->sessions[w]; m.state == member_session::joined && now_s - m.last_seen > g->cfg.idle_s) {
+          remove_member(*g, w);
+          m.state = member_session::evicted;
+          ++m_stats.evictions;
+        }
+    }
+  }
+
   /// Handles one datagram; `emit(worker, reply)` is called for every reply.
   /// Returns why it was dropped, or accepted (also for answered duplicates).
   template <class Emit>
@@ -307,9 +334,10 @@ class aggregator {
     std::uint64_t sequence = 0;
   };
   struct member_session {
-    enum state_t : std::uint8_t { none, joined, left };
+    enum state_t : std::uint8_t { none, joined, left, evicted };
     std::uint32_t id = 0;
     state_t state = none;
+    double last_seen = 0;  // advance() time of its last applied or repeated delta
     bool current(std::uint32_t session) const noexcept { return state == joined && id == session; }
   };
   struct group_state {
@@ -394,18 +422,21 @@ class aggregator {
   template <class Emit>
   drop_reason handle_async(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
     const auto& c = g.cfg;
-    if (auto& m = g.sessions[h.worker]; !m.current(h.session)) {
-      if (h.sequence != 1 && m.state == member_session::none) {
+    auto& m = g.sessions[h.worker];
+    if (!m.current(h.session)) {
+      const bool evicted = m.state == member_session::evicted && m.id == h.session;
+      if (evicted || (h.sequence != 1 && m.state == member_session::none)) {
         packet_header out = h;
         out.type = packet_type::async_rejoin;
         out.count = async_joined(c.id);
         reply(out, nullptr, 0, h.worker, emit);
-        return drop_reason::unknown_session;
+        return evicted ? drop_reason::evicted : drop_reason::unknown_session;
       }
       if (h.sequence != 1 || (m.state == member_session::left && m.id == h.session)) return drop_reason::stale_session;
       remove_member(g, h.worker);
       m = {h.session, member_session::joined};
     }
+    m.last_seen = m_now;
     auto& next = g.next_seq[static_cast<std::size_t>(h.worker) * c.chunks() + h.chunk];
     if (h.sequence > next) return drop_reason::sequence_gap;
     const std::size_t offset = static_cast<std::size_t>(h.chunk) * c.chunk;
@@ -471,6 +502,7 @@ class aggregator {
 
   std::vector<std::unique_ptr<group_state>> m_groups;
   aggregator_stats m_stats;
+  double m_now = 0;  // advance()'s time
   alignas(64) std::array<std::byte, max_packet_bytes> m_reply{};
 };
 

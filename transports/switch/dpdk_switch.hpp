@@ -188,6 +188,8 @@ class dpdk_switch {
     return r;
   }
   const aggregator& agg() const noexcept { return m_agg; }
+  /// The time for idle members' eviction (aggregator::advance); from the polling thread.
+  void advance(double now_s) noexcept { m_agg.advance(now_s); }
   std::size_t ports() const noexcept { return m_ports.size(); }
   rte_mempool* pool() const noexcept { return m_pool; }
 

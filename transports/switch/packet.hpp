@@ -122,6 +122,7 @@ enum class drop_reason : std::uint8_t {
   no_route,       ///< switch only: reply to a worker whose address was never seen
   tx_full,        ///< switch only: transmit queue full, reply freed
   unknown_session,///< async delta (sequence > 1) of a member this switch holds no session for — it restarted: answered with async_rejoin
+  evicted,        ///< async delta of a session evicted after the group's idle_s of silence: answered with async_rejoin
   count_
 };
 inline constexpr std::size_t drop_reason_count = static_cast<std::size_t>(drop_reason::count_);
@@ -130,7 +131,7 @@ inline constexpr std::string_view to_string(drop_reason r) noexcept {
   constexpr std::array<std::string_view, drop_reason_count> names = {
       "accepted",   "too_short",    "bad_magic",     "bad_version", "bad_type",   "unknown_group", "bad_worker",   "bad_elements",
       "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "stale_session", "injected", "not_ipv4",
-      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session"};
+      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session", "evicted"};
   const auto i = static_cast<std::size_t>(r);
   return i < names.size() ? names[i] : "?";
 }

@@ -33,8 +33,8 @@ struct switch_report {
     std::string s = fmt::format("{{\n  \"program\": \"{}\",\n  \"seconds\": {:.3f},\n  \"groups\": [", program, seconds);
     for (std::size_t i = 0; i < groups.size(); ++i) {
       const auto& g = groups[i];
-      s += fmt::format("{}{{\"id\": {}, \"mode\": \"{}\", \"members\": {}, \"chunk\": {}, \"slots\": {}, \"elements\": {}}}", i ? ", " : "", g.id,
-                       to_string(g.mode), g.members, g.chunk, g.slots, g.elements);
+      s += fmt::format("{}{{\"id\": {}, \"mode\": \"{}\", \"members\": {}, \"chunk\": {}, \"slots\": {}, \"elements\": {}, \"idle_s\": {}}}", i ? ", " : "",
+                       g.id, to_string(g.mode), g.members, g.chunk, g.slots, g.elements, g.idle_s);
     }
     s += "],\n  \"ports\": [";
     for (std::size_t i = 0; i < ports.size(); ++i) {
@@ -50,9 +50,9 @@ struct switch_report {
       first = false;
     }
     s += fmt::format("}},\n  \"dropped\": {},\n  \"accepted\": {},\n  \"aggregations_completed\": {},\n  \"results_resent\": {},\n"
-                     "  \"retransmissions_seen\": {},\n  \"deltas_applied\": {},\n  \"replies\": {},\n  \"arp_replies\": {}\n}}\n",
+                     "  \"retransmissions_seen\": {},\n  \"deltas_applied\": {},\n  \"replies\": {},\n  \"evictions\": {},\n  \"arp_replies\": {}\n}}\n",
                      agg.dropped(), agg.accepted(), agg.aggregations_completed, agg.results_resent, agg.retransmissions_seen,
-                     agg.deltas_applied, agg.replies, arp_replies);
+                     agg.deltas_applied, agg.replies, agg.evictions, arp_replies);
     return s;
   }
 
@@ -63,8 +63,10 @@ struct switch_report {
     for (const auto& p : ports)
       s += fmt::format("  {:<16} {:>12} {:>12} {:>14} {:>14} {:>10} {:>10}\n", p.name, p.rx_packets, p.tx_packets, p.rx_bytes, p.tx_bytes,
                        p.rx_missed, p.tx_failed);
-    s += fmt::format("  accepted {}  aggregations completed {}  deltas applied {}  retransmissions seen {}  results resent {}  replies {}\n",
-                     agg.accepted(), agg.aggregations_completed, agg.deltas_applied, agg.retransmissions_seen, agg.results_resent, agg.replies);
+    s += fmt::format("  accepted {}  aggregations completed {}  deltas applied {}  retransmissions seen {}  results resent {}  replies {}  "
+                     "evictions {}\n",
+                     agg.accepted(), agg.aggregations_completed, agg.deltas_applied, agg.retransmissions_seen, agg.results_resent, agg.replies,
+                     agg.evictions);
     s += fmt::format("  dropped {}", agg.dropped());
     for (std::size_t i = 1; i < drop_reason_count; ++i)
       if (agg.drops[i]) s += fmt::format("  {} {}", to_string(static_cast<drop_reason>(i)), agg.drops[i]);

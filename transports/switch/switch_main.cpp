@@ -46,7 +46,9 @@ int poll_loop(void* arg) {
   std::uint64_t iterations = 0;
   while (!signals::stop.load(std::memory_order_relaxed)) {
     a.sw->poll();
-    if ((++iterations & 0xffff) == 0) {
+    if ((++iterations & 0xfff) == 0)  // evicts async members silent past their group's idle_s
+      a.sw->advance(std::chrono::duration<double>(std::chrono::steady_clock::now() - a.start).count());
+    if ((iterations & 0xffff) == 0) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a.start).count();
       if (signals::dump.exchange(false)) a.sw->report(s).write_json(a.stats_path);
       if (a.duration > 0 && s > a.duration) signals::stop = true;
@@ -76,7 +78,7 @@ int main(int argc, char** argv) {
   double duration = 0, link_wait = 5;
   app.add_option("--ip", cfg.ip, "the switch's IPv4 address (answered in ARP; requests must be sent to it)");
   app.add_option("--udp-port", cfg.udp_port, "UDP port of the protocol");
-  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E]")->required();
+  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
   app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(CLI::Range(1, 64));
   app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool");

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
   int cpu = -1;
   app.add_option("--bind", bind, "IPv4 address to listen on");
   app.add_option("--port", port, "UDP port");
-  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E]")->required();
+  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")->check(CLI::Range(0.0, 1.0));
   app.add_option("--seed", seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here on exit (and on SIGUSR1)");
@@ -157,7 +157,9 @@ int main(int argc, char** argv) {
   };
   while (!signals::stop) {
     if (signals::dump.exchange(false)) report().write_json(stats_path);
-    if (duration > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > duration) break;
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (duration > 0 && now > duration) break;
+    agg.advance(now);  // evicts async members silent past their group's idle_s
     pollfd pfd{fd, POLLIN, 0};
     if (::poll(&pfd, 1, 100) <= 0) continue;
     for (std::size_t i = 0; i < batch; ++i) {
