@@ -112,6 +112,25 @@ class udp_aggregator {
   std::thread m_thread;
 };
 
+// Rank r's starting model in the async tests: values 4r + (i mod 3).
+std::vector<float> async_model(int r, std::size_t n) {
+  std::vector<float> x(n);
+  for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+  return x;
+}
+
+// Every member joined, and the switch's S (live, read while serving) is the
+// sum of what every member last sent (its x̂): a delta applied twice or
+// never, or one left over from an earlier session, would break this.
+void check_sum_of_sent(const std::pair<std::vector<float>, int>& live, const std::vector<std::vector<float>>& hats) {
+  CHECK(live.second == static_cast<int>(hats.size()));
+  for (std::size_t i = 0; i < live.first.size(); ++i) {
+    double ref = 0;
+    for (const auto& h : hats) ref += h[i];
+    REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
+  }
+}
+
 gossip::config switch_config(const std::string& policy, std::uint16_t port, const std::string& mode = "auto") {
   auto cfg = gossip::config::parse(fmt::format(R"(
 [policy]
@@ -196,8 +215,7 @@ TEST_CASE("adaptive policy through the switch: every delta applied exactly once,
       std::pair<std::vector<float>, int> live;
       std::barrier all_sent(world);
       gossip::test::run_ranks(world, [&](int r) {
-        std::vector<float> x(n);
-        for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+        auto x = async_model(r, n);
         gossip::model_view view;
         view.add("w", x);
         gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
@@ -213,15 +231,7 @@ TEST_CASE("adaptive policy through the switch: every delta applied exactly once,
         finals[static_cast<std::size_t>(r)] = x;
         hats[static_cast<std::size_t>(r)].assign(e.snapshot().begin(), e.snapshot().end());
       });
-      // Exactly once: while every member is joined, the switch's S is the sum
-      // of what every member last sent (its x̂); a delta applied twice or
-      // never, or one left over from the previous run, would break this.
-      CHECK(live.second == world);
-      for (std::size_t i = 0; i < n; ++i) {
-        double ref = 0;
-        for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
-        REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
-      }
+      check_sum_of_sent(live, hats);  // exactly once, nothing left of the previous run
       // After every member left, S is empty, exactly.
       const auto after = agg.live_sum(1);
       CHECK(after.second == 0);
@@ -257,8 +267,7 @@ TEST_CASE("async mode survives a switch restart: every member rejoins with what 
   std::pair<std::vector<float>, int> live;
   std::barrier sync(world);
   gossip::test::run_ranks(world, [&](int r) {
-    std::vector<float> x(n);
-    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+    auto x = async_model(r, n);
     gossip::model_view view;
     view.add("w", x);
     gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
@@ -281,13 +290,7 @@ TEST_CASE("async mode survives a switch restart: every member rejoins with what 
   });
   CHECK(agg.live_drops(gossip::sw::drop_reason::unknown_session) >= world);
   for (int r = 0; r < world; ++r) CHECK(rejoins[static_cast<std::size_t>(r)] == 1);
-  // The restarted switch's S is again the sum of what every member last sent.
-  CHECK(live.second == world);
-  for (std::size_t i = 0; i < n; ++i) {
-    double ref = 0;
-    for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
-    REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
-  }
+  check_sum_of_sent(live, hats);  // the restarted switch's S is exact again
 }
 
 TEST_CASE("async mode: a member silent past the group's idle_s is evicted, then rejoins with what it had sent; S is exact again") {
@@ -302,8 +305,7 @@ TEST_CASE("async mode: a member silent past the group's idle_s is evicted, then 
   std::pair<std::vector<float>, int> during, live;
   std::barrier sync(world);
   gossip::test::run_ranks(world, [&](int r) {
-    std::vector<float> x(n);
-    for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>(4 * r + static_cast<int>(i % 3));
+    auto x = async_model(r, n);
     gossip::model_view view;
     view.add("w", x);
     gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
@@ -335,12 +337,7 @@ TEST_CASE("async mode: a member silent past the group's idle_s is evicted, then 
   CHECK(during.second == 1);  // rank 0 alone
   CHECK(agg.live_drops(gossip::sw::drop_reason::evicted) >= 1);
   CHECK(rejoins == std::vector<std::uint64_t>{0, 1});
-  CHECK(live.second == world);
-  for (std::size_t i = 0; i < n; ++i) {
-    double ref = 0;
-    for (int r = 0; r < world; ++r) ref += hats[static_cast<std::size_t>(r)][i];
-    REQUIRE(live.first[i] == doctest::Approx(ref).epsilon(1e-5));
-  }
+  check_sum_of_sent(live, hats);
 }
 
 TEST_CASE("momentum = auto through the switch: quasi-global for the sync all-reduce, local for the async aggregate") {
