@@ -9,7 +9,7 @@
 ///          4     1  version    2
 ///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin | refused
 ///          6     1  flags      bit 0: shadow set of the slot (sync); refused: the drop_reason
-///          7     1  reserved   0
+///          7     1  reserved   0 (refused: the group's mode, below)
 ///          8     2  group      aggregation group id (configured on the switch)
 ///         10     2  worker     member id within the group, 0..members-1
 ///         12     2  slot       sync: slot index = chunk % slots; async: 0
@@ -34,10 +34,11 @@
 /// a chunk, slot or length the group does not have; see refusable()) is
 /// answered with `refused`, header only, to the address it came from. It
 /// echoes the dropped packet's group, worker, chunk and session, carries the
-/// drop_reason in `flags` and, when the group exists, the switch's view of it:
-/// `reserved` = mode (1 sync, 2 async; 0: no such group), `count` = members,
-/// `elements` = chunk size, `slot` = slots (sync; 0 async), `sequence` = model size in floats
-/// (0: any; saturated at 2^32 − 1). The client stops at once with an error
+/// drop_reason in `flags` and, when the group exists, the switch's view of
+/// it: `reserved` = mode (1 sync, 2 async; 0: no such group), `count` =
+/// members, `elements` = chunk size, `slot` = slots (sync; 0 async),
+/// `sequence` = model size in floats (0: any; saturated at 2^32 − 1). So a
+/// refusal's `elements` is no count of values: none follow. The client stops at once with an error
 /// that says what differs, instead of retransmitting until its timeout. A
 /// refusal is never larger than what it answers, and a refusal sent to a
 /// switch is dropped there as bad_type, never answered.
