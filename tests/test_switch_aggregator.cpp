@@ -401,6 +401,45 @@ TEST_CASE("async: a member silent past idle_s is evicted from S; its session is 
   CHECK(agg.stats().evictions == 3);
 }
 
+TEST_CASE("two jobs on one group: a displaced session that speaks again after the grace is refused, and so is the member's current one") {
+  for (const bool sync : {true, false}) {
+    CAPTURE(sync);
+    aggregator agg({group_config{.id = 1, .mode = sync ? group_mode::sync : group_mode::async, .members = 2, .chunk = 2, .slots = 4,
+                                 .elements = sync ? 0u : 2u, .idle_s = 0}});
+    reply_log log;
+    auto send = [&](std::uint16_t worker, std::uint32_t session, std::uint32_t sequence) {
+      const packet_header h{.type = sync ? packet_type::sync_contribution : packet_type::async_delta, .group = 1, .worker = worker,
+                            .slot = 0, .chunk = 0, .sequence = sequence, .session = session};
+      return agg.handle(make_packet(h, {1.0f, 1.0f}), log.sink());
+    };
+    agg.advance(10);
+    // Job A (sessions 10, 11) runs; job B (20, 21) starts on the same group.
+    CHECK(send(0, 10, 1) == drop_reason::accepted);
+    CHECK(send(1, 11, 1) == drop_reason::accepted);
+    CHECK(send(0, 20, sync ? 2 : 1) == drop_reason::accepted);  // takes worker 0 from job A
+    // Within the grace job A's worker 0 is a late packet of a gone process.
+    agg.advance(10.5);
+    CHECK(send(0, 10, 2) == drop_reason::stale_session);
+    // After it, it is alive: both are refused, once for the current one.
+    agg.advance(11.5);
+    CHECK(send(0, 10, 2) == drop_reason::session_conflict);
+    CHECK(send(0, 20, 2) == drop_reason::session_conflict);
+    packet_header read, r;
+    const auto again = make_packet({.type = sync ? packet_type::sync_contribution : packet_type::async_delta, .group = 1, .worker = 0,
+                                    .sequence = 2, .session = 10}, {1.0f, 1.0f});
+    REQUIRE(agg.validate(again, read) == drop_reason::accepted);
+    REQUIRE(agg.refusal(read, drop_reason::session_conflict, r));
+    CHECK((r.type == packet_type::refused && r.session == 10 && r.worker == 0));
+    CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::session_conflict)] == 2);
+    // A new run on the group (new sessions, the old ones silent) is not taken for a conflict.
+    agg.advance(100);
+    CHECK(send(0, 30, 1) == drop_reason::accepted);
+    CHECK(send(1, 31, 1) == drop_reason::accepted);
+    agg.advance(200);
+    CHECK(send(0, 30, 2) == drop_reason::accepted);
+  }
+}
+
 TEST_CASE("sync sessions: a restarted group is exact after a finished run and after a run cut off mid-all-reduce") {
   aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 2, .slots = 1}});
   reply_log log;
@@ -555,12 +594,12 @@ TEST_CASE("refusals: a packet at odds with its group is answered with the reason
   packet_header read, again;
   CHECK(agg.validate(back, read) == drop_reason::bad_type);
   CHECK_FALSE(agg.refusal(read, drop_reason::bad_type, again));
-  for (std::size_t i = 0; i < drop_reason_count; ++i) {  // exactly the drops that say the group disagrees
+  for (std::size_t i = 0; i < drop_reason_count; ++i) {  // exactly the drops that say the group disagrees, or is another job's
     const auto why = static_cast<drop_reason>(i);
     CAPTURE(to_string(why));
     const bool group_mismatch = why == drop_reason::unknown_group || why == drop_reason::bad_worker || why == drop_reason::bad_elements ||
                                 why == drop_reason::bad_length || why == drop_reason::bad_chunk || why == drop_reason::bad_slot ||
-                                why == drop_reason::wrong_mode;
+                                why == drop_reason::wrong_mode || why == drop_reason::session_conflict;
     CHECK(refusable(why) == group_mismatch);
   }
 }

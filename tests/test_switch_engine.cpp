@@ -461,6 +461,44 @@ TEST_CASE("a switch whose group disagrees with the workers refuses their packets
   }
 }
 
+TEST_CASE("two jobs on one sync group: the switch refuses both instead of mixing their sums") {
+  udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
+  auto cfg = switch_config("periodic", agg.port());
+  cfg.apply_override("transport.timeout_s=5");
+  std::vector<std::string> errors(4);
+  std::barrier start(4);
+  const auto t0 = std::chrono::steady_clock::now();
+  gossip::test::run_ranks(4, [&](int r) {  // job r / 2, rank r % 2
+    std::vector<float> x(1000, static_cast<float>(r / 2));
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r % 2, 2, cfg, gossip::make_switch_transport(cfg, r % 2, 2));
+    start.arrive_and_wait();
+    try {
+      for (int s = 0; s < 2000; ++s) {
+        e.step();
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    } catch (const gossip::config_error& err) {
+      errors[static_cast<std::size_t>(r)] = std::string("config_error: ") + err.what();
+    } catch (const gossip::timeout_error& err) {
+      errors[static_cast<std::size_t>(r)] = std::string("timeout_error: ") + err.what();
+    }
+  });
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(15));
+  for (int job = 0; job < 2; ++job) {  // each job stops, at least one of its ranks with the reason
+    CAPTURE(job);
+    const auto& a = errors[static_cast<std::size_t>(2 * job)];
+    const auto& b = errors[static_cast<std::size_t>(2 * job + 1)];
+    CAPTURE(a);
+    CAPTURE(b);
+    CHECK((!a.empty() && !b.empty()));
+    const char* reason = "(group 1; session_conflict): another session holds worker";
+    CHECK((a.find(reason) != std::string::npos || b.find(reason) != std::string::npos));
+  }
+  CHECK(agg.live_drops(gossip::sw::drop_reason::session_conflict) >= 2);
+}
+
 TEST_CASE("a sync all-reduce that a member never joins times out naming the chunk and what the worker sent and heard") {
   udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
   auto cfg = switch_config("periodic", agg.port());

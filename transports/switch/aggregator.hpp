@@ -57,6 +57,16 @@
 ///  - sync: the first contribution of a new session clears the member's bit
 ///    in every completed set and discards every set still in progress that
 ///    holds its contribution (that all-reduce can no longer complete).
+///  - both: two jobs on one group would mix their members' contributions
+///    (worker 0 of one job and worker 1 of the other complete a set, or join
+///    one S) while their sessions take each member from each other in turn.
+///    A session that took a member from a joined one is recorded; a packet of
+///    the session it displaced within conflict_grace_s is a late one and is
+///    dropped (stale_session), but one after that means both are alive: the
+///    switch refuses it (session_conflict) and refuses the member's current
+///    session once at its next packet, so both jobs stop with that reason
+///    instead of training on each other's sums. A restarted worker's old
+///    process is gone and never sends again.
 /// So each delta is applied exactly once within its session, and S is always
 /// the sum of the last-sent models of the members currently joined. Members
 /// that died without leaving stay in S until their id rejoins or idle_s
@@ -289,6 +299,11 @@ class aggregator {
     return true;
   }
 
+  /// How long after a session took a member a packet of the session it
+  /// displaced counts as late (stale_session) rather than as a second live job
+  /// on the group (session_conflict). Time as advance() tells it.
+  static constexpr double conflict_grace_s = 1.0;
+
   /// Tells the aggregator the time (seconds, from any fixed origin, never
   /// decreasing) and evicts every async member silent for longer than its
   /// group's idle_s. The switches call it between bursts; cheap (a pass over
@@ -338,8 +353,33 @@ class aggregator {
     std::uint32_t id = 0;
     state_t state = none;
     double last_seen = 0;  // advance() time of its last applied or repeated delta
+    bool displaced = false;      // a new session took the member from a joined one,
+    std::uint32_t displaced_id = 0;  // this one,
+    double displaced_at = 0;     // at this advance() time
+    bool conflict = false;       // the displaced one spoke later: refuse the current one once
     bool current(std::uint32_t session) const noexcept { return state == joined && id == session; }
   };
+
+  // Before a packet of `session` is handled for member m: accepted to go on,
+  // or why it is dropped (the displaced session of a conflict, and the current
+  // one once after it).
+  drop_reason admit(member_session& m, std::uint32_t session) const noexcept {
+    if (m.current(session)) {
+      if (!m.conflict) return drop_reason::accepted;
+      m.conflict = false;
+      return drop_reason::session_conflict;
+    }
+    if (!m.displaced || session != m.displaced_id) return drop_reason::accepted;
+    if (m_now - m.displaced_at <= conflict_grace_s) return drop_reason::stale_session;  // late, from a process now gone
+    m.conflict = true;
+    return drop_reason::session_conflict;
+  }
+  // Session `session` takes member m (it was not current).
+  void take(member_session& m, std::uint32_t session) const noexcept {
+    if (m.state == member_session::joined) m.displaced = true, m.displaced_id = m.id, m.displaced_at = m_now;
+    m.id = session;
+    m.state = member_session::joined;
+  }
   struct group_state {
     group_config cfg;
     std::vector<member_session> sessions; // [worker]
@@ -379,13 +419,15 @@ class aggregator {
     packet_header out = h;
     out.type = packet_type::sync_result;
     out.count = c.members;
-    if (auto& m = g.sessions[h.worker]; !m.current(h.session)) {
+    auto& m = g.sessions[h.worker];
+    if (const auto why = admit(m, h.session); why != drop_reason::accepted) return why;
+    if (!m.current(h.session)) {
       for (auto& other : g.sets) {
         if (!(other.seen & bit)) continue;
         if (other.complete) other.seen &= ~bit;
         else other = slot_set{};  // holds the old session's contribution: it can never complete
       }
-      m = {h.session, member_session::joined};
+      take(m, h.session);
     }
     if (s.seen & bit) {
       ++m_stats.retransmissions_seen;
@@ -423,6 +465,7 @@ class aggregator {
   drop_reason handle_async(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
     const auto& c = g.cfg;
     auto& m = g.sessions[h.worker];
+    if (const auto why = admit(m, h.session); why != drop_reason::accepted) return why;
     if (!m.current(h.session)) {
       const bool evicted = m.state == member_session::evicted && m.id == h.session;
       if (evicted || (h.sequence != 1 && m.state == member_session::none)) {
@@ -434,7 +477,7 @@ class aggregator {
       }
       if (h.sequence != 1 || (m.state == member_session::left && m.id == h.session)) return drop_reason::stale_session;
       remove_member(g, h.worker);
-      m = {h.session, member_session::joined};
+      take(m, h.session);
     }
     m.last_seen = m_now;
     auto& next = g.next_seq[static_cast<std::size_t>(h.worker) * c.chunks() + h.chunk];

@@ -274,6 +274,12 @@ class client {
       case drop_reason::wrong_mode:
         what = fmt::format("{}; {}: set the switch group's mode and the workers' ([transport] mode) alike", group, mine);
         break;
+      case drop_reason::session_conflict:
+        what = fmt::format("another session holds worker {} of group {} at the same time (another job on this group?), and the switch "
+                           "cannot tell their contributions apart: give each job its own group ([transport] group; the switch serves "
+                           "several with one --group each), and restart this one",
+                           m_cfg.worker, m_cfg.group);
+        break;
       default:  // bad_elements, bad_length, bad_chunk, bad_slot
         what = fmt::format("{}; {} (chunk {} refused): set the workers' chunk and window ([transport] chunk, window) to the group's "
                            "chunk and slots, and the group's elements to the model's size",

@@ -31,7 +31,8 @@
 ///
 /// A packet the switch drops because it disagrees with the group's
 /// configuration (no such group, a worker id past the members, the other mode,
-/// a chunk, slot or length the group does not have; see refusable()) is
+/// a chunk, slot or length the group does not have), or because another live
+/// session holds its member (two jobs on one group; see refusable()) is
 /// answered with `refused`, header only, to the address it came from. It
 /// echoes the dropped packet's group, worker, chunk and session, carries the
 /// drop_reason in `flags` and, when the group exists, the switch's view of
@@ -124,6 +125,7 @@ enum class drop_reason : std::uint8_t {
   tx_full,        ///< switch only: transmit queue full, reply freed
   unknown_session,///< async delta (sequence > 1) of a member this switch holds no session for — it restarted: answered with async_rejoin
   evicted,        ///< async delta of a session evicted after the group's idle_s of silence: answered with async_rejoin
+  session_conflict,///< two live sessions on one member (two jobs on one group): both are refused (aggregator.hpp)
   count_
 };
 inline constexpr std::size_t drop_reason_count = static_cast<std::size_t>(drop_reason::count_);
@@ -132,13 +134,14 @@ inline constexpr std::string_view to_string(drop_reason r) noexcept {
   constexpr std::array<std::string_view, drop_reason_count> names = {
       "accepted",   "too_short",    "bad_magic",     "bad_version", "bad_type",   "unknown_group", "bad_worker",   "bad_elements",
       "bad_length", "bad_chunk",    "bad_slot",      "wrong_mode",  "sequence_gap", "slot_conflict", "stale_session", "injected", "not_ipv4",
-      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session", "evicted"};
+      "bad_ip",     "not_udp",      "wrong_port",    "not_for_us",  "no_route",   "tx_full",       "unknown_session", "evicted", "session_conflict"};
   const auto i = static_cast<std::size_t>(r);
   return i < names.size() ? names[i] : "?";
 }
 
 /// The drops a switch answers with `refused`: the packet and the group's
-/// configuration disagree, so every retransmission would be dropped too.
+/// configuration disagree, or another job's session holds the same member,
+/// so every retransmission would be dropped too.
 inline constexpr bool refusable(drop_reason r) noexcept {
   switch (r) {
     case drop_reason::unknown_group:
@@ -148,6 +151,7 @@ inline constexpr bool refusable(drop_reason r) noexcept {
     case drop_reason::bad_chunk:
     case drop_reason::bad_slot:
     case drop_reason::wrong_mode:
+    case drop_reason::session_conflict:
       return true;
     default:
       return false;
