@@ -6,9 +6,10 @@ version, type, group, worker, element count, slot, chunk, mode, sequence,
 session, slot conflict) must be dropped and counted under its own reason, with
 the well-formed traffic around it still aggregated exactly: sync results are
 the exact sums, duplicates get the stored result again, async replies are the
-exact averages. A packet at odds with its group's configuration is answered
-with one `refused` header to its sender, naming the reason and the group as
-the switch has it; no other drop is answered. The switch's --stats-json
+exact averages. A packet at odds with its group's configuration, or from a
+second live session on one member (two jobs on one group), is answered with
+one `refused` header to its sender, naming the reason and the group as the
+switch has it; no other drop is answered. The switch's --stats-json
 (written on SIGUSR1) must list exactly the expected drops.
 
 Usage: test_switch_udp_crafted.py PATH/TO/gossip-switch-udp
@@ -27,7 +28,7 @@ MAGIC, VERSION = 0x31575347, 2
 SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN, REFUSED = 1, 2, 3, 4, 5, 6, 7
 # drop_reason codes (packet.hpp) of the drops the switch answers with REFUSED
 REFUSABLE = {"unknown_group": 5, "bad_worker": 6, "bad_elements": 7, "bad_length": 8, "bad_chunk": 9, "bad_slot": 10,
-             "wrong_mode": 11}
+             "wrong_mode": 11, "session_conflict": 25}
 HDR = struct.Struct("<IBBBBHHHHIIII")
 
 
@@ -71,7 +72,8 @@ def main():
     sw = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--stats-json", stats,
                            "--group", "id=1,mode=sync,members=2,chunk=4,slots=2",
                            "--group", "id=2,mode=async,members=2,chunk=4,elements=6",
-                           "--group", "id=3,mode=async,members=2,chunk=4,elements=4,idle_s=1"],
+                           "--group", "id=3,mode=async,members=2,chunk=4,elements=4,idle_s=1",
+                           "--group", "id=4,mode=sync,members=2,chunk=4,slots=2"],
                           stderr=subprocess.PIPE, text=True)
     try:
         line = sw.stderr.readline()
@@ -89,7 +91,7 @@ def main():
             return parse(w[sender].recvfrom(4096)[0])
 
         # The switch's view of each group, as a refusal carries it: mode, members, chunk, slots, model size.
-        groups = {1: (1, 2, 4, 2, 0), 2: (2, 2, 4, 0, 6)}
+        groups = {1: (1, 2, 4, 2, 0), 2: (2, 2, 4, 0, 6), 4: (1, 2, 4, 2, 0)}
 
         def drop(reason, data, sender=0, refused=True):
             w[sender].sendto(data, addr)
@@ -180,6 +182,14 @@ def main():
         r = reply(1)
         check(r["values"] == d1 and r["count"] == 1, "after the leave S holds only the remaining member")
 
+        # Two jobs on group 4: worker 0 of one (session 400, socket 0) is taken by another's (401, socket 1).
+        # Within a second 400 is a late packet; after it (the eviction below takes over a second) both are alive.
+        w[0].sendto(packet(SYNC, 4, 0, a, session=400), addr)
+        w[1].sendto(packet(SYNC, 4, 0, a, session=401), addr)
+        drop("stale_session", packet(SYNC, 4, 0, a, session=400))
+        check(quiet(0) and quiet(1), "group 4: the displaced session's packet within the grace is dropped, unanswered")
+        conflict_from = time.time()
+
         # Eviction: in group 3 (idle_s = 1) member 1 falls silent while member 0 goes on; after a second the
         # switch takes member 1's part out, and asks its session to rejoin at its next delta.
         e0, e1 = [1.0, 2.0, 3.0, 4.0], [3.0, 2.0, 1.0, 0.0]
@@ -205,6 +215,13 @@ def main():
         r = reply(1)
         check(r["values"] == [2.0] * 4 and r["count"] == 2, "rejoined with everything it had sent: the average is exact again")
 
+        while time.time() - conflict_from < 1.3:
+            time.sleep(0.05)
+        drop("session_conflict", packet(SYNC, 4, 0, a, session=400))  # the displaced session, alive: refused
+        drop("session_conflict", packet(SYNC, 4, 0, a, session=401), sender=1)  # and the current one, once
+        w[1].sendto(packet(SYNC, 4, 0, a, session=401), addr)
+        check(quiet(1), "after its one refusal the current session is served again (no result: the set needs worker 1)")
+
         os.kill(sw.pid, signal.SIGUSR1)
         deadline = time.time() + 10
         while time.time() < deadline and not os.path.exists(stats):
@@ -213,7 +230,7 @@ def main():
         s = json.load(open(stats))
         got = {k: v for k, v in s["drops"].items() if v}
         check(got == expected, "drops by reason: got %s, expected %s" % (sorted(got.items()), sorted(expected.items())))
-        check(s["accepted"] == 10 + seq + 2, "accepted %d packets, expected %d" % (s["accepted"], 10 + seq + 2))
+        check(s["accepted"] == 10 + seq + 2 + 3, "accepted %d packets, expected %d" % (s["accepted"], 10 + seq + 2 + 3))
         check(s["deltas_applied"] == 3 + seq + 2 and s["aggregations_completed"] == 2 and s["results_resent"] == 1,
               "deltas_applied %d (%d), aggregations_completed %d (2), results_resent %d (1)" %
               (s["deltas_applied"], 3 + seq + 2, s["aggregations_completed"], s["results_resent"]))
