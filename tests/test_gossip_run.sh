@@ -104,7 +104,7 @@ train_and_kill() {  # MODE OUT_PREFIX
     sleep 0.1
   done
   for p in $(pgrep -P "$gr"); do  # gossip-run's children: one per rank
-    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx GOSSIP_RANK=2 && victim=$p
+    grep -qx GOSSIP_RANK=2 <<<"$(tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null)" && victim=$p
   done
   [ -n "$victim" ] || fail "$1: rank 2 not found among gossip-run's children (did training end before epoch 1 was reported?): $(cat "$2.out" "$2.err")"
   kill -9 "$victim"

@@ -23,7 +23,8 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # A sanitizer-instrumented library needs the sanitizer's runtime loaded before
 # it, which a program built here with plain `c++` and pkg-config does not do.
-if [[ $part != subproject ]] && ldd "$build/lib/libgossip.so" 2>/dev/null | grep -qE 'lib(a|t|ub)san'; then
+# (ldd's whole output first: grep -q in a pipe under pipefail would fail ldd with SIGPIPE.)
+if [[ $part != subproject ]] && grep -qE 'lib(a|t|ub)san' <<<"$(ldd "$build/lib/libgossip.so" 2>/dev/null)"; then
   skip "this build is sanitizer-instrumented; out-of-tree programs built with plain c++ cannot load it (the release build runs this test)"
 fi
 
@@ -88,7 +89,7 @@ export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # The library holds only what a user links: the examples' dataset reader
 # (gossip::data, examples/common) is neither in it nor among its headers.
-if nm -D --defined-only "$libdir/libgossip.so" | grep -q '_ZN6gossip4data'; then
+if grep -q '_ZN6gossip4data' <<<"$(nm -D --defined-only "$libdir/libgossip.so")"; then
   fail "the installed libgossip.so defines gossip::data symbols; the dataset reader belongs to examples/common"
 fi
 [[ ! -e $(pkg-config --variable=includedir gossip)/gossip/data.hpp ]] || fail "gossip/data.hpp was installed; it belongs to examples/common"

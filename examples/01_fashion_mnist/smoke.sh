@@ -53,8 +53,9 @@ if [ -w /dev/full ]; then
 fi
 # A worker thread that cannot be started (a low memory or thread limit) is an
 # error that says what to do, not an abort. Sanitizer builds reserve far more
-# address space than any such limit allows: not there.
-if ! ldd "$exe" 2>/dev/null | grep -qE 'lib(asan|tsan)'; then
+# address space than any such limit allows: not there. (ldd's whole output
+# first: grep -q in a pipe under pipefail would fail ldd with SIGPIPE.)
+if ! grep -qE 'lib(asan|tsan)' <<<"$(ldd "$exe" 2>/dev/null)"; then
   if (ulimit -v 400000 && exec "$exe" --epochs 1 --workers 48 --set topology.name=complete --set train.train_limit=2000 \
       --set transport.bandwidth_gbps=0 >/dev/null 2>"$out/err"); then
     echo "48 workers under ulimit -v 400000 ran: the limit no longer bites, raise the worker count" >&2; exit 1
