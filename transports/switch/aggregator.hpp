@@ -363,7 +363,7 @@ class aggregator {
   // Before a packet of `session` is handled for member m: accepted to go on,
   // or why it is dropped (the displaced session of a conflict, and the current
   // one once after it).
-  drop_reason admit(member_session& m, std::uint32_t session) const noexcept {
+  drop_reason admit(member_session& m, std::uint32_t session) noexcept {
     if (m.current(session)) {
       if (!m.conflict) return drop_reason::accepted;
       m.conflict = false;
@@ -375,7 +375,7 @@ class aggregator {
     return drop_reason::session_conflict;
   }
   // Session `session` takes member m (it was not current).
-  void take(member_session& m, std::uint32_t session) const noexcept {
+  void take(member_session& m, std::uint32_t session) noexcept {
     if (m.state == member_session::joined) m.displaced = true, m.displaced_id = m.id, m.displaced_at = m_now;
     m.id = session;
     m.state = member_session::joined;

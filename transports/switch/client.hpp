@@ -255,9 +255,9 @@ class client {
         r.worker != m_cfg.worker || r.session != m_session)
       return;
     const auto why = static_cast<drop_reason>(r.flags);
-    const std::string_view group_mode = r.reserved == 1 ? "sync" : "async";
+    const std::string_view their_mode = r.reserved == 1 ? "sync" : "async";
     const std::string group = fmt::format(
-        "its group {} is {}, with {} members, chunk {}{} and a model of {}", r.group, group_mode, r.count, r.elements,
+        "its group {} is {}, with {} members, chunk {}{} and a model of {}", r.group, their_mode, r.count, r.elements,
         r.reserved == 1 ? fmt::format(", {} slots", r.slot) : std::string(), r.sequence == 0 ? std::string("any size") : fmt::format("{} floats", r.sequence));
     const std::string mine = fmt::format("this worker is worker {} of {}, {} mode, chunk {}, window {}{}", m_cfg.worker, m_cfg.members, mode,
                                          m_cfg.chunk, m_cfg.window,
