@@ -91,6 +91,11 @@ const std::vector<option_spec>& engine_option_specs() {
       {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},
       {"wait_when_busy", false, "when the policy fires but every send buffer is still on the wire, wait (true) or skip the send (false)",
        "GOSSIP_WAIT_WHEN_BUSY"},
+      {"same_step_merge", false,
+       "lockstep transports (loopback): merge a step's messages before step() returns instead of at the next step, so the push-sum "
+       "share a send gave away is back before the next optimizer step (gossip every tau steps otherwise learns at 1 - 1/(2 tau) of "
+       "the rate)",
+       ""},
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
        "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "

@@ -22,6 +22,7 @@
 #include "test_support.hpp"
 
 using namespace gossip;
+using gossip::test::loopback_forward;
 using gossip::test::run_ranks;
 using gossip::test::spec_of;
 using gossip::test::toy_model;
@@ -850,22 +851,6 @@ TEST_CASE("model fingerprints: equal values give equal fingerprints, any bit cha
 }
 
 namespace {
-// Loopback, every call passed on; the wrappers below change one of them.
-struct loopback_forward {
-  loopback_transport t;
-  void attach(const transport_setup& s) { t.attach(s); }
-  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return t.post(peer, msg, step); }
-  std::size_t collect(std::uint64_t s, std::span<received> o) { return t.collect(s, o); }
-  void release(std::uint64_t s) { t.release(s); }
-  void end_step(std::uint64_t s) { t.end_step(s); }
-  bool busy(const std::byte* b) const { return t.busy(b); }
-  void flush(std::chrono::duration<double> d) { t.flush(d); }
-  void leave() { t.leave(); }
-  transport_capabilities capabilities() const { return t.capabilities(); }
-  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
-  transport_counters counters() const { return t.counters(); }
-};
-
 // Loopback, except that rank 1's second and later messages claim 2 tensors.
 struct corrupting_transport : loopback_forward {
   int rank = 0;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <numeric>
 
 #include <nlohmann/json.hpp>
 
@@ -79,6 +80,65 @@ TEST_CASE("push-sum over the engine: finish() reaches the exact average on an ex
     CHECK(weights[r] == 1.0);
     for (float v : models[r]) CHECK(v == doctest::Approx(3.5).epsilon(1e-6));
   }
+}
+
+TEST_CASE("engine: same_step_merge brings each send's push-sum share back before step() returns, so the average moves at the full rate") {
+  // Every rank adds 1 to its model before each step, as an optimizer step
+  // would, and gossips at every step. Merged at the next step, each share is
+  // in flight during the increment after its send, which then counts at the
+  // halved weight: the average grows by 1 at the first step and by ½ at each
+  // later one. Merged within the step, every increment counts in full.
+  const int world = 8, steps = 10;
+  for (const bool same_step : {false, true}) {
+    loopback_fabric fabric(world);
+    std::vector<double> weighted(world), weights(world);
+    std::vector<int> weight_off(world);
+    run_ranks(world, [&](int r) {
+      std::vector<float> x(16, static_cast<float>(r));
+      model_view v;
+      v.add("x", x);
+      auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential");
+      spec.settings.same_step_merge = same_step;
+      engine e(v, r, world, std::move(spec), fabric.endpoint(r));
+      for (int s = 0; s < steps; ++s) {
+        for (auto& value : x) value += 1.0f;
+        e.step();
+        if (e.weight() != (same_step ? 1.0 : 0.5)) ++weight_off[r];
+      }
+      e.finish(3);
+      weighted[r] = e.weight() * x[0];
+      weights[r] = e.weight();
+    });
+    const double average = std::accumulate(weighted.begin(), weighted.end(), 0.0) / std::accumulate(weights.begin(), weights.end(), 0.0);
+    INFO("same_step_merge = ", same_step);
+    CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world));
+    CHECK(average == doctest::Approx(3.5 + (same_step ? steps : 1 + 0.5 * (steps - 1))).epsilon(1e-6));
+    for (int r = 0; r < world; ++r) CHECK(weight_off[r] == 0);
+  }
+}
+
+TEST_CASE("engine: same_step_merge over a transport that is not lockstep is refused, naming the transport") {
+  // The loopback endpoint, claiming to deliver as UCX does (at any time).
+  struct asynchronous : gossip::test::loopback_forward {
+    transport_capabilities capabilities() const {
+      auto c = t.capabilities();
+      c.copies_on_post = false;
+      c.deterministic = false;
+      c.name = "async-test";
+      return c;
+    }
+  };
+  loopback_fabric fabric(2);
+  toy_model m({4}, 1);
+  auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"));
+  spec.settings.same_step_merge = true;
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, asynchronous{{fabric.endpoint(0)}}),
+                       doctest::Contains("[engine] same_step_merge = true needs a transport whose ranks run in lockstep (loopback); "
+                                         "transport 'async-test'"),
+                       config_error);
+  // And from a config file, as a user sets it.
+  const auto cfg = config::parse("[engine]\nsame_step_merge = true\n", "same-step.toml");
+  CHECK(engine_spec::from(cfg).settings.same_step_merge);
 }
 
 TEST_CASE("an engine built from a config file reports its components, stats and trace") {

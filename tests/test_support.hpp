@@ -58,4 +58,21 @@ inline engine_spec spec_of(any_policy p, std::string topo = "exponential", std::
   return s;
 }
 
+/// A loopback endpoint with every call passed on: tests derive from it to
+/// change one of them.
+struct loopback_forward {
+  loopback_transport t;
+  void attach(const transport_setup& s) { t.attach(s); }
+  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return t.post(peer, msg, step); }
+  std::size_t collect(std::uint64_t s, std::span<received> o) { return t.collect(s, o); }
+  void release(std::uint64_t s) { t.release(s); }
+  void end_step(std::uint64_t s) { t.end_step(s); }
+  bool busy(const std::byte* b) const { return t.busy(b); }
+  void flush(std::chrono::duration<double> d) { t.flush(d); }
+  void leave() { t.leave(); }
+  transport_capabilities capabilities() const { return t.capabilities(); }
+  std::size_t dead_peers(std::span<received> o) { return t.dead_peers(o); }
+  transport_counters counters() const { return t.counters(); }
+};
+
 }  // namespace gossip::test

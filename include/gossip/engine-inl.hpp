@@ -4,6 +4,7 @@
 // engine_codec-inl.hpp encodes and decodes the compressed streams.
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "gossip/engine.hpp"
 #include "gossip/engine_codec-inl.hpp"
@@ -23,6 +24,11 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   check_output_path(m_settings.stats_path, rank, world, "stats", m_settings.stats_where);
   check_output_path(m_settings.trace_path, rank, world, "trace", m_settings.trace_where);
   const auto caps = m_transport.capabilities();
+  if (m_settings.same_step_merge && !caps.copies_on_post)
+    throw config_error(fmt::format("engine (rank {}): [engine] same_step_merge = true needs a transport whose ranks run in lockstep "
+                                   "(loopback); transport '{}' merges messages as they arrive, with no step to merge them in: set it "
+                                   "to false",
+                                   rank, caps.name));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
@@ -349,8 +355,9 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 
   handle_failures();
 
-  // 1. merge what arrived since the last step
-  result.merged = merge_inbound(t);
+  // 1. merge what arrived since the last step (same_step_merge: merged at the
+  // end of the last step already)
+  if (!std::exchange(m_merged_early, false)) result.merged = merge_inbound(t);
   if (m_transport.backlog() > backlog_high) [[unlikely]]
     catch_up(t, result.merged);
   // Lockstep transports (loopback) keep the ranks within a step already; an
@@ -583,6 +590,14 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   }
   m_transport.end_step(t);
   const auto t2 = clock::now();
+  // same_step_merge: this step's messages now, so that the shares sent are
+  // back before the next optimizer step (engine_settings::same_step_merge).
+  if (m_settings.same_step_merge) {
+    handle_failures();
+    result.merged += merge_inbound(t + 1);
+    m_merged_early = true;
+    m_stats.wait_seconds += std::chrono::duration<double>(clock::now() - t2).count();
+  }
 
   // 5. record
   if (!result.sent) ++m_stats.skips;
@@ -797,7 +812,7 @@ inline void engine::finish(int rounds) {
   // One more collect so the last round's messages are merged.
   if (rounds > 0) {
     handle_failures();
-    merge_inbound(m_step);
+    if (!std::exchange(m_merged_early, false)) merge_inbound(m_step);
     m_transport.end_step(m_step);
   }
   flush();

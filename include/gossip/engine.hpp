@@ -57,6 +57,16 @@ struct engine_settings {
   std::string stats_where = "[engine]", trace_where = "[engine]";
   int finish_rounds = -1;               ///< final averaging rounds; -1: 2·⌈log2 world⌉
   bool wait_when_busy = false;          ///< a firing policy waits for a send buffer instead of skipping
+  /// Over a lockstep transport (loopback) the messages of step t are merged
+  /// at step t + 1, after the optimizer step in between, which then runs with
+  /// the push-sum share each send gave away still in flight: gossip every τ
+  /// steps moves the ranks' average at 1 − 1/(2τ) of the learning rate (half
+  /// at every step). With same_step_merge, step() merges this step's
+  /// messages before it returns (waiting for the sources to post them), so
+  /// the shares are back before the next optimizer step and merged models
+  /// are a step fresher. Communication then no longer overlaps the next
+  /// step's compute. Lockstep transports only (a config_error otherwise).
+  bool same_step_merge = false;
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of its slowest live source, as heard in
   /// the step beacons the transport sends every max_lead/2 steps and in
@@ -264,6 +274,7 @@ class engine {
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;
+  bool m_merged_early = false;   // same_step_merge: this step's messages were merged at the end of the last one
   bool m_beacon_pacing = false;  // the transport reports its slowest source's step (capabilities().step_beacons)
 };
 
