@@ -12,6 +12,9 @@ import json, statistics, sys
 d = json.load(open(sys.argv[1]))
 for k in ("dataset", "workers", "runs", "summary", "equal_traffic_period", "local_sgd_every", "diloco_every", "average_rounds"):
     assert k in d, k
+# What the command set, and the engine settings it ran with, defaults included.
+assert d["overrides"] == ["train.train_limit=3000", "bench.quick_epochs=1", "transport.bandwidth_gbps=0"], d["overrides"]
+assert d["engine"]["same_step_merge"] is False and d["engine"]["max_lead"] == 4, d["engine"]
 roles = [r["role"] for r in d["runs"]]
 assert roles[:6] == ["never", "periodic-1", "adaptive"] * 2, roles
 for role in ("equal-traffic", "local-sgd", "diloco"):

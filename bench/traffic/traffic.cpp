@@ -380,6 +380,10 @@ int main(int argc, char** argv) {
     j["transport"] = {{"name", base.transport.name},
                       {"options", base.transport.name == "loopback" ? options_json(base.transport.opts.resolved(loopback_option_specs(), "transport"))
                                                                     : options_json(base.transport.opts)}};
+    // The config's [engine] settings (each run's momentum is in its row), and the
+    // command's --set options as given.
+    j["engine"] = options_json(base.engine.resolved(engine_option_specs(), "engine"));
+    j["overrides"] = overrides;
     j["quick"] = quick;
     j["seeds"] = n_seeds;
     j["steps_per_worker"] = steps_per_worker;
