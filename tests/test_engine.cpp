@@ -19,32 +19,34 @@ using gossip::test::spec_of;
 using gossip::test::toy_model;
 
 
-TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol") {
+TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol, merging at the next step or the same one") {
   for (const auto& entry : policy_registry().entries())
-    for (const char* proto : {"push-sum", "pairwise", "stale-copy"}) {
-      const int world = 4;
-      loopback_fabric fabric(world);
-      std::vector<std::size_t> allocations(world);
-      run_ranks(world, [&](int r) {
-        toy_model m({300, 20}, 1);
-        auto spec = spec_of(policy_registry().make(entry.name, options("test")), "exponential", proto);
-        spec.settings.trace_path = "unused-{rank}";  // trace buffer on, never written (finish() is not called)
-        engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
-        t_counting = true;
-        for (int s = 0; s < 200; ++s) {
-          for (auto& v : m.tensors[0]) v += 0.001f * static_cast<float>(r + 1);
-          e.step({.lr = 0.1 / (1 + s / 50), .loss = 2.0 / (1 + s)});
+    for (const char* proto : {"push-sum", "pairwise", "stale-copy"})
+      for (const bool same_step : {false, true}) {
+        const int world = 4;
+        loopback_fabric fabric(world);
+        std::vector<std::size_t> allocations(world);
+        run_ranks(world, [&](int r) {
+          toy_model m({300, 20}, 1);
+          auto spec = spec_of(policy_registry().make(entry.name, options("test")), "exponential", proto);
+          spec.settings.trace_path = "unused-{rank}";  // trace buffer on, never written (finish() is not called)
+          spec.settings.same_step_merge = same_step;
+          engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+          t_counting = true;
+          for (int s = 0; s < 200; ++s) {
+            for (auto& v : m.tensors[0]) v += 0.001f * static_cast<float>(r + 1);
+            e.step({.lr = 0.1 / (1 + s / 50), .loss = 2.0 / (1 + s)});
+          }
+          t_counting = false;
+          allocations[r] = t_allocations;
+          t_allocations = 0;
+          e.flush();
+        });
+        for (int r = 0; r < world; ++r) {
+          INFO("policy ", entry.name, " protocol ", proto, " same_step_merge ", same_step, " rank ", r);
+          CHECK(allocations[r] == 0);
         }
-        t_counting = false;
-        allocations[r] = t_allocations;
-        t_allocations = 0;
-        e.flush();
-      });
-      for (int r = 0; r < world; ++r) {
-        INFO("policy ", entry.name, " protocol ", proto, " rank ", r);
-        CHECK(allocations[r] == 0);
       }
-    }
 }
 
 TEST_CASE("after a send x̂ equals x, so the drift restarts from zero") {
