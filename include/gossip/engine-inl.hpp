@@ -4,7 +4,6 @@
 // engine_codec-inl.hpp encodes and decodes the compressed streams.
 #include <algorithm>
 #include <limits>
-#include <utility>
 
 #include "gossip/engine.hpp"
 #include "gossip/engine_codec-inl.hpp"
@@ -356,8 +355,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   handle_failures();
 
   // 1. merge what arrived since the last step (same_step_merge: merged at the
-  // end of the last step already)
-  if (!std::exchange(m_merged_early, false)) result.merged = merge_inbound(t);
+  // end of the last step already; at step 0 nothing has arrived)
+  if (!m_settings.same_step_merge) result.merged = merge_inbound(t);
   if (m_transport.backlog() > backlog_high) [[unlikely]]
     catch_up(t, result.merged);
   // Lockstep transports (loopback) keep the ranks within a step already; an
@@ -595,7 +594,6 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   if (m_settings.same_step_merge) {
     handle_failures();
     result.merged += merge_inbound(t + 1);
-    m_merged_early = true;
     m_stats.wait_seconds += std::chrono::duration<double>(clock::now() - t2).count();
   }
 
@@ -812,7 +810,7 @@ inline void engine::finish(int rounds) {
   // One more collect so the last round's messages are merged.
   if (rounds > 0) {
     handle_failures();
-    if (!std::exchange(m_merged_early, false)) merge_inbound(m_step);
+    if (!m_settings.same_step_merge) merge_inbound(m_step);  // else the last forced round merged it
     m_transport.end_step(m_step);
   }
   flush();

@@ -274,7 +274,6 @@ class engine {
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;
-  bool m_merged_early = false;   // same_step_merge: this step's messages were merged at the end of the last one
   bool m_beacon_pacing = false;  // the transport reports its slowest source's step (capabilities().step_beacons)
 };
 
