@@ -87,6 +87,67 @@ TEST_CASE("drift_pass with quasi-global momentum: m̂ ← β·m̂ + (1 − β)·
   }
 }
 
+TEST_CASE("the make-up of a push-sum share in flight, x <- x + c*(x - ref), fused into the drift pass and the merge pass") {
+  // Each fused pass must give what the make-up followed by the plain pass
+  // gives, at every size around the block and tail boundaries.
+  std::mt19937_64 g(13);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  const float c = 1.0f / 3.0f, lr = 0.05f, beta = 0.9f;
+  for (std::size_t n : {1ul, 15ul, 63ul, 64ul, 65ul, 1023ul, 1025ul, 4097ul, 100003ul}) {
+    CAPTURE(n);
+    std::vector<float> x(n), r(n), p(n), m(n), mhat(n), buf(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      r[i] = u(g);
+      x[i] = r[i] + 0.01f * u(g);
+      p[i] = x[i] + 0.001f * u(g);
+      m[i] = u(g);
+      mhat[i] = u(g);
+      buf[i] = u(g);
+    }
+    std::vector<float> made(n);
+    for (std::size_t i = 0; i < n; ++i) made[i] = x[i] + c * (x[i] - r[i]);
+    auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
+      bool ok = true;
+      for (std::size_t i = 0; i < n; ++i) ok = ok && std::abs(a[i] - b[i]) <= 1e-6f * (1 + std::abs(b[i]));
+      return ok;
+    };
+    SUBCASE("drift pass, without and with x_{t-1}") {
+      auto x1 = x;
+      const auto want = drift_pass(made.data(), r.data(), nullptr, n);
+      const auto got = drift_pass_made_up(x1.data(), r.data(), nullptr, n, c);
+      CHECK(same(x1, made));
+      CHECK(close(got.diff_sq, want.diff_sq));
+      CHECK(close(got.ref_sq, want.ref_sq));
+      auto x2 = x, p2 = p, p_want = p;
+      const auto want2 = drift_pass(made.data(), r.data(), p_want.data(), n);
+      const auto got2 = drift_pass_made_up(x2.data(), r.data(), p2.data(), n, c);
+      CHECK(same(x2, made));
+      CHECK(same(p2, made));  // x_{t-1} <- the made-up x
+      CHECK(close(got2.step_sq, want2.step_sq));
+    }
+    SUBCASE("drift pass with quasi-global momentum") {
+      auto x1 = x, p1 = p, mh1 = mhat, b1 = buf;
+      auto p2 = p, mh2 = mhat, b2 = buf;
+      const qgm_args q1{mh1.data(), b1.data(), 1 / lr, beta, 0.5f};
+      const auto got = drift_pass_made_up(x1.data(), r.data(), p1.data(), n, c, &q1);
+      const auto want = drift_pass(made.data(), r.data(), p2.data(), n, qgm_args{mh2.data(), b2.data(), 1 / lr, beta, 0.5f});
+      CHECK(same(x1, made));
+      CHECK(same(mh1, mh2));
+      CHECK(same(b1, b2));
+      CHECK(close(got.diff_sq, want.diff_sq));
+      CHECK(close(got.step_sq, want.step_sq));
+    }
+    SUBCASE("merge pass") {
+      auto z1 = x, z2 = made;
+      const auto got = mix_pass_made_up(z1.data(), m.data(), 0.25f, n, r.data(), c);
+      const auto want = mix_pass(z2.data(), m.data(), 0.25f, n);
+      CHECK(same(z1, z2));
+      CHECK(close(got.diff_sq, want.diff_sq));
+      CHECK(close(got.ref_sq, want.ref_sq));
+    }
+  }
+}
+
 TEST_CASE("quasi-global momentum counts a merge after tau steps as min(1, 1/((1-beta)*tau)) of it") {
   // x = x_{t-1} - lr*v + delta: the optimizer's step with velocity v (left in
   // its buffer) plus what merges moved. d = (x_{t-1} - x)/lr = v - share*delta/lr.

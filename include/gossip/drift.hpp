@@ -107,8 +107,12 @@ template <std::size_t count, typename packet>
 // speed differed by 10–20 % from one call site to another (the engine's step
 // against a caller's own pass, bench/transport's step cost at 64K–1M floats),
 // so a skipped step cost more than the pass it is made of.
-template <bool with_prev, bool with_qgm = false>
-[[gnu::noinline]] inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {}) noexcept {
+//
+// with_makeup: x first becomes x + makeup·(x − ref), written to `out` (x's
+// own memory), and the rest of the pass measures that (drift_pass_made_up).
+template <bool with_prev, bool with_qgm = false, bool with_makeup = false>
+[[gnu::noinline]] inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {},
+                                                    float* out = nullptr, float makeup = 0) noexcept {
   namespace ei = Eigen::internal;
   using packet = typename ei::packet_traits<float>::type;
   constexpr std::size_t width = static_cast<std::size_t>(ei::packet_traits<float>::size);
@@ -120,6 +124,7 @@ template <bool with_prev, bool with_qgm = false>
   // d = −e/lr when merge_share is 1; else v − share·(e/lr + v) = (1 − share)·v − share·e/lr.
   [[maybe_unused]] const packet own = ei::pset1<packet>(1.0f - q.merge_share), shared = ei::pset1<packet>(q.merge_share * q.inv_lr),
                                 beta = ei::pset1<packet>(q.beta), rest = ei::pset1<packet>(1.0f - q.beta);
+  [[maybe_unused]] const packet extra = ei::pset1<packet>(makeup);
   const std::size_t quarter = n / (drift_streams * drift_line) * drift_line;
   for (std::size_t block = 0; block < quarter; block += drift_block * drift_line) {
     const std::size_t end = std::min(quarter, block + drift_block * drift_line);
@@ -138,8 +143,12 @@ template <bool with_prev, bool with_qgm = false>
         // accumulator once: one dependent add per line, not one per packet.
         packet dl[per_line], rl[per_line], sl[per_line];
         for (std::size_t p = 0; p < per_line; ++p) {
-          const packet xv = ei::ploadu<packet>(x + at + p * width);
+          packet xv = ei::ploadu<packet>(x + at + p * width);
           const packet rv = ei::ploadu<packet>(ref + at + p * width);
+          if constexpr (with_makeup) {
+            xv = ei::pmadd(extra, ei::psub(xv, rv), xv);
+            ei::pstoreu(out + at + p * width, xv);
+          }
           const packet d = ei::psub(xv, rv);
           dl[p] = ei::pmul(d, d);
           rl[p] = ei::pmul(rv, rv);
@@ -169,6 +178,7 @@ template <bool with_prev, bool with_qgm = false>
   }
   // The rest: fewer than 64 elements past the four quarters.
   for (std::size_t i = drift_streams * quarter; i < n; ++i) {
+    if constexpr (with_makeup) out[i] = x[i] + makeup * (x[i] - ref[i]);  // out is x
     const double xv = x[i], rv = ref[i];
     s.diff_sq += (xv - rv) * (xv - rv);
     s.ref_sq += rv * rv;
@@ -194,23 +204,23 @@ struct mix_sums {
   double ref_sq = 0;
 };
 
-/// The merge of one received model, z ← z + b·(m − z), measuring on the way
-/// how far apart the two models were: the distance a consensus estimate needs
-/// costs no pass of its own. Same blocking as drift_pass (float lanes flushed
-/// into doubles every 1024 elements).
-inline mix_sums mix_pass(float* z, const float* m, float b, std::size_t n) noexcept {
+namespace detail {
+template <bool with_makeup>
+inline mix_sums mix_pass_impl(float* z, const float* m, float b, std::size_t n, const float* ref, float makeup) noexcept {
   namespace ei = Eigen::internal;
   using packet = typename ei::packet_traits<float>::type;
   constexpr std::size_t width = static_cast<std::size_t>(ei::packet_traits<float>::size);
   constexpr std::size_t block = 1024;
   mix_sums s;
   const packet bv = ei::pset1<packet>(b);
+  [[maybe_unused]] const packet cv = ei::pset1<packet>(makeup);
   const std::size_t vec_end = n / width * width;
   for (std::size_t start = 0; start < vec_end; start += block) {
     const std::size_t end = std::min(vec_end, start + block);
     packet diff = ei::pset1<packet>(0.0f), refs = ei::pset1<packet>(0.0f);
     for (std::size_t i = start; i < end; i += width) {
-      const packet zv = ei::ploadu<packet>(z + i);
+      packet zv = ei::ploadu<packet>(z + i);
+      if constexpr (with_makeup) zv = ei::pmadd(cv, ei::psub(zv, ei::ploadu<packet>(ref + i)), zv);
       const packet d = ei::psub(ei::ploadu<packet>(m + i), zv);
       diff = ei::pmadd(d, d, diff);
       refs = ei::pmadd(zv, zv, refs);
@@ -220,12 +230,33 @@ inline mix_sums mix_pass(float* z, const float* m, float b, std::size_t n) noexc
     s.ref_sq += static_cast<double>(ei::predux(refs));
   }
   for (std::size_t i = vec_end; i < n; ++i) {
+    if constexpr (with_makeup) z[i] = z[i] + makeup * (z[i] - ref[i]);
     const double zv = z[i], d = static_cast<double>(m[i]) - zv;
     s.diff_sq += d * d;
     s.ref_sq += zv * zv;
     z[i] = z[i] + b * (m[i] - z[i]);
   }
   return s;
+}
+}  // namespace detail
+
+/// The merge of one received model, z ← z + b·(m − z), measuring on the way
+/// how far apart the two models were: the distance a consensus estimate needs
+/// costs no pass of its own. Same blocking as drift_pass (float lanes flushed
+/// into doubles every 1024 elements).
+inline mix_sums mix_pass(float* z, const float* m, float b, std::size_t n) noexcept {
+  return detail::mix_pass_impl<false>(z, m, b, n, nullptr, 0);
+}
+
+/// mix_pass after z ← z + makeup·(z − ref), in the same pass (the sums measure
+/// the made-up z): see drift_pass_made_up.
+inline mix_sums mix_pass_made_up(float* z, const float* m, float b, std::size_t n, const float* ref, float makeup) noexcept {
+  return detail::mix_pass_impl<true>(z, m, b, n, ref, makeup);
+}
+
+/// z ← z + makeup·(z − ref) alone, where no other pass can take it.
+inline void make_up(float* z, const float* ref, std::size_t n, float makeup) noexcept {
+  detail::mix_pass_impl<true>(z, ref, 0.0f, n, ref, makeup);
 }
 
 /// x: current model, ref: x̂. When `prev` is non-null, also measures
@@ -239,6 +270,16 @@ inline drift_sums drift_pass(const float* x, const float* ref, float* prev, std:
 /// mhat and buffer cover the same n elements) in the same pass.
 inline drift_sums drift_pass(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q) noexcept {
   return detail::drift_pass_impl<true, true>(x, ref, prev, n, q);
+}
+
+/// drift_pass (with `q` when non-null) of x after x ← x + makeup·(x − ref),
+/// written in the same pass: the push-sum make-up for the share that a send
+/// left in flight during the optimizer step after it
+/// (engine_settings::in_flight_makeup).
+inline drift_sums drift_pass_made_up(float* x, const float* ref, float* prev, std::size_t n, float makeup, const qgm_args* q = nullptr) noexcept {
+  if (q) return detail::drift_pass_impl<true, true, true>(x, ref, prev, n, *q, x, makeup);
+  return prev ? detail::drift_pass_impl<true, false, true>(x, ref, prev, n, {}, x, makeup)
+              : detail::drift_pass_impl<false, false, true>(x, ref, nullptr, n, {}, x, makeup);
 }
 
 }  // namespace gossip
