@@ -96,6 +96,11 @@ const std::vector<option_spec>& engine_option_specs() {
        "share a send gave away is back before the next optimizer step (gossip every tau steps otherwise learns at 1 - 1/(2 tau) of "
        "the rate)",
        ""},
+      {"in_flight_makeup", false,
+       "push-sum: the step after a send adds what its share missed while in flight (the optimizer step before the target merged "
+       "it), so gossip every tau steps learns at the full rate instead of 1 - 1/(2 tau); fused into the next merge or drift pass "
+       "(host models; nothing to make up with same_step_merge)",
+       ""},
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
        "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "

@@ -19,10 +19,11 @@ using gossip::test::spec_of;
 using gossip::test::toy_model;
 
 
-TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol, merging at the next step or the same one") {
+TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol, merging at the next step (made up or not) or the same one") {
   for (const auto& entry : policy_registry().entries())
     for (const char* proto : {"push-sum", "pairwise", "stale-copy"})
-      for (const bool same_step : {false, true}) {
+      for (const int mode : {0, 1, 2}) {
+        const bool same_step = mode == 2, makeup = mode == 1;
         const int world = 4;
         loopback_fabric fabric(world);
         std::vector<std::size_t> allocations(world);
@@ -31,6 +32,7 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
           auto spec = spec_of(policy_registry().make(entry.name, options("test")), "exponential", proto);
           spec.settings.trace_path = "unused-{rank}";  // trace buffer on, never written (finish() is not called)
           spec.settings.same_step_merge = same_step;
+          spec.settings.in_flight_makeup = makeup;
           engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
           t_counting = true;
           for (int s = 0; s < 200; ++s) {
@@ -43,7 +45,7 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
           e.flush();
         });
         for (int r = 0; r < world; ++r) {
-          INFO("policy ", entry.name, " protocol ", proto, " same_step_merge ", same_step, " rank ", r);
+          INFO("policy ", entry.name, " protocol ", proto, " same_step_merge ", same_step, " in_flight_makeup ", makeup, " rank ", r);
           CHECK(allocations[r] == 0);
         }
       }
@@ -84,38 +86,52 @@ TEST_CASE("push-sum over the engine: finish() reaches the exact average on an ex
   }
 }
 
-TEST_CASE("engine: same_step_merge brings each send's push-sum share back before step() returns, so the average moves at the full rate") {
+TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer step of a push-sum sender in full") {
   // Every rank adds 1 to its model before each step, as an optimizer step
   // would, and gossips at every step. Merged at the next step, each share is
   // in flight during the increment after its send, which then counts at the
   // halved weight: the average grows by 1 at the first step and by ½ at each
-  // later one. Merged within the step, every increment counts in full.
+  // later one. Merged within the step (same_step_merge), or made up at the
+  // next step (in_flight_makeup: z ← z + (w_sent/w)·(z − x̂) before the merge),
+  // every increment counts in full. The codecs: int8 (the make-up fused into
+  // the merge and the drift pass, from the uncompressed x̂) and topk keeping
+  // every value (drift measured from the x̂ a target holds, so the make-up
+  // is its own pass).
   const int world = 8, steps = 10;
-  for (const bool same_step : {false, true}) {
-    loopback_fabric fabric(world);
-    std::vector<double> weighted(world), weights(world);
-    std::vector<int> weight_off(world);
-    run_ranks(world, [&](int r) {
-      std::vector<float> x(16, static_cast<float>(r));
-      model_view v;
-      v.add("x", x);
-      auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential");
-      spec.settings.same_step_merge = same_step;
-      engine e(v, r, world, std::move(spec), fabric.endpoint(r));
-      for (int s = 0; s < steps; ++s) {
-        for (auto& value : x) value += 1.0f;
-        e.step();
-        if (e.weight() != (same_step ? 1.0 : 0.5)) ++weight_off[r];
-      }
-      e.finish(3);
-      weighted[r] = e.weight() * x[0];
-      weights[r] = e.weight();
-    });
-    const double average = std::accumulate(weighted.begin(), weighted.end(), 0.0) / std::accumulate(weights.begin(), weights.end(), 0.0);
-    INFO("same_step_merge = ", same_step);
-    CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world));
-    CHECK(average == doctest::Approx(3.5 + (same_step ? steps : 1 + 0.5 * (steps - 1))).epsilon(1e-6));
-    for (int r = 0; r < world; ++r) CHECK(weight_off[r] == 0);
+  enum class mode { neither, makeup, same_step };
+  for (const mode m : {mode::neither, mode::makeup, mode::same_step}) {
+    for (const char* codec : {"none", "int8", "topk"}) {
+      if (m == mode::same_step && std::string(codec) != "none") continue;
+      loopback_fabric fabric(world);
+      std::vector<double> weighted(world), weights(world);
+      std::vector<int> weight_off(world);
+      run_ranks(world, [&](int r) {
+        std::vector<float> x(300, static_cast<float>(r));
+        model_view v;
+        v.add("x", x);
+        auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential");
+        spec.settings.same_step_merge = m == mode::same_step;
+        spec.settings.in_flight_makeup = m == mode::makeup;
+        spec.codec.name = codec;
+        if (std::string(codec) == "topk") spec.codec.opts.set("ratio", 1.0);
+        engine e(v, r, world, std::move(spec), fabric.endpoint(r));
+        for (int s = 0; s < steps; ++s) {
+          for (auto& value : x) value += 1.0f;
+          e.step();
+          if (e.weight() != (m == mode::same_step ? 1.0 : 0.5)) ++weight_off[r];
+        }
+        e.finish(3);
+        weighted[r] = e.weight() * x[0];
+        weights[r] = e.weight();
+      });
+      const double average = std::accumulate(weighted.begin(), weighted.end(), 0.0) / std::accumulate(weights.begin(), weights.end(), 0.0);
+      INFO("mode ", static_cast<int>(m), " codec ", codec);
+      CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world));
+      // int8 rounds each share's values to 1/254 of its block's largest (at most 13.5 here).
+      const double tolerance = std::string(codec) == "int8" ? 0.03 : 1e-5;
+      CHECK(std::abs(average - (3.5 + (m != mode::neither ? steps : 1 + 0.5 * (steps - 1)))) < tolerance);
+      for (int r = 0; r < world; ++r) CHECK(weight_off[r] == 0);
+    }
   }
 }
 

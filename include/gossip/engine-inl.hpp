@@ -441,13 +441,24 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     const float* ref_base = m_drift_from_held && m_fresh_stream >= 0
                                 ? m_out_hat.data() + static_cast<std::size_t>(m_fresh_stream) * m_elements
                                 : m_snapshot;
+    // The share the last send left in flight, made up in this pass when
+    // nothing was merged since (a merge makes it up itself).
+    float makeup = take_makeup();
+    if (makeup != 0 && ref_base != m_snapshot) {
+      for (const auto& s : m_slots) make_up(s.data, m_snapshot + s.offset, s.count, makeup);
+      makeup = 0;
+    }
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const auto& s = m_slots[i];
-      const drift_sums d = qgm && m_momentum[i]
-                               ? drift_pass(s.data, ref_base + s.offset, prev + s.offset, s.count,
-                                            qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr),
-                                                     m_settings.momentum_beta, merge_share})
-                               : drift_pass(s.data, ref_base + s.offset, prev ? prev + s.offset : nullptr, s.count);
+      float* p = prev ? prev + s.offset : nullptr;
+      const float* r = ref_base + s.offset;
+      const bool with_q = qgm && m_momentum[i];
+      const qgm_args q = with_q ? qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr), m_settings.momentum_beta,
+                                           merge_share}
+                                : qgm_args{};
+      const drift_sums d = makeup != 0 ? drift_pass_made_up(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
+                           : with_q    ? drift_pass(s.data, r, p, s.count, q)
+                                       : drift_pass(s.data, r, p, s.count);
       m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
       diff += d.diff_sq;
       ref += d.ref_sq;
@@ -495,6 +506,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // 4. send: the copy into the send buffer becomes the new x̂
   std::uint64_t bytes = 0, bytes_raw = 0;
   std::uint32_t sent_to = 0;
+  const double weight_before_send = m_protocol.weight();
   if (d.send) {
     const int next = m_copies_on_post ? m_current : (m_current + 1) % m_settings.send_buffers;
     if (targets.empty()) {
@@ -587,6 +599,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       }
     }
   }
+  if (m_settings.in_flight_makeup && !m_settings.same_step_merge && !m_device && m_protocol.type() == protocol::kind::push_sum)
+    m_makeup = std::max(0.0, weight_before_send - m_protocol.weight());
   m_transport.end_step(t);
   const auto t2 = clock::now();
   // same_step_merge: this step's messages now, so that the shares sent are
@@ -632,11 +646,19 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   return result;
 }
 
+inline float engine::take_makeup() noexcept {
+  if (!(m_makeup > 0)) return 0;
+  const double w = m_protocol.weight();
+  const auto c = static_cast<float>(w > 0 ? m_makeup / w : 0.0);
+  m_makeup = 0;
+  return c;
+}
+
 inline void engine::merge_received(std::size_t lo, std::size_t hi) {
   const std::size_t n = hi - lo;
   const std::span<const received> msgs(m_received.data() + lo, n);
   if (!m_device) {
-    const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot);
+    const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot, take_makeup());
     if (sums.models > 0 && sums.ref_sq > 0) {
       // E‖x_i − x_j‖² = 2·E‖x_i − x̄‖² for two models drawn around the mean:
       // half the squared distance to what arrived estimates the consensus distance.
@@ -734,6 +756,11 @@ inline void engine::wait_for_buffer(int i) {
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
+    if (m_corrected_merge && m_makeup > 0) {
+      // A corrected merge's estimate starts from z (decode_inbound): make up first.
+      const float c = take_makeup();
+      for (const auto& s : m_slots) make_up(s.data, m_snapshot + s.offset, s.count, c);
+    }
     if (m_codec.compresses() && m_protocol.type() == protocol::kind::push_sum) {
       // A message decodes into its sender's x̂, which the merge then reads: a
       // second message of the same sender in this collect would overwrite the

@@ -67,6 +67,21 @@ struct engine_settings {
   /// are a step fresher. Communication then no longer overlaps the next
   /// step's compute. Lockstep transports only (a config_error otherwise).
   bool same_step_merge = false;
+  /// Push-sum, where a send's share is merged after the optimizer step that
+  /// follows the send (loopback without same_step_merge; UCX): that step
+  /// moves this rank's numerator x = w·z by w·Δz with w the weight it kept,
+  /// so the share in flight misses it, and gossip every τ steps moves the
+  /// ranks' average at 1 − 1/(2τ) of the learning rate. With
+  /// in_flight_makeup, the next step() adds what the share missed,
+  /// z ← z + (w_sent/w)·(z − x̂) with x̂ the model sent, fused into the first
+  /// pass that touches z (a merge, or the drift pass): the average then moves
+  /// at the full rate. Exact when the share is merged one step after its send
+  /// (loopback); over UCX, where a message can take longer, the first step is
+  /// made up. A poll() that merges between the send and the optimizer step
+  /// finds nothing to make up yet, and drops it. No effect with
+  /// same_step_merge (nothing is in flight across an optimizer step), under
+  /// other protocols, or for a model in device memory.
+  bool in_flight_makeup = false;
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of its slowest live source, as heard in
   /// the step beacons the transport sends every max_lead/2 steps and in
@@ -192,6 +207,8 @@ class engine {
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release
   void merge_received(std::size_t lo, std::size_t hi);  // m_received[lo, hi)
+  // The make-up coefficient w_sent/w of in_flight_makeup (0: none pending), taken once.
+  float take_makeup() noexcept;
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
   int m_rank, m_world;
@@ -209,6 +226,7 @@ class engine {
   // Buffers, all allocated by the constructor.
   std::unique_ptr<std::byte[]> m_send_storage;  // send_buffers × (header + model)
   int m_current = 0;                            // buffer whose payload is x̂
+  double m_makeup = 0;  // push-sum weight the last send left in flight (in_flight_makeup), not made up yet
   float* m_snapshot = nullptr;                  // x̂ = payload of buffer m_current
   std::vector<float> m_prev;                    // x_{t−1}, for policies that ask and for quasi-global momentum
   std::vector<float> m_mhat;                    // quasi-global momentum m̂ (only when buffers were registered)

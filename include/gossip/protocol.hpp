@@ -100,14 +100,17 @@ class protocol {
   };
 
   /// Merges received messages into x. `snapshot` is x̂ (what peers last got).
-  merge_sums merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot) noexcept {
+  /// makeup (push-sum only): first x ← x + makeup·(x − snapshot), fused into
+  /// the first merge (engine_settings::in_flight_makeup).
+  merge_sums merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot, float makeup = 0) noexcept {
     using vec = Eigen::Map<Eigen::ArrayXf, Eigen::Unaligned>;
     using cvec = Eigen::Map<const Eigen::ArrayXf, Eigen::Unaligned>;
     merge_sums sums;
     if (msgs.empty()) return sums;
     auto mix = [&](const received& m, float b) {
       for (const auto& t : x) {
-        const mix_sums d = mix_pass(t.data, m.data + t.offset, b, t.count);
+        const mix_sums d = makeup != 0 ? mix_pass_made_up(t.data, m.data + t.offset, b, t.count, snapshot + t.offset, makeup)
+                                       : mix_pass(t.data, m.data + t.offset, b, t.count);
         sums.diff_sq += d.diff_sq;
         sums.ref_sq += d.ref_sq;
       }
@@ -120,8 +123,11 @@ class protocol {
           const double total = m_weight + m.weight;
           if (!(total > 0)) continue;
           mix(m, static_cast<float>(m.weight / total));
+          makeup = 0;
           m_weight = total;
         }
+        if (makeup != 0)  // no share merged: the make-up alone
+          for (const auto& t : x) make_up(t.data, snapshot + t.offset, t.count, makeup);
         break;
       case kind::pairwise: {
         float k = 1;
