@@ -76,8 +76,8 @@ struct engine_settings {
   /// z ← z + (w_sent/w)·(z − x̂) with x̂ the model sent, fused into the first
   /// pass that touches z (a merge, or the drift pass): the average then moves
   /// at the full rate. Exact when the share is merged one step after its send
-  /// (loopback); over UCX, where a message can take longer, the first step is
-  /// made up. A poll() that merges between the send and the optimizer step
+  /// (loopback); over UCX, where a share can be merged sooner or later, one
+  /// optimizer step is made up whichever it is. A poll() that merges between the send and the optimizer step
   /// finds nothing to make up yet, and drops it. No effect with
   /// same_step_merge (nothing is in flight across an optimizer step), under
   /// other protocols, or for a model in device memory.
