@@ -9,7 +9,8 @@
 // Checked besides memory safety: every datagram is counted once, every reply
 // is a well-formed packet for a member of the group (a rejoin request only
 // from the async group, header only), a refusal answers exactly the drops
-// that say the packet and its group disagree and is dropped by a switch, and
+// that say the packet and its group (or its version) disagree and is
+// dropped by a switch, and
 // the async group's joined count never exceeds its members.
 #include <cstddef>
 #include <cstdint>
@@ -45,16 +46,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::abort();
       if (h.type == sw::packet_type::async_rejoin && (h.elements != 0 || h.group != 3)) std::abort();  // header only, async group only
     });
-    // A refusal answers only a readable packet at odds with its group, echoes
-    // it and is never answered itself.
+    // A refusal answers only a readable packet at odds with its group (or of
+    // another version), echoes it (another version's: nothing) and is never
+    // answered itself; another version's refusal is not answered either.
+    const bool versions_refusal = why == sw::drop_reason::bad_version && in.type == sw::packet_type::refused;
     if (sw::packet_header r; agg.refusal(in, why, r)) {
-      if (!readable || !sw::refusable(why) || r.type != sw::packet_type::refused || r.flags != static_cast<std::uint8_t>(why) ||
-          r.group != in.group || r.worker != in.worker || r.session != in.session || r.chunk != in.chunk ||
-          (agg.config(in.group) == nullptr) != (r.reserved == 0))
+      if (!readable || !sw::refusable(why) || versions_refusal || r.type != sw::packet_type::refused ||
+          r.flags != static_cast<std::uint8_t>(why) || r.magic != sw::packet_header::magic_value)
+        std::abort();
+      const sw::packet_header none{.type = sw::packet_type::refused, .flags = r.flags};
+      if (why == sw::drop_reason::bad_version ? std::memcmp(&r, &none, sizeof r) != 0
+                                              : r.group != in.group || r.worker != in.worker || r.session != in.session || r.chunk != in.chunk ||
+                                                    (agg.config(in.group) == nullptr) != (r.reserved == 0))
         std::abort();
       sw::packet_header back;
       if (agg.validate(std::as_bytes(std::span(&r, 1)), back) != sw::drop_reason::bad_type) std::abort();
-    } else if (sw::refusable(why)) {
+    } else if (sw::refusable(why) && !versions_refusal) {
       std::abort();
     }
     ++datagrams;

@@ -585,6 +585,20 @@ TEST_CASE("refusals: a packet at odds with its group is answered with the reason
   h = good;
   h.magic = 0;
   CHECK(refusal_of(h, 8, drop_reason::bad_magic) == std::nullopt);
+  // Another version of the format: refused with nothing echoed but the
+  // reason, the rest of its header being perhaps laid out otherwise ...
+  h = good;
+  h.version = 1;
+  r = refusal_of(h, 8, drop_reason::bad_version);
+  REQUIRE(r);
+  CHECK((r->magic == packet_header::magic_value && r->version == packet_header::version_value && r->type == packet_type::refused &&
+         r->flags == static_cast<std::uint8_t>(drop_reason::bad_version)));
+  CHECK((r->reserved == 0 && r->group == 0 && r->worker == 0 && r->slot == 0 && r->elements == 0 && r->chunk == 0 && r->count == 0 &&
+         r->sequence == 0 && r->session == 0));
+  // ... and its refusals are not answered: no ping-pong between switches of two versions.
+  h = packet_header{.type = packet_type::refused, .flags = static_cast<std::uint8_t>(drop_reason::bad_version)};
+  h.version = 3;
+  CHECK(refusal_of(h, 0, drop_reason::bad_version) == std::nullopt);
   // A refusal sent to a switch is dropped there, unanswered: no ping-pong between two switches.
   h = good;
   h.group = 9;
@@ -594,12 +608,12 @@ TEST_CASE("refusals: a packet at odds with its group is answered with the reason
   packet_header read, again;
   CHECK(agg.validate(back, read) == drop_reason::bad_type);
   CHECK_FALSE(agg.refusal(read, drop_reason::bad_type, again));
-  for (std::size_t i = 0; i < drop_reason_count; ++i) {  // exactly the drops that say the group disagrees, or is another job's
+  for (std::size_t i = 0; i < drop_reason_count; ++i) {  // exactly the drops that say the group or the version disagrees, or is another job's
     const auto why = static_cast<drop_reason>(i);
     CAPTURE(to_string(why));
     const bool group_mismatch = why == drop_reason::unknown_group || why == drop_reason::bad_worker || why == drop_reason::bad_elements ||
                                 why == drop_reason::bad_length || why == drop_reason::bad_chunk || why == drop_reason::bad_slot ||
-                                why == drop_reason::wrong_mode || why == drop_reason::session_conflict;
+                                why == drop_reason::wrong_mode || why == drop_reason::session_conflict || why == drop_reason::bad_version;
     CHECK(refusable(why) == group_mismatch);
   }
 }

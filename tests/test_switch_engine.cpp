@@ -461,6 +461,61 @@ TEST_CASE("a switch whose group disagrees with the workers refuses their packets
   }
 }
 
+TEST_CASE("a switch of another wire version: the workers stop at once with both versions named") {
+  // What a switch of version 3 answers every packet of this version with
+  // (packet.hpp): a refusal, laid out alike in bytes 0-7 in every version.
+  for (const bool refusal : {true, false}) {
+    CAPTURE(refusal);
+    const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    socklen_t alen = sizeof a;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &alen);
+    std::atomic<bool> stop{false};
+    std::atomic<int> answered{0};
+    std::thread sw([&] {
+      std::vector<std::byte> buf(2048);
+      while (!stop) {
+        pollfd p{fd, POLLIN, 0};
+        if (::poll(&p, 1, 20) <= 0) continue;
+        sockaddr_in from{};
+        socklen_t fl = sizeof from;
+        if (::recvfrom(fd, buf.data(), buf.size(), 0, reinterpret_cast<sockaddr*>(&from), &fl) < 8) continue;
+        // A refusal of bad_version, or (a switch that does not refuse) its own reply type.
+        gossip::sw::packet_header r{.type = refusal ? gossip::sw::packet_type::refused : gossip::sw::packet_type::sync_result};
+        r.version = 3;
+        r.flags = refusal ? static_cast<std::uint8_t>(gossip::sw::drop_reason::bad_version) : 0;
+        ::sendto(fd, &r, sizeof r, 0, reinterpret_cast<const sockaddr*>(&from), sizeof from);
+        ++answered;
+      }
+    });
+    auto cfg = switch_config("periodic", ntohs(a.sin_port));
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<float> x(1000, 1.0f);
+    gossip::model_view view;
+    view.add("w", x);
+    const std::string expected = fmt::format("speaks version 3 of the switch wire format and worker 0 (group 1) version {}{}",
+                                             gossip::sw::packet_header::version_value,
+                                             refusal ? "; it refused this worker's packets (bad_version)" : "");
+    CHECK_THROWS_WITH_AS(
+        {
+          gossip::engine e(view, 0, 2, cfg, gossip::make_switch_transport(cfg, 0, 2));
+          for (int s = 0; s < 100; ++s) {
+            e.step();
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+        },
+        doctest::Contains(expected.c_str()), gossip::config_error);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));  // long before the 20 s timeout
+    stop = true;
+    sw.join();
+    ::close(fd);
+    CHECK(answered > 0);
+  }
+}
+
 TEST_CASE("two jobs on one sync group: the switch refuses both instead of mixing their sums") {
   udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
   auto cfg = switch_config("periodic", agg.port());

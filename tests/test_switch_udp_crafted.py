@@ -7,7 +7,8 @@ session, slot conflict) must be dropped and counted under its own reason, with
 the well-formed traffic around it still aggregated exactly: sync results are
 the exact sums, duplicates get the stored result again, async replies are the
 exact averages. A packet at odds with its group's configuration, or from a
-second live session on one member (two jobs on one group), is answered with
+second live session on one member (two jobs on one group), or of another
+version of the wire format, is answered with
 one `refused` header to its sender, naming the reason and the group as the
 switch has it; no other drop is answered. The switch's --stats-json
 (written on SIGUSR1) must list exactly the expected drops.
@@ -27,7 +28,7 @@ import time
 MAGIC, VERSION = 0x31575347, 2
 SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN, REFUSED = 1, 2, 3, 4, 5, 6, 7
 # drop_reason codes (packet.hpp) of the drops the switch answers with REFUSED
-REFUSABLE = {"unknown_group": 5, "bad_worker": 6, "bad_elements": 7, "bad_length": 8, "bad_chunk": 9, "bad_slot": 10,
+REFUSABLE = {"bad_version": 3, "unknown_group": 5, "bad_worker": 6, "bad_elements": 7, "bad_length": 8, "bad_chunk": 9, "bad_slot": 10,
              "wrong_mode": 11, "session_conflict": 25}
 HDR = struct.Struct("<IBBBBHHHHIIII")
 
@@ -100,6 +101,11 @@ def main():
                 return
             sent = HDR.unpack_from(data)
             r = reply(sender)
+            if reason == "bad_version":  # another version's header may be laid out otherwise past byte 8: nothing echoed
+                check(r["type"] == REFUSED and r["length"] == HDR.size and r["flags"] == REFUSABLE[reason] and
+                      all(r[k] == 0 for k in ("reserved", "group", "worker", "slot", "elements", "chunk", "count", "sequence", "session")),
+                      "bad_version is refused to its sender with the reason alone (got %s)" % r)
+                return
             view = groups.get(sent[5], (0, 0, 0, 0, 0))
             check(r["type"] == REFUSED and r["length"] == HDR.size and r["flags"] == REFUSABLE[reason] and
                   (r["group"], r["worker"], r["chunk"], r["session"]) == (sent[5], sent[6], sent[9], sent[12]) and
@@ -125,6 +131,8 @@ def main():
         drop("too_short", b"GSW1\x02\x01")
         drop("bad_magic", packet(SYNC, 1, 0, a, session=7, magic=0x31575348))
         drop("bad_version", packet(SYNC, 1, 0, a, session=7, version=1))
+        # Another version's refusal is not answered: no ping-pong between switches of two versions.
+        drop("bad_version", packet(REFUSED, 1, 0, [], session=7, version=3, flags=3), refused=False)
         drop("bad_type", packet(RESULT, 1, 0, a, session=7))
         drop("unknown_group", packet(SYNC, 9, 0, a, session=7))
         drop("bad_worker", packet(SYNC, 1, 2, a, session=7))

@@ -285,6 +285,9 @@ class aggregator {
     out = packet_header{};
     out.type = packet_type::refused;
     out.flags = static_cast<std::uint8_t>(why);
+    // Past byte 8 another version's header may be laid out otherwise: echo
+    // nothing. Its refusals go unanswered, as this version's do (bad_type).
+    if (why == drop_reason::bad_version) return dropped.type != packet_type::refused;
     out.group = dropped.group;
     out.worker = dropped.worker;
     out.chunk = dropped.chunk;

@@ -250,6 +250,19 @@ class client {
   // and `elements` (0: a leave) describe what this worker sent.
   void check_refusal(const std::byte* p, std::size_t len, std::string_view mode, std::uint64_t elements) const {
     packet_header r;
+    // The socket is connected: whatever arrives is the switch's. Bytes 0–7
+    // are laid out alike in every version (packet.hpp).
+    if (len >= 8) {
+      std::uint32_t magic = 0;
+      std::memcpy(&magic, p, sizeof magic);
+      const auto version = static_cast<std::uint8_t>(p[4]);
+      if (magic == packet_header::magic_value && version != packet_header::version_value)
+        throw config_error(fmt::format(
+            "switch at {}:{} speaks version {} of the switch wire format and worker {} (group {}) version {}{}: run the switch "
+            "(gossip-switch or gossip-switch-udp) and the workers from the same libgossip release",
+            m_cfg.address, m_cfg.port, version, m_cfg.worker, m_cfg.group, packet_header::version_value,
+            static_cast<packet_type>(p[5]) == packet_type::refused ? "; it refused this worker's packets (bad_version)" : ""));
+    }
     if (len != sizeof r || !read_header(p, len, r) || r.magic != packet_header::magic_value ||
         r.version != packet_header::version_value || r.type != packet_type::refused || r.group != m_cfg.group ||
         r.worker != m_cfg.worker || r.session != m_session)

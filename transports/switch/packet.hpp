@@ -44,6 +44,14 @@
 /// refusal is never larger than what it answers, and a refusal sent to a
 /// switch is dropped there as bad_type, never answered.
 ///
+/// The first 8 bytes (magic, version, type, flags) keep these offsets in
+/// every version of the format, and `refused` keeps its value, so that a
+/// switch and a worker of different versions still tell each other so: a
+/// packet of another version is refused (bad_version, header only, with
+/// nothing echoed: the rest of its header may be laid out otherwise), and
+/// a worker that hears its switch speak another version stops with an error
+/// that names both versions.
+///
 ///     gossip::sw::packet_header h{.type = gossip::sw::packet_type::sync_contribution, .group = 1, .worker = 0};
 ///     const std::size_t bytes = gossip::sw::packet_bytes(h.elements);
 ///
@@ -140,8 +148,9 @@ inline constexpr std::string_view to_string(drop_reason r) noexcept {
 }
 
 /// The drops a switch answers with `refused`: the packet and the group's
-/// configuration disagree, or another job's session holds the same member,
-/// so every retransmission would be dropped too.
+/// configuration disagree, another job's session holds the same member, or
+/// the sender speaks another version of this format, so every
+/// retransmission would be dropped too.
 inline constexpr bool refusable(drop_reason r) noexcept {
   switch (r) {
     case drop_reason::unknown_group:
@@ -152,6 +161,7 @@ inline constexpr bool refusable(drop_reason r) noexcept {
     case drop_reason::bad_slot:
     case drop_reason::wrong_mode:
     case drop_reason::session_conflict:
+    case drop_reason::bad_version:
       return true;
     default:
       return false;
