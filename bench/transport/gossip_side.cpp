@@ -208,8 +208,13 @@ struct rank_process {
     // A step may wait for the other rank ([engine] max_lead paces the faster
     // one to the slower); that wait is timed too, and also subtracted
     // (unpaced: what the step itself costs).
-    std::vector<double> step_us, drift_us, unpaced_us;
+    // Steps that did not wait at all (quiet) are also kept apart: a wait lets
+    // the other rank's passes evict this rank's model from a shared cache,
+    // which the pass after it then pays for, and subtracting the wait's time
+    // does not undo that.
+    std::vector<double> step_us, drift_us, unpaced_us, quiet_step_us, quiet_drift_us;
     double waited_s = e.stats().lead_wait_seconds;
+    std::uint64_t waits = e.stats().lead_waits;
     const int warm = std::max(2, steps / 10);
     for (int k = 0; k < warm + steps; ++k) {
       // Alternate which goes first, so neither always runs right after the other.
@@ -227,22 +232,30 @@ struct rank_process {
         const double us = std::chrono::duration<double, std::micro>(clock_type::now() - a).count();
         (do_step ? ts : td) = us;
       }
-      const double w = e.stats().lead_wait_seconds;
-      const double wait_us = (w - waited_s) * 1e6;
-      waited_s = w;
+      const auto st = e.stats();
+      const double wait_us = (st.lead_wait_seconds - waited_s) * 1e6;
+      const bool quiet = st.lead_waits == waits;
+      waited_s = st.lead_wait_seconds;
+      waits = st.lead_waits;
       if (k >= warm) {
         step_us.push_back(ts);
         drift_us.push_back(td);
         unpaced_us.push_back(ts - wait_us);
+        if (quiet) {
+          quiet_step_us.push_back(ts);
+          quiet_drift_us.push_back(td);
+        }
       }
     }
     const auto median = [](std::vector<double> v) {
+      if (v.empty()) return 0.0;
       std::sort(v.begin(), v.end());
       return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
     };
     const auto st = e.stats();
     e.finish(0);
-    return fmt::format("ok {:.3f} {:.3f} {:.3f} {} {}", median(step_us), median(drift_us), median(unpaced_us), st.lead_waits, st.step_beacons);
+    return fmt::format("ok {:.3f} {:.3f} {:.3f} {} {} {:.3f} {:.3f} {}", median(step_us), median(drift_us), median(unpaced_us), st.lead_waits,
+                       st.step_beacons, median(quiet_step_us), median(quiet_drift_us), quiet_step_us.size());
   }
 
   // Rank 0 serves the rendezvous, so it leaves last.

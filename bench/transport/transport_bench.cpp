@@ -178,9 +178,10 @@ int run(settings& s) {
       const auto replies = pair.both(fmt::format("step {} {}", elements, s.steps), fmt::format("step cost at {} elements", elements));
       for (int rank = 0; rank < 2; ++rank) {
         std::istringstream in(replies[static_cast<std::size_t>(rank)].substr(3));
-        double step_us = 0, drift_us = 0, unpaced_us = 0;
-        std::uint64_t lead_waits = 0, beacons = 0;
-        in >> step_us >> drift_us >> unpaced_us >> lead_waits >> beacons;
+        double step_us = 0, drift_us = 0, unpaced_us = 0, quiet_step_us = 0, quiet_drift_us = 0;
+        std::uint64_t lead_waits = 0, beacons = 0, quiet_steps = 0;
+        in >> step_us >> drift_us >> unpaced_us >> lead_waits >> beacons >> quiet_step_us >> quiet_drift_us >> quiet_steps;
+        const json quiet_ratio = quiet_steps > 0 ? json(quiet_step_us / quiet_drift_us) : json(nullptr);
         step_cost.push_back({{"tls", tls},
                              {"rank", rank},
                              {"elements", elements},
@@ -191,7 +192,9 @@ int run(settings& s) {
                              {"unpaced_us", unpaced_us},
                              {"ratio_unpaced", unpaced_us / drift_us},
                              {"lead_waits", lead_waits},
-                             {"step_beacons", beacons}});
+                             {"step_beacons", beacons},
+                             {"quiet_steps", quiet_steps},
+                             {"ratio_quiet", quiet_ratio}});
       }
     }
   }
