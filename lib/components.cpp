@@ -101,6 +101,11 @@ const std::vector<option_spec>& engine_option_specs() {
        "it), so gossip every tau steps learns at the full rate instead of 1 - 1/(2 tau); fused into the next merge or drift pass "
        "(host models; nothing to make up with same_step_merge)",
        ""},
+      {"numerator_steps", false,
+       "push-sum: every optimizer step counts in full in the rank's push-sum numerator whatever its weight (as Stochastic Gradient "
+       "Push), so shares in flight for any number of steps cost the ranks' average nothing; keeps x_{t-1} (one more model copy); "
+       "host models; not with in_flight_makeup or same_step_merge",
+       ""},
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
        "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "

@@ -98,6 +98,7 @@ std::string engine_stats::to_json(int indent) const {
   j["backlog_waits"] = backlog_waits;
   j["backlog_wait_seconds"] = backlog_wait_seconds;
   j["step_beacons"] = step_beacons;
+  j["merge_age"] = merge_age;
   j["peers"] = peers;
   j["tensors"] = tensors;
   j["dead_peers"] = dead_peers;

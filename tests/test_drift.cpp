@@ -137,6 +137,30 @@ TEST_CASE("the make-up of a push-sum share in flight, x <- x + c*(x - ref), fuse
       CHECK(close(got.diff_sq, want.diff_sq));
       CHECK(close(got.step_sq, want.step_sq));
     }
+    SUBCASE("numerator_steps: the step since x_{t-1} counted at weight 1, fused into the drift pass, with and without momentum") {
+      // x <- x + c*(x - x_{t-1}) (negative c too: a weight above 1), then the pass with x_{t-1}.
+      for (const float k : {c, -0.25f}) {
+        CAPTURE(k);
+        std::vector<float> stepped(n);
+        for (std::size_t i = 0; i < n; ++i) stepped[i] = x[i] + k * (x[i] - p[i]);
+        auto x1 = x, p1 = p, p_want = p;
+        const auto got = drift_pass_stepped(x1.data(), r.data(), p1.data(), n, k);
+        const auto want = drift_pass(stepped.data(), r.data(), p_want.data(), n);
+        CHECK(same(x1, stepped));
+        CHECK(same(p1, stepped));  // x_{t-1} <- the corrected x
+        CHECK(close(got.diff_sq, want.diff_sq));
+        CHECK(close(got.ref_sq, want.ref_sq));
+        CHECK(close(got.step_sq, want.step_sq));
+        auto x2 = x, p2 = p, mh1 = mhat, b1 = buf, p3 = p, mh2 = mhat, b2 = buf;
+        const qgm_args q1{mh1.data(), b1.data(), 1 / lr, beta, 0.5f};
+        const auto got2 = drift_pass_stepped(x2.data(), r.data(), p2.data(), n, k, &q1);
+        const auto want2 = drift_pass(stepped.data(), r.data(), p3.data(), n, qgm_args{mh2.data(), b2.data(), 1 / lr, beta, 0.5f});
+        CHECK(same(x2, stepped));
+        CHECK(same(mh1, mh2));
+        CHECK(same(b1, b2));
+        CHECK(close(got2.step_sq, want2.step_sq));
+      }
+    }
     SUBCASE("merge pass") {
       auto z1 = x, z2 = made;
       const auto got = mix_pass_made_up(z1.data(), m.data(), 0.25f, n, r.data(), c);

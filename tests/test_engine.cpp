@@ -1,5 +1,6 @@
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -19,11 +20,11 @@ using gossip::test::spec_of;
 using gossip::test::toy_model;
 
 
-TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol, merging at the next step (made up or not) or the same one") {
+TEST_CASE("engine.step() allocates nothing, for every shipped policy and protocol, merging at the next step (made up, with numerator steps or not) or the same one") {
   for (const auto& entry : policy_registry().entries())
     for (const char* proto : {"push-sum", "pairwise", "stale-copy"})
-      for (const int mode : {0, 1, 2}) {
-        const bool same_step = mode == 2, makeup = mode == 1;
+      for (const int mode : {0, 1, 2, 3}) {
+        const bool same_step = mode == 2, makeup = mode == 1, numerator = mode == 3;
         const int world = 4;
         loopback_fabric fabric(world);
         std::vector<std::size_t> allocations(world);
@@ -33,6 +34,7 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
           spec.settings.trace_path = "unused-{rank}";  // trace buffer on, never written (finish() is not called)
           spec.settings.same_step_merge = same_step;
           spec.settings.in_flight_makeup = makeup;
+          spec.settings.numerator_steps = numerator;
           engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
           t_counting = true;
           for (int s = 0; s < 200; ++s) {
@@ -45,7 +47,8 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
           e.flush();
         });
         for (int r = 0; r < world; ++r) {
-          INFO("policy ", entry.name, " protocol ", proto, " same_step_merge ", same_step, " in_flight_makeup ", makeup, " rank ", r);
+          INFO("policy ", entry.name, " protocol ", proto, " same_step_merge ", same_step, " in_flight_makeup ", makeup, " numerator_steps ",
+               numerator, " rank ", r);
           CHECK(allocations[r] == 0);
         }
       }
@@ -98,8 +101,8 @@ TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer st
   // every value (drift measured from the x̂ a target holds, so the make-up
   // is its own pass).
   const int world = 8, steps = 10;
-  enum class mode { neither, makeup, same_step };
-  for (const mode m : {mode::neither, mode::makeup, mode::same_step}) {
+  enum class mode { neither, makeup, same_step, numerator };
+  for (const mode m : {mode::neither, mode::makeup, mode::same_step, mode::numerator}) {
     for (const char* codec : {"none", "int8", "topk"}) {
       if (m == mode::same_step && std::string(codec) != "none") continue;
       loopback_fabric fabric(world);
@@ -112,6 +115,7 @@ TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer st
         auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential");
         spec.settings.same_step_merge = m == mode::same_step;
         spec.settings.in_flight_makeup = m == mode::makeup;
+        spec.settings.numerator_steps = m == mode::numerator;
         spec.codec.name = codec;
         if (std::string(codec) == "topk") spec.codec.opts.set("ratio", 1.0);
         engine e(v, r, world, std::move(spec), fabric.endpoint(r));
@@ -120,6 +124,10 @@ TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer st
           e.step();
           if (e.weight() != (m == mode::same_step ? 1.0 : 0.5)) ++weight_off[r];
         }
+        // Lockstep: each share missed one optimizer step, or none within the step.
+        const std::uint64_t merged = m == mode::same_step ? steps : steps - 1;
+        CHECK(e.stats().merge_age == (m == mode::same_step ? std::array<std::uint64_t, 5>{merged, 0, 0, 0, 0}
+                                                           : std::array<std::uint64_t, 5>{0, merged, 0, 0, 0}));
         e.finish(3);
         weighted[r] = e.weight() * x[0];
         weights[r] = e.weight();
@@ -133,6 +141,62 @@ TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer st
       for (int r = 0; r < world; ++r) CHECK(weight_off[r] == 0);
     }
   }
+}
+
+TEST_CASE("engine: numerator_steps counts every optimizer step in full whatever the weights and however long a share is in flight") {
+  // Ranks send at periods of their own (1, 2 or 3 steps), so a share waits
+  // for merging, and weights wander from ½ to above 1. Each rank adds 1 to
+  // its model before each step: the ranks' push-sum numerators must sum to
+  // their start plus one per rank and step, exactly, with numerator_steps
+  // and with no other setting.
+  const int world = 6, steps = 12;
+  for (const bool numerator : {false, true}) {
+    loopback_fabric fabric(world);
+    std::vector<double> weighted(world), weights(world);
+    std::vector<double> wmin(world, 1e9), wmax(world, 0);
+    run_ranks(world, [&](int r) {
+      std::vector<float> x(200, static_cast<float>(r));
+      model_view v;
+      v.add("x", x);
+      auto spec = spec_of(any_policy(policies::periodic{.every = static_cast<std::uint64_t>(1 + r % 3)}, "periodic"), "exponential");
+      spec.settings.numerator_steps = numerator;
+      engine e(v, r, world, std::move(spec), fabric.endpoint(r));
+      for (int s = 0; s < steps; ++s) {
+        for (auto& value : x) value += 1.0f;
+        e.step();
+        wmin[r] = std::min(wmin[r], e.weight());
+        wmax[r] = std::max(wmax[r], e.weight());
+      }
+      e.finish(3);  // no optimizer step in between: nothing more to count
+      weighted[r] = e.weight() * x[0];
+      weights[r] = e.weight();
+    });
+    INFO("numerator_steps ", numerator);
+    CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world));
+    CHECK(*std::min_element(wmin.begin(), wmin.end()) < 0.5);  // the weights did wander
+    CHECK(*std::max_element(wmax.begin(), wmax.end()) > 1.0);
+    const double average = std::accumulate(weighted.begin(), weighted.end(), 0.0) / world;
+    const double full = (world - 1) / 2.0 + steps;
+    if (numerator)
+      CHECK(average == doctest::Approx(full).epsilon(1e-6));
+    else
+      CHECK(average < full - 0.5);  // the shares in flight missed steps
+  }
+  // Not with the settings that count the steps another way.
+  loopback_fabric fabric(2);
+  toy_model m({4}, 1);
+  for (const char* other : {"in_flight_makeup", "same_step_merge"}) {
+    auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"));
+    spec.settings.numerator_steps = true;
+    (std::string(other) == "in_flight_makeup" ? spec.settings.in_flight_makeup : spec.settings.same_step_merge) = true;
+    CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)),
+                         doctest::Contains(fmt::format("[engine] numerator_steps = true counts every optimizer step in full already; set {} to false",
+                                                       other)
+                                               .c_str()),
+                         config_error);
+  }
+  const auto cfg = config::parse("[engine]\nnumerator_steps = true\n", "numerator.toml");
+  CHECK(engine_spec::from(cfg).settings.numerator_steps);
 }
 
 TEST_CASE("engine: same_step_merge over a transport that is not lockstep is refused, naming the transport") {

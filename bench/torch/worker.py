@@ -204,7 +204,7 @@ def main():
     stats = eng.stats() if eng is not None else {}
     torch.save({"rank": rank, "world": world, "method": a.method, "seed": a.seed, "steps": total,
                 "steps_per_epoch": steps_per_epoch, "wall_s": wall, "train_s": train_s, "snaps": snaps,
-                "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}},
+                "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool)) or k == "merge_age"}},
                os.path.join(a.out, f"rank{rank}.pt"))
     if a.method == "ddp":
         import torch.distributed as dist

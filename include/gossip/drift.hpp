@@ -110,7 +110,7 @@ template <std::size_t count, typename packet>
 //
 // with_makeup: x first becomes x + makeup·(x − ref), written to `out` (x's
 // own memory), and the rest of the pass measures that (drift_pass_made_up).
-template <bool with_prev, bool with_qgm = false, bool with_makeup = false>
+template <bool with_prev, bool with_qgm = false, bool with_makeup = false, bool makeup_from_prev = false>
 [[gnu::noinline]] inline drift_sums drift_pass_impl(const float* x, const float* ref, float* prev, std::size_t n, const qgm_args& q = {},
                                                     float* out = nullptr, float makeup = 0) noexcept {
   namespace ei = Eigen::internal;
@@ -121,6 +121,7 @@ template <bool with_prev, bool with_qgm = false, bool with_makeup = false>
 
   drift_sums s;
   static_assert(with_prev || !with_qgm, "quasi-global momentum needs x_{t−1}");
+  static_assert(with_prev || !makeup_from_prev, "a make-up from x_{t−1} needs it");
   // d = −e/lr when merge_share is 1; else v − share·(e/lr + v) = (1 − share)·v − share·e/lr.
   [[maybe_unused]] const packet own = ei::pset1<packet>(1.0f - q.merge_share), shared = ei::pset1<packet>(q.merge_share * q.inv_lr),
                                 beta = ei::pset1<packet>(q.beta), rest = ei::pset1<packet>(1.0f - q.beta);
@@ -146,7 +147,10 @@ template <bool with_prev, bool with_qgm = false, bool with_makeup = false>
           packet xv = ei::ploadu<packet>(x + at + p * width);
           const packet rv = ei::ploadu<packet>(ref + at + p * width);
           if constexpr (with_makeup) {
-            xv = ei::pmadd(extra, ei::psub(xv, rv), xv);
+            if constexpr (makeup_from_prev)
+              xv = ei::pmadd(extra, ei::psub(xv, ei::ploadu<packet>(prev + at + p * width)), xv);
+            else
+              xv = ei::pmadd(extra, ei::psub(xv, rv), xv);
             ei::pstoreu(out + at + p * width, xv);
           }
           const packet d = ei::psub(xv, rv);
@@ -178,7 +182,7 @@ template <bool with_prev, bool with_qgm = false, bool with_makeup = false>
   }
   // The rest: fewer than 64 elements past the four quarters.
   for (std::size_t i = drift_streams * quarter; i < n; ++i) {
-    if constexpr (with_makeup) out[i] = x[i] + makeup * (x[i] - ref[i]);  // out is x
+    if constexpr (with_makeup) out[i] = x[i] + makeup * (x[i] - (makeup_from_prev ? prev[i] : ref[i]));  // out is x
     const double xv = x[i], rv = ref[i];
     s.diff_sq += (xv - rv) * (xv - rv);
     s.ref_sq += rv * rv;
@@ -280,6 +284,15 @@ inline drift_sums drift_pass_made_up(float* x, const float* ref, float* prev, st
   if (q) return detail::drift_pass_impl<true, true, true>(x, ref, prev, n, *q, x, makeup);
   return prev ? detail::drift_pass_impl<true, false, true>(x, ref, prev, n, {}, x, makeup)
               : detail::drift_pass_impl<false, false, true>(x, ref, nullptr, n, {}, x, makeup);
+}
+
+/// drift_pass with prev (and `q` when non-null) of x after
+/// x ← x + makeup·(x − prev), written in the same pass: the push-sum
+/// correction that counts the optimizer step since x_{t−1} at weight 1
+/// (engine_settings::numerator_steps).
+inline drift_sums drift_pass_stepped(float* x, const float* ref, float* prev, std::size_t n, float makeup, const qgm_args* q = nullptr) noexcept {
+  if (q) return detail::drift_pass_impl<true, true, true, true>(x, ref, prev, n, *q, x, makeup);
+  return detail::drift_pass_impl<true, false, true, true>(x, ref, prev, n, {}, x, makeup);
 }
 
 }  // namespace gossip

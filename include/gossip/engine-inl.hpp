@@ -4,6 +4,7 @@
 // engine_codec-inl.hpp encodes and decodes the compressed streams.
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "gossip/engine.hpp"
 #include "gossip/engine_codec-inl.hpp"
@@ -28,8 +29,13 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                    "(loopback); transport '{}' merges messages as they arrive, with no step to merge them in: set it "
                                    "to false",
                                    rank, caps.name));
+  if (m_settings.numerator_steps && (m_settings.in_flight_makeup || m_settings.same_step_merge))
+    throw config_error(fmt::format("engine (rank {}): [engine] numerator_steps = true counts every optimizer step in full already; set {} "
+                                   "to false",
+                                   rank, m_settings.in_flight_makeup ? "in_flight_makeup" : "same_step_merge"));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  m_numerator_steps = m_settings.numerator_steps && m_protocol.type() == protocol::kind::push_sum && !model.device();
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
   // that delivers at step boundaries (loopback), or the switch's sync
   // all-reduce, which every member merges at the step after it posted — and
@@ -132,7 +138,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
     }
     const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
-    if (m_policy.wants_step_change() || qgm) {
+    if (m_policy.wants_step_change() || qgm || m_numerator_steps) {
       m_prev.resize(m_elements);
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
     }
@@ -351,6 +357,18 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   const auto t0 = clock::now();
   const std::uint64_t t = m_step;
   step_result result;
+  m_in_step = true;
+  struct leave_step {
+    bool& in;
+    ~leave_step() { in = false; }
+  } leave{m_in_step};
+  if (m_numerator_steps) {
+    // The optimizer step since the last one ran at the weight the rank has
+    // now; z − x_{t−1} is that step unless a poll() merged in between.
+    const double w = m_protocol.weight();
+    m_step_makeup = m_prev_fresh && w > 0 ? static_cast<float>(1.0 / w - 1.0) : 0.0f;
+    m_prev_fresh = true;  // this step's drift pass writes x_{t−1} again
+  }
 
   handle_failures();
 
@@ -444,7 +462,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     // The share the last send left in flight, made up in this pass when
     // nothing was merged since (a merge makes it up itself).
     float makeup = take_makeup();
-    if (makeup != 0 && ref_base != m_snapshot) {
+    if (makeup != 0 && ref_base != m_snapshot && !m_numerator_steps) {
       for (const auto& s : m_slots) make_up(s.data, m_snapshot + s.offset, s.count, makeup);
       makeup = 0;
     }
@@ -456,7 +474,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       const qgm_args q = with_q ? qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr), m_settings.momentum_beta,
                                            merge_share}
                                 : qgm_args{};
-      const drift_sums d = makeup != 0 ? drift_pass_made_up(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
+      const drift_sums d = makeup != 0 ? (m_numerator_steps ? drift_pass_stepped(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
+                                                            : drift_pass_made_up(s.data, r, p, s.count, makeup, with_q ? &q : nullptr))
                            : with_q    ? drift_pass(s.data, r, p, s.count, q)
                                        : drift_pass(s.data, r, p, s.count);
       m_tensor_drift[i] = {d.diff_sq, d.ref_sq};
@@ -647,6 +666,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 }
 
 inline float engine::take_makeup() noexcept {
+  if (m_numerator_steps) return std::exchange(m_step_makeup, 0.0f);
   if (!(m_makeup > 0)) return 0;
   const double w = m_protocol.weight();
   const auto c = static_cast<float>(w > 0 ? m_makeup / w : 0.0);
@@ -658,7 +678,7 @@ inline void engine::merge_received(std::size_t lo, std::size_t hi) {
   const std::size_t n = hi - lo;
   const std::span<const received> msgs(m_received.data() + lo, n);
   if (!m_device) {
-    const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot, take_makeup());
+    const auto sums = m_protocol.merge(m_slots, msgs, m_snapshot, take_makeup(), makeup_ref());
     if (sums.models > 0 && sums.ref_sq > 0) {
       // E‖x_i − x_j‖² = 2·E‖x_i − x̄‖² for two models drawn around the mean:
       // half the squared distance to what arrived estimates the consensus distance.
@@ -756,10 +776,10 @@ inline void engine::wait_for_buffer(int i) {
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
   if (n > 0) {
-    if (m_corrected_merge && m_makeup > 0) {
+    if (m_corrected_merge && makeup_pending()) {
       // A corrected merge's estimate starts from z (decode_inbound): make up first.
       const float c = take_makeup();
-      for (const auto& s : m_slots) make_up(s.data, m_snapshot + s.offset, s.count, c);
+      for (const auto& s : m_slots) make_up(s.data, makeup_ref() + s.offset, s.count, c);
     }
     if (m_codec.compresses() && m_protocol.type() == protocol::kind::push_sum) {
       // A message decodes into its sender's x̂, which the merge then reads: a
@@ -789,10 +809,18 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
       m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);
       m_last_merge_step = t;
     }
+    // A message's age: the optimizer steps it missed. A step t runs after
+    // the optimizer step of index t and merges at age t − (the send's step);
+    // between steps (poll) the last step's index is the base.
+    const std::uint64_t age_base = m_in_step ? m_step : (m_step > 0 ? m_step - 1 : 0);
+    if (!m_in_step) m_prev_fresh = false;  // z − x_{t−1} holds this merge now (numerator_steps)
     for (std::size_t i = 0; i < n; ++i) {
       // An aggregator's reply has no member rank as its sender.
       const int sender = m_received[i].sender;
-      if (sender >= 0 && sender < m_world) m_heard_step = std::max(m_heard_step, m_received[i].step);
+      if (sender >= 0 && sender < m_world) {
+        m_heard_step = std::max(m_heard_step, m_received[i].step);
+        ++m_stats.merge_age[static_cast<std::size_t>(std::min<std::uint64_t>(age_base > m_received[i].step ? age_base - m_received[i].step : 0, 4))];
+      }
       const int k = sender >= 0 && sender < m_world ? m_peer_index[static_cast<std::size_t>(sender)] : -1;
       if (k < 0) continue;
       auto& p = m_stats.peers[static_cast<std::size_t>(k)];

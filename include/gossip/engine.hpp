@@ -82,6 +82,19 @@ struct engine_settings {
   /// same_step_merge (nothing is in flight across an optimizer step), under
   /// other protocols, or for a model in device memory.
   bool in_flight_makeup = false;
+  /// Push-sum: every optimizer step counts in full in this rank's numerator
+  /// x = w·z, whatever the weight w it ran at, as Stochastic Gradient Push
+  /// applies its gradients (Assran et al. 2019): the next step() adds
+  /// z ← z + (1/w − 1)·(z − x_{t−1}), with x_{t−1} the model the last step
+  /// left, fused into the first pass that touches z. The ranks' average then
+  /// moves by the mean of their steps however long a share stays in flight,
+  /// and a rank whose weight a share made larger than 1 steps less. Keeps
+  /// x_{t−1} (one more copy of the model, read and written by the drift
+  /// pass). A rank whose weight is small takes steps of 1/w its optimizer's
+  /// in z. A poll() that merges between steps leaves the next step's
+  /// correction out. Host models; not with in_flight_makeup (which makes up
+  /// one step after each send) or same_step_merge.
+  bool numerator_steps = false;
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of its slowest live source, as heard in
   /// the step beacons the transport sends every max_lead/2 steps and in
@@ -209,6 +222,9 @@ class engine {
   void merge_received(std::size_t lo, std::size_t hi);  // m_received[lo, hi)
   // The make-up coefficient w_sent/w of in_flight_makeup (0: none pending), taken once.
   float take_makeup() noexcept;
+  bool makeup_pending() const noexcept { return m_numerator_steps ? m_step_makeup != 0 : m_makeup > 0; }
+  // What the make-up is measured from: x̂ (in_flight_makeup) or x_{t−1} (numerator_steps).
+  const float* makeup_ref() const noexcept { return m_numerator_steps ? m_prev.data() : m_snapshot; }
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
   int m_rank, m_world;
@@ -288,6 +304,10 @@ class engine {
   bool m_shared_schedule = false;
   double m_group_drift_sq = std::numeric_limits<double>::quiet_NaN();
   std::uint64_t m_step = 0;
+  bool m_in_step = false;
+  bool m_numerator_steps = false;  // numerator_steps, and push-sum on a host model
+  float m_step_makeup = 0;         // numerator_steps: 1/w − 1 for this step's optimizer step, taken once
+  bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)     // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;

@@ -82,6 +82,7 @@ inline engine_settings engine_settings::from(const options& o) {
   s.wait_when_busy = o.boolean("wait_when_busy");
   s.same_step_merge = o.boolean("same_step_merge");
   s.in_flight_makeup = o.boolean("in_flight_makeup");
+  s.numerator_steps = o.boolean("numerator_steps");
   s.max_lead = static_cast<std::uint64_t>(checked("max_lead"));
   // A key that names one of three choices, or an error that lists them.
   const auto choice = [&]<class E>(std::string_view key, const std::array<std::pair<std::string_view, E>, 3>& choices) {

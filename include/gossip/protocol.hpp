@@ -100,16 +100,19 @@ class protocol {
   };
 
   /// Merges received messages into x. `snapshot` is x̂ (what peers last got).
-  /// makeup (push-sum only): first x ← x + makeup·(x − snapshot), fused into
-  /// the first merge (engine_settings::in_flight_makeup).
-  merge_sums merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot, float makeup = 0) noexcept {
+  /// makeup (push-sum only): first x ← x + makeup·(x − ref), fused into the
+  /// first merge, ref = makeup_ref or else snapshot
+  /// (engine_settings::in_flight_makeup, numerator_steps).
+  merge_sums merge(std::span<const tensor_slot> x, std::span<const received> msgs, const float* snapshot, float makeup = 0,
+                   const float* makeup_ref = nullptr) noexcept {
+    if (!makeup_ref) makeup_ref = snapshot;
     using vec = Eigen::Map<Eigen::ArrayXf, Eigen::Unaligned>;
     using cvec = Eigen::Map<const Eigen::ArrayXf, Eigen::Unaligned>;
     merge_sums sums;
     if (msgs.empty()) return sums;
     auto mix = [&](const received& m, float b) {
       for (const auto& t : x) {
-        const mix_sums d = makeup != 0 ? mix_pass_made_up(t.data, m.data + t.offset, b, t.count, snapshot + t.offset, makeup)
+        const mix_sums d = makeup != 0 ? mix_pass_made_up(t.data, m.data + t.offset, b, t.count, makeup_ref + t.offset, makeup)
                                        : mix_pass(t.data, m.data + t.offset, b, t.count);
         sums.diff_sq += d.diff_sq;
         sums.ref_sq += d.ref_sq;
@@ -127,7 +130,7 @@ class protocol {
           m_weight = total;
         }
         if (makeup != 0)  // no share merged: the make-up alone
-          for (const auto& t : x) make_up(t.data, snapshot + t.offset, t.count, makeup);
+          for (const auto& t : x) make_up(t.data, makeup_ref + t.offset, t.count, makeup);
         break;
       case kind::pairwise: {
         float k = 1;

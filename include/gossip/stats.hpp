@@ -88,6 +88,12 @@ struct engine_stats {
   std::uint64_t backlog_waits = 0;
   double backlog_wait_seconds = 0;
   std::uint64_t step_beacons = 0;  ///< step beacons sent, a few bytes each (max_lead over a peer-to-peer transport)
+  /// Messages of member ranks merged, by their age in steps: this rank's
+  /// step at the merge less the step the sender sent it at, 0, 1, 2, 3, and
+  /// 4 or more. Lockstep transports merge at 1 (same_step_merge: 0). A
+  /// push-sum share misses the optimizer steps between its send and its
+  /// merge; in_flight_makeup makes up one of them.
+  std::array<std::uint64_t, 5> merge_age{};
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;
   std::vector<int> dead_peers;
