@@ -364,9 +364,11 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   } leave{m_in_step};
   if (m_numerator_steps) {
     // The optimizer step since the last one ran at the weight the rank has
-    // now; z − x_{t−1} is that step unless a poll() merged in between.
+    // now; z − x_{t−1} is that step unless a poll() merged in between. Below
+    // w = ½ it counts at 2w: z steps at most twice the optimizer's step.
     const double w = m_protocol.weight();
-    m_step_makeup = m_prev_fresh && w > 0 ? static_cast<float>(1.0 / w - 1.0) : 0.0f;
+    m_step_makeup = m_prev_fresh && w > 0 ? static_cast<float>(std::min(1.0 / w - 1.0, 1.0)) : 0.0f;
+    m_step_scale = 1.0 + m_step_makeup;
     m_prev_fresh = true;  // this step's drift pass writes x_{t−1} again
   }
 
@@ -471,8 +473,12 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       float* p = prev ? prev + s.offset : nullptr;
       const float* r = ref_base + s.offset;
       const bool with_q = qgm && m_momentum[i];
-      const qgm_args q = with_q ? qgm_args{m_mhat.data() + s.offset, m_momentum[i], static_cast<float>(1.0 / info.lr), m_settings.momentum_beta,
-                                           merge_share}
+      // numerator_steps: the step moved z as a learning rate (1 + c) times
+      // the optimizer's would have; momentum divides by that one, else it
+      // would carry the factor into the next step, which is scaled again.
+      const qgm_args q = with_q ? qgm_args{m_mhat.data() + s.offset, m_momentum[i],
+                                           static_cast<float>(1.0 / (info.lr * (m_numerator_steps ? m_step_scale : 1.0))),
+                                           m_settings.momentum_beta, merge_share}
                                 : qgm_args{};
       const drift_sums d = makeup != 0 ? (m_numerator_steps ? drift_pass_stepped(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
                                                             : drift_pass_made_up(s.data, r, p, s.count, makeup, with_q ? &q : nullptr))

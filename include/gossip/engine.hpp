@@ -85,15 +85,18 @@ struct engine_settings {
   /// Push-sum: every optimizer step counts in full in this rank's numerator
   /// x = w·z, whatever the weight w it ran at, as Stochastic Gradient Push
   /// applies its gradients (Assran et al. 2019): the next step() adds
-  /// z ← z + (1/w − 1)·(z − x_{t−1}), with x_{t−1} the model the last step
-  /// left, fused into the first pass that touches z. The ranks' average then
-  /// moves by the mean of their steps however long a share stays in flight,
-  /// and a rank whose weight a share made larger than 1 steps less. Keeps
-  /// x_{t−1} (one more copy of the model, read and written by the drift
-  /// pass). A rank whose weight is small takes steps of 1/w its optimizer's
-  /// in z. A poll() that merges between steps leaves the next step's
-  /// correction out. Host models; not with in_flight_makeup (which makes up
-  /// one step after each send) or same_step_merge.
+  /// z ← z + c·(z − x_{t−1}), c = 1/w − 1, with x_{t−1} the model the last
+  /// step left, fused into the first pass that touches z. The ranks' average
+  /// then moves by the mean of their steps however long a share stays in
+  /// flight, and a rank whose weight shares made larger than 1 steps less.
+  /// Below w = ½, c stays at 1 and the step counts at 2w: in z no step is
+  /// more than twice the optimizer's (a rank that sends at every step and
+  /// hears late fell to w ≈ 0.1 over UCX, and steps of 1/w its optimizer's
+  /// cost 3 pt on one seed of bench/torch). Keeps x_{t−1} (one more copy of
+  /// the model, read and written by the drift pass). A poll() that merges
+  /// between steps leaves the next step's correction out. Host models; not
+  /// with in_flight_makeup (which makes up one step after each send) or
+  /// same_step_merge.
   bool numerator_steps = false;
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of its slowest live source, as heard in
@@ -307,6 +310,7 @@ class engine {
   bool m_in_step = false;
   bool m_numerator_steps = false;  // numerator_steps, and push-sum on a host model
   float m_step_makeup = 0;         // numerator_steps: 1/w − 1 for this step's optimizer step, taken once
+  double m_step_scale = 1;         // numerator_steps: 1 + that, for quasi-global momentum's displacement
   bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)     // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
