@@ -23,18 +23,24 @@
 
 namespace {
 
+// A UDP socket on 127.0.0.1 at a free port, which `port` receives.
+int loopback_udp_socket(std::uint16_t& port) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  port = ntohs(a.sin_port);
+  return fd;
+}
+
 // A minimal gossip-switch-udp inside the test: one thread, one socket.
 class udp_aggregator {
  public:
   udp_aggregator(std::vector<gossip::sw::group_config> groups, double drop = 0) : m_groups(groups), m_agg(std::move(groups)), m_drop(drop, 11) {
-    m_fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(m_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    socklen_t len = sizeof a;
-    ::getsockname(m_fd, reinterpret_cast<sockaddr*>(&a), &len);
-    m_port = ntohs(a.sin_port);
+    m_fd = loopback_udp_socket(m_port);
     m_thread = std::thread([this] { serve(); });
   }
   ~udp_aggregator() {
@@ -466,13 +472,8 @@ TEST_CASE("a switch of another wire version: the workers stop at once with both 
   // (packet.hpp): a refusal, laid out alike in bytes 0-7 in every version.
   for (const bool refusal : {true, false}) {
     CAPTURE(refusal);
-    const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    socklen_t alen = sizeof a;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &alen);
+    std::uint16_t port = 0;
+    const int fd = loopback_udp_socket(port);
     std::atomic<bool> stop{false};
     std::atomic<int> answered{0};
     std::thread sw([&] {
@@ -491,7 +492,7 @@ TEST_CASE("a switch of another wire version: the workers stop at once with both 
         ++answered;
       }
     });
-    auto cfg = switch_config("periodic", ntohs(a.sin_port));
+    auto cfg = switch_config("periodic", port);
     const auto start = std::chrono::steady_clock::now();
     std::vector<float> x(1000, 1.0f);
     gossip::model_view view;
