@@ -103,8 +103,9 @@ const std::vector<option_spec>& engine_option_specs() {
        ""},
       {"numerator_steps", false,
        "push-sum: every optimizer step counts in full in the rank's push-sum numerator whatever its weight (as Stochastic Gradient "
-       "Push), so shares in flight for any number of steps cost the ranks' average nothing; keeps x_{t-1} (one more model copy); "
-       "host models; not with in_flight_makeup or same_step_merge",
+       "Push), so shares in flight for any number of steps cost the ranks' average nothing; below weight 1/2 a step counts at 2w (z "
+       "moves at most twice the optimizer's step); keeps x_{t-1} (one more model copy); host models; not with in_flight_makeup or "
+       "same_step_merge",
        ""},
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "

@@ -92,7 +92,9 @@ struct engine_settings {
   /// Below w = ½, c stays at 1 and the step counts at 2w: in z no step is
   /// more than twice the optimizer's (a rank that sends at every step and
   /// hears late fell to w ≈ 0.1 over UCX, and steps of 1/w its optimizer's
-  /// cost 3 pt on one seed of bench/torch). Keeps x_{t−1} (one more copy of
+  /// cost 3 pt on one seed of bench/torch). Quasi-global momentum divides
+  /// z's displacement by 1 + c, so that the factor is not carried into the
+  /// next step. Keeps x_{t−1} (one more copy of
   /// the model, read and written by the drift pass). A poll() that merges
   /// between steps leaves the next step's correction out. Host models; not
   /// with in_flight_makeup (which makes up one step after each send) or
@@ -307,11 +309,11 @@ class engine {
   bool m_shared_schedule = false;
   double m_group_drift_sq = std::numeric_limits<double>::quiet_NaN();
   std::uint64_t m_step = 0;
-  bool m_in_step = false;
+  bool m_in_step = false;          // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
   bool m_numerator_steps = false;  // numerator_steps, and push-sum on a host model
-  float m_step_makeup = 0;         // numerator_steps: 1/w − 1 for this step's optimizer step, taken once
+  float m_step_makeup = 0;         // numerator_steps: min(1/w − 1, 1) for this step's optimizer step, taken once
   double m_step_scale = 1;         // numerator_steps: 1 + that, for quasi-global momentum's displacement
-  bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)     // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
+  bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;

@@ -92,7 +92,7 @@ struct engine_stats {
   /// step at the merge less the step the sender sent it at, 0, 1, 2, 3, and
   /// 4 or more. Lockstep transports merge at 1 (same_step_merge: 0). A
   /// push-sum share misses the optimizer steps between its send and its
-  /// merge; in_flight_makeup makes up one of them.
+  /// merge; in_flight_makeup makes up one of them, numerator_steps all.
   std::array<std::uint64_t, 5> merge_age{};
   std::vector<peer_stats> peers;   ///< only peers this rank talks to
   std::vector<tensor_stats> tensors;
