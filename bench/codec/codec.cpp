@@ -98,7 +98,7 @@ void check(const std::string& name, const std::vector<float>& x, const std::vect
 
 namespace {
 int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows,
-        const std::string& isa);
+        const std::string& isa, const std::vector<std::string>& codecs);
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,9 +118,12 @@ int main(int argc, char** argv) {
   app.add_option("--isa", isa, "instruction set of the fp16, int8 and topk kernels: best (this CPU's), avx512, avx2, scalar, or all "
                                "(each this CPU has, fp16/int8/topk only below the best, in one run)")
       ->check(CLI::IsMember({"best", "avx512", "avx2", "scalar", "all"}));
+  std::vector<std::string> codecs = {"fp16", "int8", "topk", "randomk", "lowrank"};
+  app.add_option("--codecs", codecs, "the codecs to time (default: all five)")
+      ->check(CLI::IsMember({"fp16", "int8", "topk", "randomk", "lowrank"}));
   CLI11_PARSE(app, argc, argv);
   try {
-    return run(sizes_mib, repeats, out_dir, ratio, rank, rows, isa);
+    return run(sizes_mib, repeats, out_dir, ratio, rank, rows, isa, codecs);
   } catch (const gossip::error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
@@ -129,7 +132,7 @@ int main(int argc, char** argv) {
 
 namespace {
 int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows,
-        const std::string& isa) {
+        const std::string& isa, const std::vector<std::string>& codecs) {
   using gossip::detail::codec_isa;
   const codec_isa best_isa = gossip::detail::codec_isa_best();
   const auto isa_name = [](codec_isa l) { return l == codec_isa::avx512 ? "avx512" : l == codec_isa::avx2 ? "avx2" : "scalar"; };
@@ -162,6 +165,7 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
   };
   std::vector<codec_case> cases;
   for (const char* n : {"fp16", "int8", "topk", "randomk", "lowrank"}) {
+    if (std::find(codecs.begin(), codecs.end(), n) == codecs.end()) continue;
     gossip::component_config c{n, gossip::options("bench [codec]")};
     if (std::string(n) == "topk" || std::string(n) == "randomk") c.opts.set("ratio", ratio);
     if (std::string(n) == "lowrank") c.opts.set("rank", rank);
