@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -97,6 +98,8 @@ void check(const std::string& name, const std::vector<float>& x, const std::vect
 }  // namespace
 
 namespace {
+// The codecs the bench times, in its table's order.
+const std::vector<std::string> codec_names = {"fp16", "int8", "topk", "randomk", "lowrank"};
 int run(const std::vector<double>& sizes_mib, int repeats, const std::string& out_dir, double ratio, std::int64_t rank, std::int64_t rows,
         const std::string& isa, const std::vector<std::string>& codecs);
 }  // namespace
@@ -118,9 +121,8 @@ int main(int argc, char** argv) {
   app.add_option("--isa", isa, "instruction set of the fp16, int8 and topk kernels: best (this CPU's), avx512, avx2, scalar, or all "
                                "(each this CPU has, fp16/int8/topk only below the best, in one run)")
       ->check(CLI::IsMember({"best", "avx512", "avx2", "scalar", "all"}));
-  std::vector<std::string> codecs = {"fp16", "int8", "topk", "randomk", "lowrank"};
-  app.add_option("--codecs", codecs, "the codecs to time (default: all five)")
-      ->check(CLI::IsMember({"fp16", "int8", "topk", "randomk", "lowrank"}));
+  std::vector<std::string> codecs = codec_names;
+  app.add_option("--codecs", codecs, "the codecs to time (default: all five)")->check(CLI::IsMember(codec_names));
   CLI11_PARSE(app, argc, argv);
   try {
     return run(sizes_mib, repeats, out_dir, ratio, rank, rows, isa, codecs);
@@ -164,11 +166,11 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
     gossip::component_config cfg;
   };
   std::vector<codec_case> cases;
-  for (const char* n : {"fp16", "int8", "topk", "randomk", "lowrank"}) {
+  for (const std::string& n : codec_names) {
     if (std::find(codecs.begin(), codecs.end(), n) == codecs.end()) continue;
     gossip::component_config c{n, gossip::options("bench [codec]")};
-    if (std::string(n) == "topk" || std::string(n) == "randomk") c.opts.set("ratio", ratio);
-    if (std::string(n) == "lowrank") c.opts.set("rank", rank);
+    if (n == "topk" || n == "randomk") c.opts.set("ratio", ratio);
+    if (n == "lowrank") c.opts.set("rank", rank);
     cases.push_back({n, c});
   }
 
