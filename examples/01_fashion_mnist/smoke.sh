@@ -42,6 +42,23 @@ refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
 refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact push-sum average" --set engine.finish_rounds=2
+refused "--bandwidth-gbps: must be a finite number >= 0 (0: unlimited), got -1" --bandwidth-gbps -1
+# Test images of another size than the training ones: refused once loaded, not read past their end.
+mkdir "$out/mixed"
+for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz; do
+  ln -s "${GOSSIP_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}/$f" "$out/mixed/$f"
+done
+/usr/bin/python3 - "$out/mixed" <<'PY'
+import gzip, struct, sys
+n = 10
+gzip.open(sys.argv[1] + "/t10k-images-idx3-ubyte.gz", "wb").write(struct.pack(">IIII", 0x803, n, 14, 14) + bytes(n * 196))
+gzip.open(sys.argv[1] + "/t10k-labels-idx1-ubyte.gz", "wb").write(struct.pack(">II", 0x801, n) + bytes(n))
+PY
+if GOSSIP_FASHION_MNIST_DIR="$out/mixed" "$exe" --epochs 1 --set train.train_limit=1000 >/dev/null 2>"$out/err"; then
+  echo "test images of another size were accepted" >&2; exit 1
+fi
+grep -qF "$out/mixed: the training images are 28x28 and the test images 14x14" "$out/err" \
+  || { echo "mixed sizes: expected the size error, got:" >&2; cat "$out/err" >&2; exit 1; }
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"
 # A report that cannot be written (a full disk) is an error, not exit 0.
 if [ -w /dev/full ]; then

@@ -126,6 +126,12 @@ struct cnn_factory {
   cnn operator()(const train_settings& s, const datasets&) const {
     return cnn(s.hidden.front(), s.seed);
   }
+  /// Its input layer is sized for Fashion-MNIST: other images are refused once loaded, before any worker starts.
+  void check_data(const datasets& data) const {
+    if (data.train.rows != 28 || data.train.cols != 28)
+      throw data_error(fmt::format("the CNN takes 28x28 images (Fashion-MNIST's); the data directory holds {}x{} images",
+                                   data.train.rows, data.train.cols));
+  }
   /// The CNN has one fully connected hidden layer: a longer list is refused, not cut.
   void check(const config& cfg, const train_settings& s) const {
     if (s.hidden.size() != 1) {

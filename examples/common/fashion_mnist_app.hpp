@@ -13,6 +13,7 @@
 #include <fstream>
 #include <functional>
 #include <optional>
+#include <cmath>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -56,7 +57,17 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   // A value past int64 is read as its largest value: the range refuses that too.
   app.add_option("--seed", seed, "override [train] seed")->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max() - 1));
   app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)")->check(not_empty);
-  app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")->check(CLI::NonNegativeNumber);
+  app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            try {
+              std::size_t used = 0;
+              if (const double v = std::stod(text, &used); used == text.size() && std::isfinite(v) && v >= 0) return std::string();
+            } catch (const std::exception&) {
+            }
+            return "must be a finite number >= 0 (0: unlimited), got " + text;
+          },
+          "NONNEGATIVE"));
   app.add_option("--json", json_path, "write the run report as JSON here")->check(not_empty);
   std::vector<std::string> overrides;
   app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");
@@ -107,6 +118,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       fmt::print("libgossip {} — {}, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title,
                settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
     const auto data = datasets::load(settings);
+    if constexpr (requires { make_net.check_data(data); }) make_net.check_data(data);
     if (!quiet) print_epoch_header();
     const auto report = train(cfg, settings, data, print_epoch, make_net);
     if (!report.complete) return 0;  // another rank (process mode) reports

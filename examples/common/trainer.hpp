@@ -164,6 +164,13 @@ struct datasets {
   static datasets load(const train_settings& s) {
     const std::string dir = s.data_dir.empty() ? data::fashion_mnist_dir() : s.data_dir;
     datasets d{data::load_fashion_mnist(true, dir), data::load_fashion_mnist(false, dir)};
+    // A model is sized by the training images and evaluated on the test ones.
+    if (d.test.size() == 0)
+      throw data_error(fmt::format("{}: the test set holds no images; give a directory whose t10k files hold some", dir));
+    if (d.test.rows != d.train.rows || d.test.cols != d.train.cols)
+      throw data_error(fmt::format("{}: the training images are {}x{} and the test images {}x{}; give a directory whose train and t10k "
+                                   "files come from one dataset",
+                                   dir, d.train.rows, d.train.cols, d.test.rows, d.test.cols));
     if (s.train_limit > 0 && s.train_limit < d.train.size()) {
       d.train.labels.resize(s.train_limit);
       d.train.images.resize(s.train_limit * d.train.features());
