@@ -28,6 +28,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -129,6 +130,12 @@ int main(int argc, char** argv) {
   } catch (const gossip::error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of memory (the largest of --sizes needs about six copies of the model; pick smaller sizes)\n");
+    return 1;
+  } catch (const std::exception& e) {  // e.g. a system error
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
   }
 }
 
@@ -155,8 +162,10 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
     const double values = mib * 1024 * 1024 / sizeof(float);
     if (!(mib > 0) || !(mib <= 4096) || values < 1)
       throw gossip::config_error(fmt::format("--sizes {}: a model size must be a number of MiB in (0, 4096] holding at least one value", mib));
-    if (static_cast<std::size_t>(values) % static_cast<std::size_t>(rows) != 0)
-      throw gossip::config_error(fmt::format("--rows {} does not divide a model of {} values ({} MiB); pick rows that divide every size",
+    const bool lowrank = std::find(codecs.begin(), codecs.end(), "lowrank") != codecs.end();
+    if (lowrank && static_cast<std::size_t>(values) % static_cast<std::size_t>(rows) != 0)
+      throw gossip::config_error(fmt::format("--rows {} (lowrank's rows, default 1024) does not divide a model of {} values ({} MiB); pick "
+                                             "rows that divide every size, or leave lowrank out of --codecs",
                                              rows, static_cast<std::size_t>(values), mib));
   }
   if (!out_dir.empty()) gossip::bench::prepare_out_dir(out_dir);

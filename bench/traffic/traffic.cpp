@@ -168,12 +168,25 @@ int main(int argc, char** argv) {
                                          "and DiLoCo controls take their period from the adaptive run's bytes, and [baseline] rounds, "
                                          "outer_lr and outer_momentum); leave it out",
                                          it->second.where(key), key));
+    if (settings.workers < 2) {
+      const auto it = base.sections.find("train");
+      throw config_error(fmt::format("{}: bench/traffic compares how workers gossip, which takes at least 2 of them; got {}",
+                                     it != base.sections.end() && it->second.has("workers") ? it->second.where("workers") : base.source + " [train] workers",
+                                     settings.workers));
+    }
     std::vector<std::string> roles;
     {
       const std::string list = bl.string("roles");
       for (std::size_t at = 0; at <= list.size();) {
         const auto comma = std::min(list.find(',', at), list.size());
-        if (comma > at) roles.push_back(list.substr(at, comma - at));
+        if (comma == at && list.size() > 0)
+          throw config_error(fmt::format("{}: an empty item in '{}'; list the baselines once each, separated by commas", bl.where("roles"), list));
+        if (comma > at) {
+          std::string role = list.substr(at, comma - at);
+          if (std::find(roles.begin(), roles.end(), role) != roles.end())
+            throw config_error(fmt::format("{}: baseline '{}' is listed twice in '{}'; list each once", bl.where("roles"), role, list));
+          roles.push_back(std::move(role));
+        }
         at = comma + 1;
       }
     }
@@ -294,6 +307,15 @@ int main(int argc, char** argv) {
     };
     const double bytes_p1 = mean_of(field("periodic-1", &run_row::bytes_sent));
     const double bytes_ad = mean_of(field("adaptive", &run_row::bytes_sent));
+    // Every comparison is relative to these two: a run that sent nothing has no traffic to compare.
+    if (!(bytes_p1 > 0))
+      throw error(fmt::format("periodic every step sent nothing in {} workers' runs: with fewer than 2 workers, or no peer in the "
+                              "topology, there is no gossip to compare; give [train] workers >= 2",
+                              settings.workers));
+    if (!(bytes_ad > 0))
+      throw error(fmt::format("the adaptive policy '{}' sent nothing in any of its {} run(s), so there is no traffic to compare; give it "
+                              "settings that send (a lower threshold, or max_interval > 0), e.g. --set policy.threshold=…",
+                              base.policy.name, n_seeds));
     // Periodic-1 sends at every training step: its runs give the bytes of one
     // send (all peers of one worker) and the training steps per worker.
     const auto& p1 = rows[by_role["periodic-1"].front()];
