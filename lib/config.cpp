@@ -30,6 +30,11 @@ option_value to_value(const toml::node& n, const std::string& where, const std::
       if (auto i = e.as_integer()) {
         out.push_back(i->get());
       } else if (auto inner = e.as_array()) {
+        // Nested lists are pairs ([topology] edges = [[0, 1], [1, 2]]); anything else would be read as other pairs.
+        if (inner->size() != 2)
+          throw config_error(fmt::format("{}: key '{}' holds a nested list of {} values; a nested list is a pair of integers [a, b] "
+                                         "([topology] edges), and other lists hold integers only",
+                                         where, key, inner->size()));
         for (const auto& x : *inner) {
           auto j = x.as_integer();
           if (!j) throw config_error(fmt::format("{}: key '{}' is a list that holds other than integers; the only lists a setting takes hold integers or pairs of integers ([topology] edges); check the key's type (gossip-info)", where, key));
@@ -41,7 +46,8 @@ option_value to_value(const toml::node& n, const std::string& where, const std::
     }
     return out;
   }
-  throw config_error(fmt::format("{}: key '{}' has a type this config does not take (use a boolean, integer, number, string, or array of integers)",
+  throw config_error(fmt::format("{}: key '{}' has a type this config does not take (use a boolean, integer, number, string, or array of "
+                                 "integers; a string that reads as a date or time goes in quotes: --set \"section.key='…'\")",
                                  where, key));
 }
 
@@ -99,9 +105,12 @@ config config::parse(std::string_view text, const std::string& source, std::vect
   for (const auto& [k, v] : root) {
     const std::string section(k.str());
     auto* t = v.as_table();
-    if (!t)
+    if (!t) {
+      if (v.is_array_of_tables())
+        throw config_error(fmt::format("{}: [[{}]] is a list of tables; write it once as [{}]", source, section, section));
       throw config_error(fmt::format("{}: top-level key '{}' must be inside a section; known sections: {}", source, section,
                                      fmt::join(c.known_sections(), ", ")));
+    }
     if (section == "policy")
       c.policy = to_component(*t, where(section), c.policy.name);
     else if (section == "topology")
@@ -126,11 +135,17 @@ config config::load(const std::string& path, std::vector<std::string> app_sectio
   // An ifstream opens a directory without complaint on Linux and reads nothing.
   if (std::error_code ec; std::filesystem::is_directory(path, ec))
     throw config_error(fmt::format("{}: is a directory, not a config file; give the path of a .toml file", path));
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw config_error(fmt::format("{}: cannot open the config file (does it exist and is it readable?)", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse(ss.str(), path, std::move(app_sections));
+  // A config is a page of settings: a read that goes on past 1 MiB (a device, a wrong file) stops there.
+  constexpr std::size_t max_bytes = std::size_t{1} << 20;
+  std::string text(max_bytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw config_error(fmt::format("{}: reading the config file failed", path));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > max_bytes)
+    throw config_error(fmt::format("{}: more than {} bytes; a config file is a page of TOML settings: give the path of one", path, max_bytes));
+  return parse(text, path, std::move(app_sections));
 }
 
 void check_switch_mode(std::string_view mode, std::string_view where) {
@@ -174,7 +189,9 @@ void config::apply_override(std::string_view assignment) {
     try {
       parsed = toml::parse("v = \"" + value + "\"", where);
     } catch (const toml::parse_error& e) {
-      throw config_error(fmt::format("{}: the value is not valid TOML ({})", where, e.description()));
+      throw config_error(fmt::format("{}: the value is not valid TOML ({}); a string with such characters goes in single quotes, "
+                                     "which TOML takes as written: --set \"{}.{}='…'\"",
+                                     where, e.description(), section, key));
     }
   }
   // "v = 3\nw = 4" parses too: a value must be one TOML value, not more lines of a file.

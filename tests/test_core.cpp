@@ -79,6 +79,15 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
                        config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
   CHECK_THROWS_WITH_AS(config::load("/tmp"), "/tmp: is a directory, not a config file; give the path of a .toml file", config_error);
+  // A device read without end stops at 1 MiB instead of filling memory.
+  CHECK_THROWS_WITH_AS(config::load("/dev/zero"), doctest::Contains("/dev/zero: more than 1048576 bytes"), config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[[policy]]\nname = \"drift\"\n", "bad.toml"),
+                       "bad.toml: [[policy]] is a list of tables; write it once as [policy]", config_error);
+  // A nested list is a pair (edges): [[0, 1, 2], [3]] would otherwise be read as the pairs (0, 1), (2, 3).
+  CHECK_THROWS_WITH_AS(config::parse("[topology]\nname = \"edges\"\nedges = [[0, 1, 2], [3]]\n", "bad.toml"),
+                       doctest::Contains("bad.toml [topology]: key 'edges' holds a nested list of 3 values"), config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[policy]\nx = [[256]]\n", "bad.toml"), doctest::Contains("key 'x' holds a nested list of 1 values"),
+                       config_error);
 
   const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(unknown),
