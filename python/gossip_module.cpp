@@ -16,7 +16,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -27,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <fmt/format.h>
@@ -48,6 +51,28 @@ namespace {
 
 std::string py_str(const py::handle& h) { return py::str(h).cast<std::string>(); }
 
+// The thread the interpreter finalizes on (set when the module is imported).
+unsigned long g_main_thread = 0;
+
+// Whether this thread may no longer take the GIL: the interpreter is
+// exiting and this is not the thread that finalizes it (a daemon thread).
+// Python ends such a thread where it asks for the GIL, which would unwind
+// through the engine's C++ frames and abort the process.
+bool gil_is_gone() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  const bool finalizing = Py_IsFinalizing() != 0;
+#else
+  const bool finalizing = _Py_IsFinalizing() != 0;
+#endif
+  return finalizing && PyThread_get_thread_ident() != g_main_thread;
+}
+
+// A daemon thread still inside a call when the interpreter exits: it stays
+// here until the process ends, as Python's own daemon threads do.
+[[noreturn]] void park_until_exit() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
 // A call that may wait on the network: releases the GIL, and lets Python's
 // signal handlers run during its waits (gossip::set_interrupt_check), so
 // that Ctrl-C raises KeyboardInterrupt out of a wait on a peer instead of
@@ -56,12 +81,16 @@ std::string py_str(const py::handle& h) { return py::str(h).cast<std::string>();
 class waiting_call {
  public:
   waiting_call() : m_previous(set_interrupt_check(&run_signal_handlers)) {}
-  ~waiting_call() { set_interrupt_check(m_previous); }
+  ~waiting_call() {
+    set_interrupt_check(m_previous);
+    if (gil_is_gone()) park_until_exit();
+  }
   waiting_call(const waiting_call&) = delete;
   waiting_call& operator=(const waiting_call&) = delete;
 
  private:
   static void run_signal_handlers() {
+    if (gil_is_gone()) park_until_exit();
     py::gil_scoped_acquire held;
     if (PyErr_CheckSignals() != 0) throw py::error_already_set();
   }
@@ -91,7 +120,7 @@ rank_identity identity() {
   if (!std::getenv("GOSSIP_RANK") && !std::getenv("GOSSIP_WORLD_SIZE") && std::getenv("RANK") && std::getenv("WORLD_SIZE")) {
     const auto rank = env_int("RANK"), world = env_int("WORLD_SIZE");
     if (!world || *world < 1 || *world > 1 << 20)
-      throw config_error(fmt::format("gossip: WORLD_SIZE='{}' is not a valid world size (an integer >= 1)", std::getenv("WORLD_SIZE")));
+      throw config_error(fmt::format("gossip: WORLD_SIZE='{}' is not a valid world size (an integer in 1..{})", std::getenv("WORLD_SIZE"), 1 << 20));
     if (!rank || *rank < 0 || *rank >= *world)
       throw config_error(fmt::format("gossip: RANK='{}' is not a valid rank for WORLD_SIZE={} (an integer in 0..{})", std::getenv("RANK"),
                                      *world, *world - 1));
@@ -145,7 +174,7 @@ std::string toml_string(const std::string& s) {
 }
 
 // A Python value as TOML (for a config given as a dict).
-std::string toml_value(const py::handle& v, const std::string& where) {
+std::string toml_value(const py::handle& v, const std::string& where, int depth = 0) {
   if (py::isinstance<py::bool_>(v)) return v.cast<bool>() ? "true" : "false";
   if (py::isinstance<py::int_>(v)) {
     try {
@@ -163,8 +192,13 @@ std::string toml_value(const py::handle& v, const std::string& where) {
   }
   if (py::isinstance<py::str>(v)) return toml_string(v.cast<std::string>());
   if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
+    // No setting takes more than a list of pairs (topology edges).
+    if (depth >= 2)
+      throw config_error(fmt::format("config dict: {} holds lists nested more than two deep; values are bool, int, float, str or a list "
+                                     "of them (a list of pairs for topology edges)",
+                                     where));
     std::string out = "[";
-    for (const auto& x : v) out += (out.size() > 1 ? ", " : "") + toml_value(x, where);
+    for (const auto& x : v) out += (out.size() > 1 ? ", " : "") + toml_value(x, where, depth + 1);
     return out + "]";
   }
   throw config_error(fmt::format("config dict: {} is a {}; values are bool, int, float, str or a list of them", where,
@@ -186,9 +220,13 @@ config config_from(const py::handle& cfg, const std::vector<std::string>& app_se
     }
     return config::parse(text, "config dict", app_sections);
   }
-  // A path: str or os.PathLike.
+  // A path: str, bytes or os.PathLike.
+  if (!py::isinstance<py::str>(cfg) && !py::isinstance<py::bytes>(cfg) && !py::hasattr(cfg, "__fspath__"))
+    throw py::type_error(fmt::format("config= takes the path of a TOML file (str or os.PathLike) or a dict of sections, got a {}{}",
+                                     py_str(py::type::of(cfg).attr("__name__")),
+                                     py::hasattr(cfg, "items") ? " (a mapping that is not a dict: pass dict(config))" : ""));
   const auto os = py::module_::import("os");
-  return config::load(py_str(os.attr("fspath")(cfg)), app_sections);
+  return config::load(os.attr("fsdecode")(cfg).cast<std::string>(), app_sections);
 }
 
 struct registered_tensor {
@@ -220,6 +258,16 @@ std::pair<std::size_t, tensor_place> check_tensor(const std::string& what, const
     if (!py::hasattr(t, attr))
       throw py::type_error(fmt::format("gossip.Engine: {} is a {}, not a torch tensor (no .{})", what,
                                        py_str(py::type::of(t).attr("__name__")), attr));
+  // A parameter whose shape is not known yet (torch.nn.Lazy* modules) has no storage to point at.
+  if (const auto torch_nn = py::module_::import("torch.nn.parameter");
+      py::hasattr(torch_nn, "UninitializedParameter") && py::isinstance(t, torch_nn.attr("UninitializedParameter")))
+    throw py::value_error(fmt::format("gossip.Engine: {} is not initialized yet (a lazy module's); run one forward pass before "
+                                      "building the engine",
+                                      what));
+  if (py::hasattr(t, "layout") && py_str(t.attr("layout")) != "torch.strided")
+    throw py::type_error(fmt::format("gossip.Engine: {} has layout {}; the engine exchanges dense tensors (torch.strided: e.g. "
+                                     "t.to_dense())",
+                                     what, py_str(t.attr("layout"))));
   const std::string dtype = py_str(t.attr("dtype"));
   if (dtype != "torch.float32")
     throw py::type_error(fmt::format("gossip.Engine: {} is {}; the engine exchanges torch.float32 tensors (convert the model with "
@@ -387,17 +435,30 @@ class py_engine {
                                         "learning rate (> 0): pass lr=",
                                         lr));
     // One lr rebuilds every buffer: a group that steps with another would get its momentum scaled by the ratio.
-    if (m_has_momentum)
-      for (const auto& [index, group] : m_momentum_groups)
-        if (const double group_lr = group["lr"].cast<double>(); std::abs(group_lr - lr) > 1e-9 * std::abs(lr))
-          throw py::value_error(fmt::format("gossip.Engine.step: lr={} but optimizer param_groups[{}] steps with lr={}; quasi-global "
-                                            "momentum rebuilds every buffer with the step's lr: give the groups with momentum one lr, "
-                                            "or set [engine] momentum = \"local\"",
-                                            lr, index, group_lr));
+    // A scheduler stepped between optimizer.step() and this call has moved the group to the next step's lr
+    // already: the lr the group had when the last step() returned is the one the optimizer just used.
+    if (m_has_momentum) {
+      const auto differs = [lr](double a) { return !(std::abs(a - lr) <= 1e-9 * std::abs(lr)); };
+      for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) {
+        const auto& [index, group] = m_momentum_groups[g];
+        const double group_lr = group["lr"].cast<double>(), before = m_group_lr[g];
+        if (differs(group_lr) && differs(before))
+          throw py::value_error(fmt::format(
+              "gossip.Engine.step: lr={} but optimizer param_groups[{}] has lr={} (and had lr={} when the last step() returned or the "
+              "engine was built); pass the lr the optimizer used at this step (read before a scheduler's step()): quasi-global momentum "
+              "rebuilds every buffer with it{}; or set [engine] momentum = \"local\"",
+              lr, index, group_lr, before, m_momentum_groups.size() > 1 ? ", so the groups with momentum need one lr" : ""));
+      }
+    }
     check_storage();
     busy_guard guard(m_busy, "step");
-    waiting_call unlocked;  // max_lead, busy send buffers, the receive backlog
-    return e.step({.lr = lr, .loss = loss});
+    step_result r;
+    {
+      waiting_call unlocked;  // max_lead, busy send buffers, the receive backlog
+      r = e.step({.lr = lr, .loss = loss});
+    }
+    for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) m_group_lr[g] = m_momentum_groups[g].second["lr"].cast<double>();
+    return r;
   }
 
   std::size_t poll() {
@@ -511,6 +572,7 @@ class py_engine {
       const double m = group_momentum(optimizer, group, gi);
       if (m > 0) {
         m_momentum_groups.emplace_back(gi, py::reinterpret_borrow<py::object>(group));
+        m_group_lr.push_back(py::reinterpret_borrow<py::object>(group)["lr"].cast<double>());
         if (beta && *beta != m)
           throw py::value_error(fmt::format("gossip.Engine: optimizer param groups use momentum {} and {}; quasi-global momentum takes one "
                                             "β for all: use one momentum, or set [engine] momentum = \"local\"",
@@ -520,6 +582,11 @@ class py_engine {
       for (const auto& p : group["params"]) group_of[p] = m;
       ++gi;
     }
+    // optimizer= asks for its buffers: an optimizer that steps none of the registered tensors is another model's.
+    if (std::none_of(m_tensors.begin(), m_tensors.end(), [&](const auto& t) { return group_of.contains(t.tensor); }))
+      throw py::value_error(
+          "gossip.Engine: optimizer= steps none of the registered tensors (an optimizer of another model, or tensors that are not its "
+          "parameter objects, e.g. a state_dict's); register model.named_parameters() with that model's optimizer, or leave optimizer= out");
     if (!beta) return;  // plain SGD: no buffers
     try {
       cfg.follow_momentum(*beta, "the optimizer's momentum");
@@ -595,6 +662,7 @@ class py_engine {
   std::atomic<bool> m_busy{false};
   std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
   std::vector<std::pair<std::size_t, py::object>> m_momentum_groups;  // (index, group) of the optimizer's groups with momentum
+  std::vector<double> m_group_lr;  // each such group's lr when the last step() returned, or when the engine was built
   bool m_has_momentum = false, m_finished = false;
   int m_rank = 0, m_world = 1;
 };
@@ -626,7 +694,8 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
   const config cfg = config_from(cfg_arg, app_sections);
   rank_identity id;
   if (world) {
-    if (*world < 1) throw py::value_error(fmt::format("gossip.check_config: world = {}; give a world size >= 1", *world));
+    if (*world < 1 || *world > 1 << 20)
+      throw py::value_error(fmt::format("gossip.check_config: world = {}; give a world size in 1..{}", *world, 1 << 20));
     id = {0, *world, fmt::format("world={}", *world)};
   } else {
     try {
@@ -648,6 +717,7 @@ PYBIND11_MODULE(gossip, m) {
   using gossip::python::py_engine;
   namespace gp = gossip::python;
   m.doc() = "libgossip: drift-triggered gossip between training processes (one Engine per rank)";
+  gp::g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
 
   static py::exception<gossip::error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<gossip::config_error> config_error(m, "ConfigError", error.ptr());

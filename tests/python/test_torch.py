@@ -431,7 +431,7 @@ def test_misuse_that_would_give_wrong_results_is_refused(one_rank):
     m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
     opt = torch.optim.SGD([{"params": m[0].parameters(), "lr": 0.1}, {"params": m[1].parameters(), "lr": 0.001}], lr=0.1, momentum=0.9)
     eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
-    with pytest.raises(ValueError, match=r"lr=0.1 but optimizer param_groups\[1\] steps with lr=0.001"):
+    with pytest.raises(ValueError, match=r"lr=0.1 but optimizer param_groups\[1\] has lr=0.001"):
         eng.step(lr=0.1)
     opt.param_groups[1]["lr"] = 0.1  # a scheduler that keeps them equal is fine
     eng.step(lr=0.1)
@@ -448,6 +448,57 @@ def test_misuse_that_would_give_wrong_results_is_refused(one_rank):
         lin.weight.data = torch.zeros(3, 4)
     with pytest.raises(ValueError, match=r"rounds=-5"):
         gossip.Engine(torch.nn.Linear(2, 2).named_parameters()).finish(rounds=-5)
+
+
+def test_a_scheduler_stepped_before_the_engine_is_the_usual_order(one_rank):
+    # optimizer.step(); scheduler.step(); eng.step(lr=the lr the optimizer used): the group already holds the next lr.
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    for _ in range(5):
+        m(torch.randn(8, 4)).square().mean().backward()
+        lr = opt.param_groups[0]["lr"]
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        eng.step(lr=lr)
+    with pytest.raises(ValueError, match=r"lr=0.3 but optimizer param_groups\[0\] has lr=0.025 \(and had lr=0.025 when the last step"):
+        eng.step(lr=0.3)
+    eng.finish()
+
+
+def test_inputs_that_are_not_what_the_engine_takes_are_named(one_rank):
+    with pytest.raises(TypeError, match=r"config= takes the path of a TOML file .* got a int"):
+        gossip.Engine([("w", torch.zeros(4))], config=5)
+    with pytest.raises(gossip.ConfigError, match=r"^/nonexistent/gossip.toml: cannot open"):
+        gossip.Engine([("w", torch.zeros(4))], config=b"/nonexistent/gossip.toml")
+    with pytest.raises(gossip.ConfigError, match=r"\['policy'\]\['x'\] holds lists nested more than two deep"):
+        gossip.check_config({"policy": {"x": [[[1]]]}}, world=2)
+    with pytest.raises(ValueError, match=r"world = 1000000000; give a world size in 1..1048576"):
+        gossip.check_config({}, world=10**9)
+    with pytest.raises(TypeError, match=r"parameter 's' has layout torch.sparse_coo"):
+        gossip.Engine([("s", torch.zeros(4).to_sparse())])
+    with pytest.raises(ValueError, match=r"parameter 'weight' is not initialized yet"):
+        gossip.Engine(torch.nn.LazyLinear(2).named_parameters())
+    other = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=r"optimizer= steps none of the registered tensors"):
+        gossip.Engine(torch.nn.Linear(3, 2).state_dict(), optimizer=other)
+
+
+def test_a_daemon_thread_waiting_in_the_engine_lets_the_process_exit(tmp_path):
+    # Rank 1 never comes: the daemon thread waits in the engine's rendezvous while the interpreter exits.
+    script = tmp_path / "daemon.py"
+    script.write_text("import threading, time, torch, gossip\n"
+                      "threading.Thread(target=lambda: gossip.Engine([('w', torch.zeros(4))]), daemon=True).start()\n"
+                      "time.sleep(1)\nprint('main exits', flush=True)\n")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair()),
+               GOSSIP_TIMEOUT_S="30")
+    for var in ("GOSSIP_RANK", "GOSSIP_WORLD_SIZE", "GOSSIP_MASTER_PORT"):
+        env.pop(var, None)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "main exits" in r.stdout
 
 
 def test_one_rank_step_and_stats(one_rank):
