@@ -5,9 +5,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <exception>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -47,6 +50,19 @@ inline void write_file(const std::string& path, const std::string& text) {
   out << text << '\n';
   out.close();
   if (!out) throw error(fmt::format("cannot write {} ({})", path, std::strerror(errno)));
+}
+
+/// A bench's last word on what went wrong (call inside a catch block): one
+/// "error: …" line, and exit status 1; out of memory says `oom_hint`.
+inline int report_error(std::string_view oom_hint) {
+  try {
+    throw;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of memory ({})\n", oom_hint);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+  }
+  return 1;
 }
 
 }  // namespace gossip::bench

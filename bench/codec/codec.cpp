@@ -28,7 +28,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -127,15 +126,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     return run(sizes_mib, repeats, out_dir, ratio, rank, rows, isa, codecs);
-  } catch (const gossip::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of memory (the largest of --sizes needs about six copies of the model; pick smaller sizes)\n");
-    return 1;
-  } catch (const std::exception& e) {  // e.g. a system error
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+  } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
+    return gossip::bench::report_error("the largest of --sizes needs about six copies of the model; pick smaller sizes");
   }
 }
 

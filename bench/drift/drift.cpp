@@ -17,7 +17,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <new>
 #include <random>
 
 #include <unistd.h>
@@ -231,15 +230,8 @@ int main(int argc, char** argv) {
       out << j.dump(2) << '\n';
       if (!out) throw error(fmt::format("bench/drift: cannot write '{}'; pass --json with a writable path", json_path));
     }
-  } catch (const gossip::error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
-  } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of memory (the largest size needs a few copies of the model; lower --max-mib)\n");
-    return 1;
-  } catch (const std::exception& e) {  // e.g. a system error
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+  } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
+    return gossip::bench::report_error("the largest size needs a few copies of the model; lower --max-mib");
   }
   return 0;
 }
