@@ -707,6 +707,9 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
   check_world(cfg, id);
   const engine_spec spec = engine_spec::from(cfg);
   check_transport(cfg, id);
+  // What the engine checks against its transport: loopback for one rank, UCX between processes.
+  const bool loopback = cfg.transport.name == "loopback" && id.world == 1;
+  spec.settings.check_with(loopback ? "loopback" : "ucx", loopback, "gossip.check_config");
   // The topology against the world size, as the engine builds it (the switch builds none).
   if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, id.rank, id.world);
 }

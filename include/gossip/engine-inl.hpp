@@ -24,15 +24,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   check_output_path(m_settings.stats_path, rank, world, "stats", m_settings.stats_where);
   check_output_path(m_settings.trace_path, rank, world, "trace", m_settings.trace_where);
   const auto caps = m_transport.capabilities();
-  if (m_settings.same_step_merge && !caps.copies_on_post)
-    throw config_error(fmt::format("engine (rank {}): [engine] same_step_merge = true needs a transport whose ranks run in lockstep "
-                                   "(loopback); transport '{}' merges messages as they arrive, with no step to merge them in: set it "
-                                   "to false",
-                                   rank, caps.name));
-  if (m_settings.numerator_steps && (m_settings.in_flight_makeup || m_settings.same_step_merge))
-    throw config_error(fmt::format("engine (rank {}): [engine] numerator_steps = true counts every optimizer step in full already; set {} "
-                                   "to false",
-                                   rank, m_settings.in_flight_makeup ? "in_flight_makeup" : "same_step_merge"));
+  m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
   m_numerator_steps = m_settings.numerator_steps && m_protocol.type() == protocol::kind::push_sum && !model.device();

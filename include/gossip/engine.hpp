@@ -25,6 +25,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <fmt/format.h>
@@ -137,6 +138,11 @@ struct engine_settings {
   /// The same ranges as from(), for settings filled in code: the engine
   /// checks them when it is built (config_error naming the field).
   void check() const;
+  /// The settings against each other and the transport they will run over
+  /// (`lockstep`: it delivers at step boundaries, as loopback does):
+  /// same_step_merge needs lockstep ranks, and numerator_steps excludes
+  /// in_flight_makeup and same_step_merge. `who` starts the error.
+  void check_with(std::string_view transport, bool lockstep, std::string_view who) const;
 };
 
 /// Everything an engine is built from; config::load() produces one, or fill it in code.

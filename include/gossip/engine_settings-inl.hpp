@@ -102,6 +102,16 @@ inline engine_settings engine_settings::from(const options& o) {
   return s;
 }
 
+inline void engine_settings::check_with(std::string_view transport, bool lockstep, std::string_view who) const {
+  if (same_step_merge && !lockstep)
+    throw config_error(fmt::format("{}: [engine] same_step_merge = true needs a transport whose ranks run in lockstep (loopback); "
+                                   "transport '{}' merges messages as they arrive, with no step to merge them in: set it to false",
+                                   who, transport));
+  if (numerator_steps && (in_flight_makeup || same_step_merge))
+    throw config_error(fmt::format("{}: [engine] numerator_steps = true counts every optimizer step in full already; set {} to false", who,
+                                   in_flight_makeup ? "in_flight_makeup" : "same_step_merge"));
+}
+
 inline void engine_settings::check() const {
   for (const auto& r : detail::engine_ranges)
     if (const double v = r.value(*this); !r.admits(v))

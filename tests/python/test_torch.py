@@ -416,6 +416,12 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
         gossip.check_config({"train": {"workers": 4}})
     with pytest.raises(ValueError, match=r"world = 0"):
         gossip.check_config({}, world=0)
+    # What the engine refuses against its transport (UCX between processes) and in combination.
+    with pytest.raises(gossip.ConfigError, match=r"same_step_merge = true needs a transport whose ranks run in lockstep .*transport 'ucx'"):
+        gossip.check_config({"engine": {"same_step_merge": True}}, world=2)
+    assert gossip.check_config({"engine": {"same_step_merge": True}}, world=1) is None
+    with pytest.raises(gossip.ConfigError, match=r"numerator_steps = true counts every optimizer step in full already; set in_flight_makeup"):
+        gossip.check_config({"engine": {"numerator_steps": True, "in_flight_makeup": True}}, world=2)
     # The topology against the world size, as the engine builds it.
     with pytest.raises(gossip.ConfigError, match=r"the edges leave rank\(s\) 3 unconnected to rank 0 in a world of 4"):
         gossip.check_config({"topology": {"name": "edges", "edges": [[0, 1], [1, 2]]}}, world=4)
