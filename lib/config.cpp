@@ -167,7 +167,12 @@ switch_mode_request requested_switch_mode(const config& cfg) {
 }
 
 config config::from_env(std::vector<std::string> app_sections) {
-  if (const char* path = std::getenv("GOSSIP_CONFIG"); path && *path) return load(path, std::move(app_sections));
+  if (const char* path = std::getenv("GOSSIP_CONFIG"); path && *path) {
+    // gossip-run --config sets it; a user may have left it set by hand.
+    if (std::error_code ec; !std::filesystem::exists(path, ec))
+      throw config_error(fmt::format("GOSSIP_CONFIG={}: no such file; point it at a config file, or unset it for the defaults", path));
+    return load(path, std::move(app_sections));
+  }
   return config(std::move(app_sections));
 }
 

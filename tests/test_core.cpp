@@ -79,6 +79,10 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
                        config_error);
   CHECK_THROWS_WITH_AS(config::load("/nonexistent/run.toml"), doctest::Contains("/nonexistent/run.toml: cannot open the config file"), config_error);
   CHECK_THROWS_WITH_AS(config::load("/tmp"), "/tmp: is a directory, not a config file; give the path of a .toml file", config_error);
+  // A GOSSIP_CONFIG left pointing nowhere is named as the variable.
+  ::setenv("GOSSIP_CONFIG", "/nonexistent/run.toml", 1);
+  CHECK_THROWS_WITH_AS(config::from_env(), doctest::Contains("GOSSIP_CONFIG=/nonexistent/run.toml: no such file"), config_error);
+  ::unsetenv("GOSSIP_CONFIG");
   // A device read without end stops at 1 MiB instead of filling memory.
   CHECK_THROWS_WITH_AS(config::load("/dev/zero"), doctest::Contains("/dev/zero: more than 1048576 bytes"), config_error);
   CHECK_THROWS_WITH_AS(config::parse("[[policy]]\nname = \"drift\"\n", "bad.toml"),

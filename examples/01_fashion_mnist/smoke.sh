@@ -59,6 +59,10 @@ if GOSSIP_FASHION_MNIST_DIR="$out/mixed" "$exe" --epochs 1 --set train.train_lim
 fi
 grep -qF "$out/mixed: the training images are 28x28 and the test images 14x14" "$out/err" \
   || { echo "mixed sizes: expected the size error, got:" >&2; cat "$out/err" >&2; exit 1; }
+# A data directory set by hand and wrong is named as the variable that set it.
+if GOSSIP_FASHION_MNIST_DIR="$out/none" "$exe" --epochs 1 >/dev/null 2>"$out/err"; then echo "a missing data directory was accepted" >&2; exit 1; fi
+grep -qF "GOSSIP_FASHION_MNIST_DIR is set to '$out/none': point it at the directory of the IDX files" "$out/err" \
+  || { echo "missing data: expected the variable named, got:" >&2; cat "$out/err" >&2; exit 1; }
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"
 # A report that cannot be written (a full disk) is an error, not exit 0.
 if [ -w /dev/full ]; then

@@ -80,11 +80,17 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
 
   try {
     // gossip-run --config passes the file as GOSSIP_CONFIG.
-    if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) config_path = env;
+    bool from_env = false;
+    if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) {
+      config_path = env;
+      from_env = true;
+    }
     // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
     const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
     // Without --config, errors about a default name the defaults (not "<code>").
+    // From GOSSIP_CONFIG, a missing file is named as that variable's.
     config cfg = config_path.empty() ? config::parse("", "the built-in defaults (no --config)", own_sections)
+                 : from_env          ? config::from_env(own_sections)
                                      : config::load(config_path, own_sections);
     if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
     if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
