@@ -486,13 +486,26 @@ class py_engine {
 
   py::object stats() {
     engine& e = live("stats");
+    busy_guard guard(m_busy, "stats");  // step() runs without the GIL: another thread may be inside it
     const std::string json = e.stats().to_json(-1);
     return py::module_::import("json").attr("loads")(json);
   }
 
-  double weight() { return live("weight").weight(); }
-  std::uint64_t steps() { return live("steps").steps(); }
-  double consensus() { return live("consensus").consensus(); }
+  double weight() {
+    engine& e = live("weight");
+    busy_guard guard(m_busy, "weight");
+    return e.weight();
+  }
+  std::uint64_t steps() {
+    engine& e = live("steps");
+    busy_guard guard(m_busy, "steps");
+    return e.steps();
+  }
+  double consensus() {
+    engine& e = live("consensus");
+    busy_guard guard(m_busy, "consensus");
+    return e.consensus();
+  }
   int rank() const noexcept { return m_rank; }
   int world() const noexcept { return m_world; }
   std::vector<std::string> names() const {
@@ -667,6 +680,33 @@ class py_engine {
   int m_rank = 0, m_world = 1;
 };
 
+// Engine.__new__(Engine) without __init__ leaves a Python object whose
+// py_engine was never constructed (pybind11 hands such a method raw memory
+// for self): every method and property checks that it was, first.
+py_engine& constructed(py::handle self) {
+  if (!py::isinstance<py_engine>(self))
+    throw py::type_error(fmt::format("gossip.Engine: a method was called on a {}, not on a gossip.Engine",
+                                     py::str(py::type::handle_of(self).attr("__name__")).cast<std::string>()));
+  auto* inst = reinterpret_cast<py::detail::instance*>(self.ptr());
+  auto vh = inst->get_value_and_holder(py::detail::get_type_info(typeid(py_engine)));
+  if (!vh.holder_constructed())
+    throw py::type_error("gossip.Engine: this object was made by Engine.__new__ without __init__ and holds no engine; construct it "
+                         "with gossip.Engine(named_parameters, config=..., optimizer=...)");
+  return *vh.value_ptr<py_engine>();
+}
+template <typename R, typename... A>
+auto checked(R (py_engine::*f)(A...)) {
+  return [f](py::handle self, A... a) -> R { return (constructed(self).*f)(std::forward<A>(a)...); };
+}
+template <typename R, typename... A>
+auto checked(R (py_engine::*f)(A...) const noexcept) {
+  return [f](py::handle self, A... a) -> R { return (constructed(self).*f)(std::forward<A>(a)...); };
+}
+template <typename R, typename... A>
+auto checked(R (py_engine::*f)(A...) const) {
+  return [f](py::handle self, A... a) -> R { return (constructed(self).*f)(std::forward<A>(a)...); };
+}
+
 template <class Registry>
 py::list describe(const Registry& r) {
   py::list out;
@@ -767,21 +807,21 @@ the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER
       .def(py::init<const py::iterable&, const py::object&, const py::object&, const std::vector<std::string>&>(), py::arg("named_parameters"),
            py::kw_only(), py::arg("config") = py::none(), py::arg("optimizer") = py::none(),
            py::arg("app_sections") = std::vector<std::string>{"train"})
-      .def("step", &py_engine::step, py::kw_only(), py::arg("lr") = 0.0, py::arg("loss") = std::numeric_limits<double>::quiet_NaN(),
+      .def("step", gp::checked(&gp::py_engine::step), py::kw_only(), py::arg("lr") = 0.0, py::arg("loss") = std::numeric_limits<double>::quiet_NaN(),
            "After optimizer.step(): merge what peers sent, measure drift, let the policy decide, send. Releases the GIL.")
-      .def("poll", &py_engine::poll, "Merge what peers sent without deciding or sending; returns the count merged.")
-      .def("finish", &py_engine::finish, py::arg("rounds") = -2,
+      .def("poll", gp::checked(&gp::py_engine::poll), "Merge what peers sent without deciding or sending; returns the count merged.")
+      .def("finish", gp::checked(&gp::py_engine::finish), py::arg("rounds") = -2,
            "Final averaging rounds (default: [engine] finish_rounds), then leave the fabric. Idempotent.")
-      .def("stats", &py_engine::stats, "The engine's counters as a dict (the JSON report).")
-      .def_property_readonly("rank", &py_engine::rank)
-      .def_property_readonly("world", &py_engine::world)
-      .def_property_readonly("weight", &py_engine::weight, "push-sum weight: the average model is sum(w_i x_i) / sum(w_i)")
-      .def_property_readonly("steps", &py_engine::steps)
-      .def_property_readonly("consensus", &py_engine::consensus, "the consensus-distance estimate policies see (NaN until a model arrived)")
-      .def_property_readonly("names", &py_engine::names, "registered parameter names, in order")
-      .def("__enter__", [](py_engine& e) -> py_engine& { return e; }, py::return_value_policy::reference)
-      .def("__exit__", [](py_engine& e, const py::object& type, const py::object&, const py::object&) {
-        if (type.is_none()) e.finish(-2);
+      .def("stats", gp::checked(&gp::py_engine::stats), "The engine's counters as a dict (the JSON report).")
+      .def_property_readonly("rank", gp::checked(&gp::py_engine::rank))
+      .def_property_readonly("world", gp::checked(&gp::py_engine::world))
+      .def_property_readonly("weight", gp::checked(&gp::py_engine::weight), "push-sum weight: the average model is sum(w_i x_i) / sum(w_i)")
+      .def_property_readonly("steps", gp::checked(&gp::py_engine::steps))
+      .def_property_readonly("consensus", gp::checked(&gp::py_engine::consensus), "the consensus-distance estimate policies see (NaN until a model arrived)")
+      .def_property_readonly("names", gp::checked(&gp::py_engine::names), "registered parameter names, in order")
+      .def("__enter__", [](py::handle self) { gp::constructed(self); return self; })
+      .def("__exit__", [](py::handle self, const py::object& type, const py::object&, const py::object&) {
+        if (type.is_none()) gp::constructed(self).finish(-2);
       });
 
   m.def("check_config", &gp::check_config, py::arg("config"), py::kw_only(), py::arg("world") = py::none(),

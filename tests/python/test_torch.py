@@ -490,6 +490,12 @@ def test_inputs_that_are_not_what_the_engine_takes_are_named(one_rank):
     other = torch.optim.SGD(torch.nn.Linear(3, 2).parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match=r"optimizer= steps none of the registered tensors"):
         gossip.Engine(torch.nn.Linear(3, 2).state_dict(), optimizer=other)
+    bare = gossip.Engine.__new__(gossip.Engine)  # no __init__: no engine behind it
+    for use in (bare.stats, lambda: bare.step(lr=0.1), bare.finish, lambda: bare.weight, lambda: bare.rank, bare.__enter__):
+        with pytest.raises(TypeError, match=r"made by Engine.__new__ without __init__"):
+            use()
+    with pytest.raises(TypeError, match=r"called on a int, not on a gossip.Engine"):
+        gossip.Engine.stats(3)
 
 
 def test_a_daemon_thread_waiting_in_the_engine_lets_the_process_exit(tmp_path):
