@@ -16,6 +16,12 @@ std::optional<std::string> layout_difference(const model_layout& mine, const mod
       return fmt::format("tensor #{} '{}' has {} elements here but {} there", i, a.name, a.count, b.count);
     if (a.dtype != b.dtype)
       return fmt::format("tensor #{} '{}' is {} here but {} there", i, a.name, to_string(a.dtype), to_string(b.dtype));
+    if (a.rows != b.rows) {
+      const auto shape = [](const layout_entry& e) {
+        return e.rows ? fmt::format("a matrix of {} rows x {} columns", e.rows, e.count / e.rows) : std::string("not declared a matrix");
+      };
+      return fmt::format("tensor #{} '{}' is {} here but {} there", i, a.name, shape(a), shape(b));
+    }
   }
   if (mine.size() != theirs.size()) {
     const auto& longer = mine.size() > theirs.size() ? mine : theirs;
@@ -44,6 +50,8 @@ std::uint64_t fingerprint(const model_layout& layout) noexcept {
     const std::uint64_t c = e.count;
     mix(&c, sizeof c);
     mix(&e.dtype, sizeof e.dtype);
+    const std::uint64_t r = e.rows;
+    mix(&r, sizeof r);
   }
   return h;
 }

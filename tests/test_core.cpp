@@ -132,6 +132,14 @@ TEST_CASE("layouts: the first difference is named") {
   b[0].dtype = dtype::f16;
   CHECK(*layout_difference(a, b) == "tensor #0 'w' is f32 here but f16 there");
   b = a;
+  a[0].rows = 2;  // a 2x5 weight against a 5x2 one: the same count, a different shape
+  b[0].rows = 5;
+  CHECK(*layout_difference(a, b) == "tensor #0 'w' is a matrix of 2 rows x 5 columns here but a matrix of 5 rows x 2 columns there");
+  CHECK(fingerprint(a) != fingerprint(b));
+  b[0].rows = 0;
+  CHECK(*layout_difference(a, b) == "tensor #0 'w' is a matrix of 2 rows x 5 columns here but not declared a matrix there");
+  a[0].rows = 0;
+  b = a;
   b.pop_back();
   CHECK(*layout_difference(a, b) == "the model has 2 tensors here but 1 there (first unmatched: 'b')");
   CHECK_THROWS_WITH_AS(check_layouts(a, 0, b, 3), doctest::Contains("model layout of rank 0 does not match rank 3"), layout_error);

@@ -67,6 +67,7 @@ struct layout_entry {
   std::string name;
   std::size_t count = 0;
   gossip::dtype dtype = dtype::f32;
+  std::size_t rows = 0;  // a matrix's rows (model_view::matrix), else 0: a 2x3 and a 3x2 weight differ
   bool operator==(const layout_entry&) const = default;
 };
 using model_layout = std::vector<layout_entry>;
@@ -77,7 +78,7 @@ std::optional<std::string> layout_difference(const model_layout& mine, const mod
 /// Throws layout_error naming both ranks and the first differing tensor.
 void check_layouts(const model_layout& mine, int my_rank, const model_layout& theirs, int their_rank);
 
-/// A stable 64-bit fingerprint of a layout (FNV-1a over names, counts, dtypes).
+/// A stable 64-bit fingerprint of a layout (FNV-1a over names, counts, dtypes, rows).
 std::uint64_t fingerprint(const model_layout& layout) noexcept;
 
 /// A 64-bit fingerprint of values, bit for bit (-0 and 0, NaN payloads
@@ -167,7 +168,7 @@ class model_view {
   model_layout layout() const {
     model_layout l;
     l.reserve(m_tensors.size());
-    for (const auto& t : m_tensors) l.push_back({t.name, t.count, t.dtype});
+    for (const auto& t : m_tensors) l.push_back({t.name, t.count, t.dtype, t.rows});
     return l;
   }
 

@@ -232,6 +232,13 @@ def test_world_size_disagreeing_with_config(tmp_path):
     assert f"{cfg} [train]: workers = 4 but the world has 2 ranks" in out, out
 
 
+def test_a_weight_of_another_shape_on_a_peer_is_refused(tmp_path):
+    # 2x5 against 5x2: equal counts, but averaging them would mix unrelated values.
+    status, out = torchrun(2, WORKER, "shape")
+    assert status != 0
+    assert "tensor #0 'w' is a matrix of 2 rows x 5 columns here but a matrix of 5 rows x 2 columns there" in out, out
+
+
 def test_errors_name_the_parameter(one_rank):
     with pytest.raises(ValueError, match=r"parameter 'fc\.weight' is not contiguous"):
         gossip.Engine([("fc.weight", torch.zeros(4, 3).t())])

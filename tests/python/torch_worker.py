@@ -35,6 +35,9 @@ def main():
     if mode == "config":
         gossip.Engine({"w": torch.zeros(4)}, config=sys.argv[2]).finish()
         return
+    if mode == "shape":  # the same count, transposed on rank 1
+        gossip.Engine({"w": torch.zeros((2, 5) if rank == 0 else (5, 2))}).finish()
+        return
     out_dir, steps = sys.argv[2], int(sys.argv[3])
     if mode == "average":
         device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")

@@ -25,7 +25,7 @@ using namespace ucx_detail;
 
 namespace {
 
-constexpr std::uint32_t blob_magic = 0x32435547;  // "GUC2": since the model fingerprint
+constexpr std::uint32_t blob_magic = 0x33435547;  // "GUC3": since the layout's matrix rows
 
 // Little serialiser for the rendezvous blob.
 struct writer {
@@ -100,6 +100,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
     w.bytes(e.name.data(), e.name.size());
     w.pod<std::uint64_t>(e.count);
     w.pod(static_cast<std::uint8_t>(e.dtype));
+    w.pod<std::uint64_t>(e.rows);
   }
   w.bytes(address, address_len);
   w.bytes(host.data(), host.size());
@@ -132,6 +133,7 @@ std::optional<peer_blob> decode(const bootstrap::blob& b) {
     e.name.assign(reinterpret_cast<const char*>(name.data()), name.size());
     e.count = r.pod<std::uint64_t>();
     e.dtype = static_cast<gossip::dtype>(r.pod<std::uint8_t>());
+    e.rows = r.pod<std::uint64_t>();
     p.layout.push_back(std::move(e));
   }
   p.address = r.bytes();
