@@ -585,6 +585,49 @@ void bootstrap::barrier(const std::string& name) {
     for (int r = 1; r < m_world; ++r) get(fmt::format("{}/ack/{}", name, r), fmt::format("rank {} to leave barrier '{}'", r, name));
 }
 
+void bootstrap::barrier(const std::string& name, std::span<const int> known_dead) {
+  const auto key = [&](const char* phase, int r) { return fmt::format("{}/{}/{}", name, phase, r); };
+  blob mine(known_dead.size() * sizeof(int));
+  if (!mine.empty()) std::memcpy(mine.data(), known_dead.data(), mine.size());
+  put(key("arrive", m_rank), mine);
+  // Each rank: arrived (its key is there), or found dead by one that arrived.
+  std::vector<char> arrived(static_cast<std::size_t>(m_world), 0), dead(static_cast<std::size_t>(m_world), 0);
+  arrived[static_cast<std::size_t>(m_rank)] = 1;
+  const auto mark_dead = [&](std::span<const int> ranks) {
+    for (const int d : ranks)
+      if (d >= 0 && d < m_world && d != m_rank) dead[static_cast<std::size_t>(d)] = 1;
+  };
+  mark_dead(known_dead);
+  const auto deadline = deadline_after(m_timeout);
+  for (unsigned i = 0;; ++i) {
+    std::vector<int> missing;
+    for (int r = 0; r < m_world; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      if (arrived[ur]) continue;
+      if (auto b = try_get(key("arrive", r))) {
+        arrived[ur] = 1;
+        std::vector<int> theirs(b->size() / sizeof(int));
+        if (!theirs.empty()) std::memcpy(theirs.data(), b->data(), theirs.size() * sizeof(int));
+        mark_dead(theirs);
+      } else if (!dead[ur]) {
+        missing.push_back(r);
+      }
+    }
+    if (missing.empty()) break;
+    if (clock::now() >= deadline)
+      throw timeout_error(fmt::format("timed out after {:.1f} s waiting for rank(s) {} to reach barrier '{}' at the rendezvous {} (rank {}; "
+                                      "no rank that got there found them dead)",
+                                      m_timeout.count(), fmt::join(missing, ", "), name, where(), m_rank));
+    detail::check_interrupt();
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
+  }
+  put(key("ack", m_rank), blob{});
+  // Rank 0 stays until every rank that arrived has read what it needed.
+  if (m_rank == 0)
+    for (int r = 1; r < m_world; ++r)
+      if (arrived[static_cast<std::size_t>(r)]) get(key("ack", r), fmt::format("rank {} to leave barrier '{}'", r, name));
+}
+
 void bootstrap::pass(const std::string& name) {
   GOSSIP_ASSERT(m_rank != 0, "bootstrap: rank 0 serves the store and cannot pass barrier '{}' early", name);
   put(fmt::format("{}/arrive/{}", name, m_rank), blob{});

@@ -480,7 +480,8 @@ class py_engine {
     waiting_call unlocked;  // final rounds, the drain handshake, the finish barrier
     m_engine->finish(rounds);
     // Rank 0 serves the rendezvous: it stays until every rank is through.
-    if (m_boot && !m_finished) m_boot->barrier("gossip/python/finish");
+    // Not waiting for a rank that died: a peer of it that got through says so.
+    if (m_boot && !m_finished) m_boot->barrier("gossip/python/finish", m_engine->stats().dead_peers);
     m_finished = true;
   }
 

@@ -465,6 +465,25 @@ TEST_CASE("bootstrap: put, get and barrier across processes") {
   check_all_ok(out);
 }
 
+TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {
+  // Rank 2 never arrives. Rank 1 found it dead; rank 0 (not its neighbour)
+  // learns it from rank 1's arrival and leaves at once.
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  bootstrap b0(0, 3, "127.0.0.1", port, timeout), b1(1, 3, "127.0.0.1", port, timeout);
+  const auto t0 = clock_type::now();
+  std::thread rank1([&] { b1.barrier("end", std::vector<int>{2}); });
+  b0.barrier("end", std::vector<int>{});
+  rank1.join();
+  CHECK(clock_type::now() - t0 < 5s);
+
+  // Nobody found it dead: the wait ends at the timeout, naming it.
+  const std::uint16_t port2 = free_port();
+  bootstrap c0(0, 2, "127.0.0.1", port2, std::chrono::duration<double>(0.5));
+  CHECK_THROWS_WITH_AS(c0.barrier("end", std::vector<int>{}), doctest::Contains("waiting for rank(s) 1 to reach barrier 'end'"),
+                       timeout_error);
+}
+
 TEST_CASE("ucx: 2 and 4 processes exchange models bit for bit (eager and rendezvous sizes)") {
   require_ucx();
   for (const char* tls : {"tcp", "posix,self"}) {

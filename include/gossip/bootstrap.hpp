@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +77,12 @@ class bootstrap {
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.
   void barrier(const std::string& name);
+  /// The same, for ranks that may have lost peers: each arriving rank
+  /// publishes the ranks it found dead (`known_dead`, e.g. stats::dead_peers),
+  /// and a rank that some arrived rank found dead is not waited for. A rank
+  /// that died before reaching it then costs no timeout, as long as one of
+  /// its peers got through. Rank 0 must be alive (it serves the store).
+  void barrier(const std::string& name, std::span<const int> known_dead);
   /// Marks this rank as through barrier `name` without waiting for the
   /// others: a rank that leaves early (rank 0 must not) calls it so that
   /// the others' barrier does not wait for it.

@@ -214,6 +214,14 @@ def test_a_rank_that_drops_its_engine_without_finish_holds_no_one(tmp_path):
     assert "left before its drain handshake" in out, out
 
 
+def test_finish_after_a_peer_died_does_not_wait_for_it(tmp_path):
+    status, out = torchrun(2, WORKER, "die", tmp_path, 20)
+    assert status == 0, out
+    r0 = torch.load(tmp_path / "rank0.pt")
+    assert r0["stats"]["dead_peers"] == [1], out
+    assert r0["seconds"] < 12, (r0["seconds"], out)  # a timeout of 4 s to find it dead, none at the finish barrier
+
+
 def test_ctrl_c_ends_a_wait_on_a_peer(tmp_path):
     # finish() waits on a silent peer with the GIL released: SIGINT must raise
     # KeyboardInterrupt out of it at once, not after the engine's 20 s timeout.

@@ -99,6 +99,26 @@ def main():
             eng.step(lr=0.1)
         eng.finish()
         torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "die":
+        # Rank 1 dies without a word (no finish(), no destructor); rank 0
+        # trains on, finds it dead, and its finish() does not wait for it.
+        eng = gossip.Engine({"w": torch.full((8,), float(rank))},
+                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 4.0}})
+        for _ in range(5):
+            eng.step(lr=0.1)
+        if rank == 1:
+            deadline = time.monotonic() + 20
+            while eng.stats()["messages_received"] == 0:  # rank 0 has connected to it
+                if time.monotonic() > deadline:
+                    sys.exit("rank 1 heard nothing from rank 0 in 20 s")
+                eng.poll()
+                time.sleep(0.01)
+            os._exit(0)
+        t0 = time.monotonic()
+        for _ in range(steps):
+            eng.step(lr=0.1)
+        eng.finish()
+        torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
     elif mode == "interrupt":
         # Rank 0's finish() waits on rank 1, which neither steps nor finishes;
         # a SIGINT (Ctrl-C) one second in must end that wait at once.

@@ -151,7 +151,11 @@ bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.
 
 void ucx_detail::enable_shm_error_handling() {
   const char* tls_env = std::getenv("UCX_TLS");
-  const std::string tls = tls_env ? tls_env : "all";
+  if (!tls_env) {  // init_ucx then leaves sysv out
+    ::setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
+    return;
+  }
+  const std::string tls = tls_env;
   const auto may_use = [&](std::initializer_list<const char*> names) {
     for (const char* n : names)
       if (tls.find(n) != std::string::npos) return true;
@@ -172,6 +176,10 @@ void ucx_transport::impl::init_ucx() {
     const auto v = fmt::format("{}s", opt.keepalive_s);
     ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", v.c_str());
   }
+  // UCX picks sysv for shared memory when free to, and sysv's keepalive never
+  // sees a peer process die (a killed rank stayed "alive" for minutes, its
+  // sends in flight forever); posix's does within a keepalive interval.
+  if (!std::getenv("UCX_TLS")) ucp_config_modify(cfg, "TLS", "^sysv");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;

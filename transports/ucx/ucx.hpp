@@ -51,7 +51,9 @@
 /// Peer failure. A failed peer is reported once by dead_peers() and logged
 /// once on stderr as "rank J (host H)" with UCX's reason. tcp sees a killed peer as a reset connection; shared memory
 /// only through UCX keepalive, whose interval this transport sets to
-/// `keepalive_s` unless UCX_KEEPALIVE_INTERVAL is set. Error handling on the
+/// `keepalive_s` unless UCX_KEEPALIVE_INTERVAL is set; sysv's keepalive does
+/// not see a dead process, so unless UCX_TLS is set attach leaves sysv out
+/// (UCX_TLS=^sysv: shared memory goes over posix). Error handling on the
 /// posix/sysv transports is off by default in UCX 1.13
 /// (UCX_POSIX_ERROR_HANDLING=n), which would exclude them under peer error
 /// mode; attach turns it on unless the variable is set.
