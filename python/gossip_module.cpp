@@ -26,10 +26,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -154,8 +157,23 @@ std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::
                                    "or set GOSSIP_MASTER_PORT (and GOSSIP_MASTER_ADDR, default 127.0.0.1)",
                                    id.rank, id.world, id.source));
   }
-  return std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout,
-                                     fmt::format("{}:{}", addr_from, port_from));
+  // One rendezvous per process and address, kept until the process exits:
+  // every Engine of the process uses it, each with the next generation of
+  // keys, as its peers' Engines built in the same order do theirs. Rank 0
+  // cannot listen on the port twice (a second Engine while the first lives:
+  // a notebook cell run again), and a rendezvous made anew per Engine would
+  // reuse the first generation's keys, which a rank's new client could read
+  // from rank 0's old store in the moment before it closes. Its timeout is
+  // the first Engine's. Never destroyed: its server must not stop at exit
+  // while the interpreter finalizes.
+  static std::mutex m;
+  static auto* kept = new std::map<std::tuple<std::string, long long, int, int>, std::shared_ptr<bootstrap>>;
+  std::lock_guard lock(m);
+  auto& slot = (*kept)[{addr, port, id.rank, id.world}];
+  if (!slot)
+    slot = std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout,
+                                       fmt::format("{}:{}", addr_from, port_from));
+  return slot;
 }
 
 // A string as a TOML basic string (also a quoted key: any key parses, and is
@@ -416,7 +434,7 @@ class py_engine {
     // it passes the finish barrier so that theirs does not wait for it.
     if (m_boot && !m_finished && m_rank != 0) {
       try {
-        m_boot->pass("gossip/python/finish");
+        m_boot->pass(m_finish_barrier);
       } catch (const std::exception&) {
         // rank 0 is gone already: nobody is left to wait
       }
@@ -481,7 +499,7 @@ class py_engine {
     m_engine->finish(rounds);
     // Rank 0 serves the rendezvous: it stays until every rank is through.
     // Not waiting for a rank that died: a peer of it that got through says so.
-    if (m_boot && !m_finished) m_boot->barrier("gossip/python/finish", m_engine->stats().dead_peers);
+    if (m_boot && !m_finished) m_boot->barrier(m_finish_barrier, m_engine->stats().dead_peers);
     m_finished = true;
   }
 
@@ -637,6 +655,7 @@ class py_engine {
     }
 #if defined(GOSSIP_HAVE_UCX)
     m_boot = make_bootstrap(id, timeout);
+    m_finish_barrier = fmt::format("gossip/python/finish/{}", m_boot->next_generation());
     return ucx_transport(m_boot);
 #else
     (void)timeout;
@@ -672,6 +691,7 @@ class py_engine {
   py::object m_stream;  // the torch.cuda.Stream a CUDA model's passes are ordered on
   std::optional<loopback_fabric> m_fabric;
   std::shared_ptr<bootstrap> m_boot;
+  std::string m_finish_barrier;  // this engine's, in its rendezvous
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
   std::atomic<bool> m_busy{false};
   std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
