@@ -163,6 +163,11 @@ TEST_CASE("model_view refuses ambiguous tensors") {
   CHECK(v.size() == 4);
   CHECK_THROWS_WITH_AS(v.momentum("a", std::span<float>(y).subspan(2)), doctest::Contains("momentum buffer of tensor 'a' shares memory with tensor 'b'"),
                        error);
+  std::vector<float> m(3);
+  v.momentum("a", std::span<float>(m).first(2));
+  v.momentum("a", std::span<float>(m).first(2));  // registered again: the same tensor's buffer
+  CHECK_THROWS_WITH_AS(v.momentum("b", std::span<float>(m).subspan(1)),
+                       doctest::Contains("momentum buffer of tensor 'b' shares memory with the momentum buffer of tensor 'a'"), error);
 }
 
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {

@@ -122,6 +122,12 @@ class model_view {
         throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with tensor '{}'; give the optimizer's own "
                                 "buffer",
                                 name, u.name));
+    // One buffer for two tensors would be replaced by both (quasi-global momentum).
+    for (const auto& u : m_tensors)
+      if (&u != &t && u.momentum && u.memory == t.memory && overlap(u.momentum, u.bytes(), buffer.data(), buffer.size_bytes()))
+        throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with the momentum buffer of tensor '{}'; give "
+                                "each tensor the optimizer's own buffer",
+                                name, u.name));
     t.momentum = buffer.data();
     return *this;
   }
