@@ -43,6 +43,8 @@ refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.n
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
 refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact push-sum average" --set engine.finish_rounds=2
 refused "--bandwidth-gbps: must be a finite number >= 0 (0: unlimited), got -1" --bandwidth-gbps -1
+refused "--set policy.name=drift and --policy both set policy.name; give one of them" --policy periodic --set policy.name=drift
+refused "--set train.epochs=2 and --epochs both set train.epochs" --set train.epochs=2
 # Test images of another size than the training ones: refused once loaded, not read past their end.
 mkdir "$out/mixed"
 for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz; do

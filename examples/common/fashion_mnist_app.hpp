@@ -92,15 +92,30 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     config cfg = config_path.empty() ? config::parse("", "the built-in defaults (no --config)", own_sections)
                  : from_env          ? config::from_env(own_sections)
                                      : config::load(config_path, own_sections);
-    if (!policy.empty()) cfg.apply_override("policy.name=" + policy);
-    if (!topology.empty()) cfg.apply_override("topology.name=" + topology);
-    if (!protocol.empty()) cfg.apply_override("protocol.name=" + protocol);
-    if (!(bandwidth < 0)) cfg.apply_override(fmt::format("transport.bandwidth_gbps={}", bandwidth));
-    if (workers) cfg.apply_override(fmt::format("train.workers={}", workers));
-    if (epochs) cfg.apply_override(fmt::format("train.epochs={}", epochs));
-    if (seed >= 0) cfg.apply_override(fmt::format("train.seed={}", seed));
-    if (!partition.empty()) cfg.apply_override("train.partition=" + partition);
-    for (const auto& o : overrides) cfg.apply_override(o);
+    // A flag and a --set of the same key: neither silently wins.
+    std::vector<std::pair<std::string, std::string>> flagged;  // (key, flag)
+    const auto flag = [&](bool given, const char* name, std::string key, const std::string& value) {
+      if (!given) return;
+      cfg.apply_override(key + "=" + value);
+      flagged.emplace_back(std::move(key), name);
+    };
+    flag(!policy.empty(), "--policy", "policy.name", policy);
+    flag(!topology.empty(), "--topology", "topology.name", topology);
+    flag(!protocol.empty(), "--protocol", "protocol.name", protocol);
+    flag(!(bandwidth < 0), "--bandwidth-gbps", "transport.bandwidth_gbps", fmt::format("{}", bandwidth));
+    flag(workers != 0, "--workers", "train.workers", fmt::format("{}", workers));
+    flag(epochs != 0, "--epochs", "train.epochs", fmt::format("{}", epochs));
+    flag(seed >= 0, "--seed", "train.seed", fmt::format("{}", seed));
+    flag(!partition.empty(), "--partition", "train.partition", partition);
+    for (const auto& o : overrides) {
+      const auto eq = o.find('=');
+      std::string key = o.substr(0, eq);
+      std::erase_if(key, [](char c) { return c == ' ' || c == '\t'; });
+      for (const auto& [k, name] : flagged)
+        if (k == key)
+          throw config_error(fmt::format("--set {} and {} both set {}; give one of them", o, name, k));
+      cfg.apply_override(o);
+    }
     const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
     // The bench's sections are not this program's to use, but a misspelt key is refused here as there.
     (void)cfg.section("bench", traffic_bench_specs());
