@@ -45,6 +45,12 @@ refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact p
 refused "--bandwidth-gbps: must be a finite number >= 0 (0: unlimited), got -1" --bandwidth-gbps -1
 refused "--set policy.name=drift and --policy both set policy.name; give one of them" --policy periodic --set policy.name=drift
 refused "--set train.epochs=2 and --epochs both set train.epochs" --set train.epochs=2
+# After the data is loaded (the run's length depends on it): the report's header may be out.
+if "$exe" --epochs 1 --set train.train_limit=4000 --set train.warmup_steps=1000 >"$out/stdout" 2>"$out/err"; then
+  echo "accepted a warmup longer than the run" >&2; exit 1
+fi
+grep -qF "warmup_steps = 1000 is as long as the whole run (1 epochs of 31 steps = 31 steps)" "$out/err" \
+  || { echo "expected the warmup to be refused, got:" >&2; cat "$out/err" >&2; exit 1; }
 # Test images of another size than the training ones: refused once loaded, not read past their end.
 mkdir "$out/mixed"
 for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz; do

@@ -383,19 +383,29 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
   const std::string where = it != cfg.sections.end() && it->second.has("train_limit") ? it->second.where("train_limit") : cfg.source + " [train]";
   std::size_t shard_min = std::numeric_limits<std::size_t>::max(), total = 0;
   for (const auto& sh : shards) shard_min = std::min(shard_min, sh.size()), total += sh.size();
+  int steps = 0;
   if (s.partition == data::partition_kind::dirichlet) {
-    const auto steps = total / (shards.size() * static_cast<std::size_t>(s.batch));
-    if (steps < 1 || shard_min < 1)
+    const auto per_worker = total / (shards.size() * static_cast<std::size_t>(s.batch));
+    if (per_worker < 1 || shard_min < 1)
       throw config_error(fmt::format("{}: {} samples among {} workers make less than one batch of {} each; use more samples (train_limit), "
                                      "a smaller batch or fewer workers",
                                      where, total, s.workers, s.batch));
-    return static_cast<int>(steps);
+    steps = static_cast<int>(per_worker);
+  } else {
+    steps = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
+    if (steps < 1)
+      throw config_error(fmt::format("{}: each of {} workers has only {} samples, fewer than one batch of {}; use more samples (train_limit), "
+                                     "a smaller batch or fewer workers",
+                                     where, s.workers, shard_min, s.batch));
   }
-  const int steps = static_cast<int>(shard_min / static_cast<std::size_t>(s.batch));
-  if (steps < 1)
-    throw config_error(fmt::format("{}: each of {} workers has only {} samples, fewer than one batch of {}; use more samples (train_limit), "
-                                   "a smaller batch or fewer workers",
-                                   where, s.workers, shard_min, s.batch));
+  // A warmup as long as the run never reaches [train] lr.
+  const std::int64_t run = static_cast<std::int64_t>(steps) * s.epochs;
+  if (s.warmup_steps >= run) {
+    const std::string wu = it != cfg.sections.end() && it->second.has("warmup_steps") ? it->second.where("warmup_steps") : cfg.source + " [train]";
+    throw config_error(fmt::format("{}: warmup_steps = {} is as long as the whole run ({} epochs of {} steps = {} steps), so the learning "
+                                   "rate would never reach lr; use fewer warmup steps, or more epochs or samples",
+                                   wu, s.warmup_steps, s.epochs, steps, run));
+  }
   return steps;
 }
 
