@@ -38,14 +38,24 @@ constexpr std::uint32_t max_count = 10'000'000;
 constexpr std::size_t trusted_reserve = std::size_t{1} << 26;
 constexpr unsigned chunk_bytes = 1u << 20;
 
-// What to do about a missing file: where the directory came from decides it.
-std::string install_hint() {
-  if (const char* env = std::getenv("GOSSIP_FASHION_MNIST_DIR"); env != nullptr && *env != '\0')
+// What to do about a missing file: where its directory came from decides it
+// (the variable, the Debian package's, or one the program was given).
+std::string install_hint(const std::string& path) {
+  const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  const auto norm = [](std::filesystem::path p) {  // "/a/b/" as "/a/b"
+    p = p.lexically_normal();
+    return !p.has_filename() && p != p.root_path() ? p.parent_path() : p;
+  };
+  const auto same = [&](const char* other) { return norm(dir) == norm(other); };
+  if (const char* env = std::getenv("GOSSIP_FASHION_MNIST_DIR"); env != nullptr && *env != '\0' && same(env))
     return fmt::format("GOSSIP_FASHION_MNIST_DIR is set to '{}': point it at the directory of the IDX files, or unset it to use "
                        "`apt-get install dataset-fashion-mnist`'s",
                        env);
-  return "install it with `apt-get install dataset-fashion-mnist`, or set GOSSIP_FASHION_MNIST_DIR (or pass the directory) to where "
-         "the IDX files are";
+  if (same(GOSSIP_FASHION_MNIST_DIR))
+    return "install it with `apt-get install dataset-fashion-mnist`, or set GOSSIP_FASHION_MNIST_DIR (or pass the directory) to where "
+           "the IDX files are";
+  return fmt::format("the directory '{}' was given (as [train] data_dir, or to load_fashion_mnist): give the directory of the IDX files",
+                     dir.string());
 }
 
 class gz_file {
@@ -54,14 +64,14 @@ class gz_file {
     std::error_code ec;
     auto st = std::filesystem::status(path, ec);
     if (!std::filesystem::exists(st))
-      throw data_error(fmt::format("dataset file '{}' does not exist; {}", path, install_hint()));
+      throw data_error(fmt::format("dataset file '{}' does not exist; {}", path, install_hint(path)));
     if (std::filesystem::is_directory(st))
       throw data_error(fmt::format("dataset file '{}' is a directory, expected a (gzipped) IDX file", path));
     errno = 0;
     m_file = gzopen(path.c_str(), "rb");
     if (m_file == nullptr)
       throw data_error(fmt::format("cannot open dataset file '{}': {}; {}", path,
-                                   errno != 0 ? std::strerror(errno) : "out of memory", install_hint()));
+                                   errno != 0 ? std::strerror(errno) : "out of memory", install_hint(path)));
     gzbuffer(m_file, 1u << 17);
   }
   gz_file(const gz_file&) = delete;
