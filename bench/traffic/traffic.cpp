@@ -309,9 +309,9 @@ int main(int argc, char** argv) {
     const double bytes_ad = mean_of(field("adaptive", &run_row::bytes_sent));
     // Every comparison is relative to these two: a run that sent nothing has no traffic to compare.
     if (!(bytes_p1 > 0))
-      throw error(fmt::format("periodic every step sent nothing in {} workers' runs: with fewer than 2 workers, or no peer in the "
-                              "topology, there is no gossip to compare; give [train] workers >= 2",
-                              settings.workers));
+      throw error(fmt::format("periodic every step sent nothing in {} workers' runs: topology '{}' gave no rank a peer to send to, so "
+                              "there is no gossip to compare; choose a topology that connects the workers",
+                              settings.workers, base.topology.name));
     if (!(bytes_ad > 0))
       throw error(fmt::format("the adaptive policy '{}' sent nothing in any of its {} run(s), so there is no traffic to compare; give it "
                               "settings that send (a lower threshold, or max_interval > 0), e.g. --set policy.threshold=…",
