@@ -167,8 +167,13 @@ struct rank_process {
       for (std::size_t i = 0; i < n; ++i, ++seq) {
         const auto& m = got[i];
         if (m.sender != 0 || m.step != seq || m.elements * sizeof(float) != bytes)
-          return fmt::format("fail rank 1: message {} came as sender {} step {} with {} bytes (expected sender 0, {} bytes): lost or reordered",
-                             seq, m.sender, m.step, m.elements * sizeof(float), bytes);
+          return fmt::format("fail rank 1: message {} came as sender {} step {} with {} bytes (expected sender 0, {} bytes): lost or "
+                             "reordered{}",
+                             seq, m.sender, m.step, m.elements * sizeof(float), bytes,
+                             t->counters().dropped > 0 ? fmt::format(" ({} dropped when the backlog of --backlog {} messages overflowed: "
+                                                                     "raise --backlog or --depth)",
+                                                                     t->counters().dropped, s.backlog)
+                                                       : std::string());
         const auto* w = reinterpret_cast<const std::uint64_t*>(m.data);
         if (w[0] != seq || w[words - 1] != (seq ^ stamp_key))
           return fmt::format("fail rank 1: message {} carries the stamps of message {} / {}", seq, w[0], w[words - 1] ^ stamp_key);
