@@ -98,30 +98,20 @@ def main():
         same = buffers == [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
         torch.save({"bias": model.bias.detach().clone(), "weight": eng.weight, "stats": eng.stats(), "same_buffers": same},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    elif mode == "drop":
-        # Rank 1 drops its engine without finish(); rank 0 trains on and finishes.
+    elif mode in ("drop", "die"):
+        # Rank 1 leaves; rank 0 trains on and finishes. "drop": rank 1 drops its
+        # engine without finish(). "die": rank 1 exits without a word (no
+        # finish(), no destructor); rank 0 finds it dead, and its finish() does
+        # not wait for it.
         eng = gossip.Engine({"w": torch.full((8,), float(rank))},
-                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0}})
+                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0 if mode == "drop" else 4.0}})
         for _ in range(5):
             eng.step(lr=0.1)
-        if rank == 1:
+        if rank == 1 and mode == "drop":
             time.sleep(0.5)
             del eng
             time.sleep(3)  # alive, but gone from the gossip
             return
-        time.sleep(1)
-        t0 = time.monotonic()
-        for _ in range(steps):
-            eng.step(lr=0.1)
-        eng.finish()
-        torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
-    elif mode == "die":
-        # Rank 1 dies without a word (no finish(), no destructor); rank 0
-        # trains on, finds it dead, and its finish() does not wait for it.
-        eng = gossip.Engine({"w": torch.full((8,), float(rank))},
-                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 4.0}})
-        for _ in range(5):
-            eng.step(lr=0.1)
         if rank == 1:
             deadline = time.monotonic() + 20
             while eng.stats()["messages_received"] == 0:  # rank 0 has connected to it
@@ -130,6 +120,8 @@ def main():
                 eng.poll()
                 time.sleep(0.01)
             os._exit(0)
+        if mode == "drop":
+            time.sleep(1)
         t0 = time.monotonic()
         for _ in range(steps):
             eng.step(lr=0.1)
