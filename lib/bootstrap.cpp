@@ -590,18 +590,25 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
   blob mine(known_dead.size() * sizeof(int));
   if (!mine.empty()) std::memcpy(mine.data(), known_dead.data(), mine.size());
   put(key("arrive", m_rank), mine);
+  if (m_rank != 0) {
+    // Rank 0 decides who is through (it reads its own store); then it waits
+    // for this rank's ack before it may exit.
+    (void)get(name + "/done", fmt::format("rank 0 to see every rank at barrier '{}' (or hear that it died)", name));
+    put(key("ack", m_rank), blob{});
+    return;
+  }
   // Each rank: arrived (its key is there), or found dead by one that arrived.
   std::vector<char> arrived(static_cast<std::size_t>(m_world), 0), dead(static_cast<std::size_t>(m_world), 0);
-  arrived[static_cast<std::size_t>(m_rank)] = 1;
+  arrived[0] = 1;
   const auto mark_dead = [&](std::span<const int> ranks) {
     for (const int d : ranks)
-      if (d >= 0 && d < m_world && d != m_rank) dead[static_cast<std::size_t>(d)] = 1;
+      if (d > 0 && d < m_world) dead[static_cast<std::size_t>(d)] = 1;
   };
   mark_dead(known_dead);
   const auto deadline = deadline_after(m_timeout);
   for (unsigned i = 0;; ++i) {
     std::vector<int> missing;
-    for (int r = 0; r < m_world; ++r) {
+    for (int r = 1; r < m_world; ++r) {
       const auto ur = static_cast<std::size_t>(r);
       if (arrived[ur]) continue;
       if (auto b = try_get(key("arrive", r))) {
@@ -615,17 +622,16 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
     }
     if (missing.empty()) break;
     if (clock::now() >= deadline)
-      throw timeout_error(fmt::format("timed out after {:.1f} s waiting for rank(s) {} to reach barrier '{}' at the rendezvous {} (rank {}; "
-                                      "no rank that got there found them dead)",
-                                      m_timeout.count(), fmt::join(missing, ", "), name, where(), m_rank));
+      throw timeout_error(fmt::format("timed out after {:.1f} s waiting for rank(s) {} to reach barrier '{}' at the rendezvous {} (no "
+                                      "rank that got there found them dead)",
+                                      m_timeout.count(), fmt::join(missing, ", "), name, where()));
     detail::check_interrupt();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
   }
-  put(key("ack", m_rank), blob{});
-  // Rank 0 stays until every rank that arrived has read what it needed.
-  if (m_rank == 0)
-    for (int r = 1; r < m_world; ++r)
-      if (arrived[static_cast<std::size_t>(r)]) get(key("ack", r), fmt::format("rank {} to leave barrier '{}'", r, name));
+  put(name + "/done", blob{});
+  // Rank 0 stays until every rank that arrived has read "done".
+  for (int r = 1; r < m_world; ++r)
+    if (arrived[static_cast<std::size_t>(r)]) (void)get(key("ack", r), fmt::format("rank {} to leave barrier '{}'", r, name));
 }
 
 void bootstrap::pass(const std::string& name) {

@@ -157,23 +157,8 @@ std::shared_ptr<bootstrap> make_bootstrap(const rank_identity& id, std::chrono::
                                    "or set GOSSIP_MASTER_PORT (and GOSSIP_MASTER_ADDR, default 127.0.0.1)",
                                    id.rank, id.world, id.source));
   }
-  // One rendezvous per process and address, kept until the process exits:
-  // every Engine of the process uses it, each with the next generation of
-  // keys, as its peers' Engines built in the same order do theirs. Rank 0
-  // cannot listen on the port twice (a second Engine while the first lives:
-  // a notebook cell run again), and a rendezvous made anew per Engine would
-  // reuse the first generation's keys, which a rank's new client could read
-  // from rank 0's old store in the moment before it closes. Its timeout is
-  // the first Engine's. Never destroyed: its server must not stop at exit
-  // while the interpreter finalizes.
-  static std::mutex m;
-  static auto* kept = new std::map<std::tuple<std::string, long long, int, int>, std::shared_ptr<bootstrap>>;
-  std::lock_guard lock(m);
-  auto& slot = (*kept)[{addr, port, id.rank, id.world}];
-  if (!slot)
-    slot = std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout,
-                                       fmt::format("{}:{}", addr_from, port_from));
-  return slot;
+  return std::make_shared<bootstrap>(id.rank, id.world, addr, static_cast<std::uint16_t>(port), timeout,
+                                     fmt::format("{}:{}", addr_from, port_from));
 }
 
 // A string as a TOML basic string (also a quoted key: any key parses, and is
@@ -249,7 +234,8 @@ config config_from(const py::handle& cfg, const std::vector<std::string>& app_se
 
 struct registered_tensor {
   std::string name;
-  py::object tensor;     // kept alive: the engine points at its storage
+  py::object tensor;     // the registered tensor
+  py::object storage;    // an alias of its memory (detach()): kept alive if .data is replaced while a step runs
   py::object data_ptr;   // its bound data_ptr method (a reassigned .data shows up here)
   std::uintptr_t address = 0;
   py::object numel;      // its bound numel method (resize_ to fewer values keeps data_ptr)
@@ -382,6 +368,7 @@ class py_engine {
       r.name = py_str(pair[0]);
       r.tensor = pair[1];
       const auto [n, place] = check_tensor(fmt::format("parameter '{}'", r.name), r.tensor);
+      r.storage = r.tensor.attr("detach")();
       if (m_tensors.empty()) {
         m_place = place;
       } else if (place != m_place) {
@@ -434,7 +421,7 @@ class py_engine {
     // it passes the finish barrier so that theirs does not wait for it.
     if (m_boot && !m_finished && m_rank != 0) {
       try {
-        m_boot->pass(m_finish_barrier);
+        m_boot->pass(finish_barrier);
       } catch (const std::exception&) {
         // rank 0 is gone already: nobody is left to wait
       }
@@ -499,14 +486,17 @@ class py_engine {
     m_engine->finish(rounds);
     // Rank 0 serves the rendezvous: it stays until every rank is through.
     // Not waiting for a rank that died: a peer of it that got through says so.
-    if (m_boot && !m_finished) m_boot->barrier(m_finish_barrier, m_engine->stats().dead_peers);
+    if (m_boot && !m_finished) m_boot->barrier(finish_barrier, m_engine->stats().dead_peers);
     m_finished = true;
   }
 
   py::object stats() {
     engine& e = live("stats");
-    busy_guard guard(m_busy, "stats");  // step() runs without the GIL: another thread may be inside it
-    const std::string json = e.stats().to_json(-1);
+    std::string json;
+    {
+      busy_guard guard(m_busy, "stats");  // step() runs without the GIL: another thread may be inside it
+      json = e.stats().to_json(-1);
+    }  // not held while json.loads runs Python code, which may hand the GIL to a thread about to step()
     return py::module_::import("json").attr("loads")(json);
   }
 
@@ -654,8 +644,15 @@ class py_engine {
       return m_fabric->endpoint(0);
     }
 #if defined(GOSSIP_HAVE_UCX)
-    m_boot = make_bootstrap(id, timeout);
-    m_finish_barrier = fmt::format("gossip/python/finish/{}", m_boot->next_generation());
+    // One Engine over the network per process at a time: a second one would
+    // listen on rank 0's port again, or publish under the first one's keys.
+    if (live_rendezvous > 0)
+      throw config_error(fmt::format("gossip.Engine (rank {}): another Engine of this process still holds the rendezvous; finish() it and "
+                                     "drop it (`del eng`) before building a new one (a notebook cell run again keeps the old Engine "
+                                     "until the new one is built)",
+                                     id.rank));
+    m_boot = fresh_rendezvous(id, timeout);
+    m_rendezvous_count.take();
     return ucx_transport(m_boot);
 #else
     (void)timeout;
@@ -690,8 +687,38 @@ class py_engine {
   tensor_place m_place;
   py::object m_stream;  // the torch.cuda.Stream a CUDA model's passes are ordered on
   std::optional<loopback_fabric> m_fabric;
+  static constexpr const char* finish_barrier = "gossip/python/finish";
+  // Engines of this process whose rendezvous is alive (at most one); counted
+  // down after m_boot is gone, also when the constructor throws.
+  static inline std::atomic<int> live_rendezvous{0};
+  struct rendezvous_count {
+    bool held = false;
+    void take() noexcept { ++live_rendezvous, held = true; }
+    ~rendezvous_count() {
+      if (held) --live_rendezvous;
+    }
+  } m_rendezvous_count;
   std::shared_ptr<bootstrap> m_boot;
-  std::string m_finish_barrier;  // this engine's, in its rendezvous
+
+  // The rendezvous of a new Engine. Rank 0's store of the previous one lives
+  // until rank 0 drops that Engine: a store in which this rank has already
+  // finished or left is that one, and the new keys go to rank 0's next store,
+  // not there. Waits (bounded) for it to go.
+  static std::shared_ptr<bootstrap> fresh_rendezvous(const rank_identity& id, std::chrono::duration<double> timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
+    for (;;) {
+      auto boot = make_bootstrap(id, timeout);
+      if (id.rank == 0 || (!boot->try_get(fmt::format("{}/done", finish_barrier)) &&
+                           !boot->try_get(fmt::format("{}/arrive/{}", finish_barrier, id.rank))))
+        return boot;
+      if (std::chrono::steady_clock::now() >= deadline)
+        throw timeout_error(fmt::format("gossip.Engine (rank {}): rank 0's rendezvous at {} still serves the previous Engine, which this "
+                                        "rank has left, after {:.1f} s; rank 0 must drop it and build its new Engine too",
+                                        id.rank, boot->where(), timeout.count()));
+      detail::check_interrupt();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
   std::atomic<bool> m_busy{false};
   std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
@@ -824,7 +851,10 @@ optimizer: a torch.optim.SGD with momentum whose buffers may become quasi-global
 app_sections: sections of the program's own that the config file may hold; a
   [train] workers key must equal the world size.
 Rank and world come from torchrun (RANK, WORLD_SIZE) or GOSSIP_RANK/GOSSIP_WORLD_SIZE;
-the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER_PORT).)")
+the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER_PORT).
+One Engine over the network per process at a time: finish() and drop the old one
+first. step() and poll() write the parameters in place (torch's version counter
+does not see it): call them after optimizer.step(), not between forward and backward.)")
       .def(py::init<const py::iterable&, const py::object&, const py::object&, const std::vector<std::string>&>(), py::arg("named_parameters"),
            py::kw_only(), py::arg("config") = py::none(), py::arg("optimizer") = py::none(),
            py::arg("app_sections") = std::vector<std::string>{"train"})

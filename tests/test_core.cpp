@@ -168,6 +168,8 @@ TEST_CASE("model_view refuses ambiguous tensors") {
   v.momentum("a", std::span<float>(m).first(2));  // registered again: the same tensor's buffer
   CHECK_THROWS_WITH_AS(v.momentum("b", std::span<float>(m).subspan(1)),
                        doctest::Contains("momentum buffer of tensor 'b' shares memory with the momentum buffer of tensor 'a'"), error);
+  CHECK_THROWS_WITH_AS(v.add("c", std::span<float>(m).subspan(1)), doctest::Contains("tensor 'c' shares memory with the momentum buffer of tensor 'a'"),
+                       error);
 }
 
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {

@@ -143,8 +143,10 @@ TEST_CASE("a model that turns NaN or infinite is refused before it is sent, nami
         if (r == 1 && s == 5) {
           m.tensors[1][7] = bad;
           CHECK_THROWS_WITH_AS(e.step(), "engine (rank 1): at step 5, tensor \"t1\" holds NaN or infinite values (or values beyond about 1e19); "
-                                         "sent on, they would spoil every peer's model, so the engine stops before it sends: lower the "
-                                         "learning rate, clip the gradients, or skip the optimizer step when the loss is not finite",
+                                         "sent on, they would spoil every peer's model, so the engine stops before it sends (what peers "
+                                         "sent was merged first, in the same pass: a model restored from before this step loses that share "
+                                         "of the push-sum mass); lower the learning rate, clip the gradients, or skip the optimizer step "
+                                         "when the loss is not finite",
                                gossip::error);
           stats[r] = e.stats();
           fabric.kill(1);  // the training loop ends here, as a process would

@@ -51,7 +51,7 @@ refused "--set policy.name=drift and --policy both set policy.name; give one of 
 refused "--set train.epochs=2 and --epochs both set train.epochs" --set train.epochs=2
 # From the data on (a file's content, the run's length): the report's header may be out.
 after_header "the directory '$out/none' was given (as [train] data_dir, or to load_fashion_mnist)" --set "train.data_dir=\"$out/none\""
-after_header "warmup_steps = 1000 is as long as the whole run (1 epochs of 31 steps = 31 steps)" --set train.train_limit=4000 \
+after_header "warmup_steps = 1000 is longer than the whole run (1 epochs of 31 steps = 31 steps)" --set train.train_limit=4000 \
   --set train.warmup_steps=1000
 # Test images of another size than the training ones: refused once loaded, not read past their end.
 mkdir "$out/mixed"

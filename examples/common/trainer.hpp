@@ -398,11 +398,11 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
                                      "a smaller batch or fewer workers",
                                      where, s.workers, shard_min, s.batch));
   }
-  // A warmup as long as the run never reaches [train] lr.
+  // A warmup longer than the run never reaches [train] lr.
   const std::int64_t run = static_cast<std::int64_t>(steps) * s.epochs;
-  if (s.warmup_steps >= run) {
+  if (s.warmup_steps > run) {
     const std::string wu = it != cfg.sections.end() && it->second.has("warmup_steps") ? it->second.where("warmup_steps") : cfg.source + " [train]";
-    throw config_error(fmt::format("{}: warmup_steps = {} is as long as the whole run ({} epochs of {} steps = {} steps), so the learning "
+    throw config_error(fmt::format("{}: warmup_steps = {} is longer than the whole run ({} epochs of {} steps = {} steps), so the learning "
                                    "rate would never reach lr; use fewer warmup steps, or more epochs or samples",
                                    wu, s.warmup_steps, s.epochs, steps, run));
   }

@@ -79,9 +79,10 @@ class bootstrap {
   void barrier(const std::string& name);
   /// The same, for ranks that may have lost peers: each arriving rank
   /// publishes the ranks it found dead (`known_dead`, e.g. stats::dead_peers),
-  /// and a rank that some arrived rank found dead is not waited for. A rank
-  /// that died before reaching it then costs no timeout, as long as one of
-  /// its peers got through. Rank 0 must be alive (it serves the store).
+  /// and rank 0 does not wait for a rank that some arrived rank found dead,
+  /// then publishes `name`/done, which the others wait for. A rank that died
+  /// before reaching it then costs no timeout, as long as one of its peers got
+  /// through. Rank 0 must be alive (it serves the store).
   void barrier(const std::string& name, std::span<const int> known_dead);
   /// Marks this rank as through barrier `name` without waiting for the
   /// others: a rank that leaves early (rank 0 must not) calls it so that

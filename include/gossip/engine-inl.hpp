@@ -299,8 +299,9 @@ inline void engine::throw_not_finite(std::uint64_t step) const {
       break;
     }
   throw error(fmt::format("engine (rank {}): at step {}, {} holds NaN or infinite values (or values beyond about 1e19); sent on, "
-                          "they would spoil every peer's model, so the engine stops before it sends: lower the learning rate, "
-                          "clip the gradients, or skip the optimizer step when the loss is not finite",
+                          "they would spoil every peer's model, so the engine stops before it sends (what peers sent was merged "
+                          "first, in the same pass: a model restored from before this step loses that share of the push-sum "
+                          "mass); lower the learning rate, clip the gradients, or skip the optimizer step when the loss is not finite",
                           m_rank, step, which));
 }
 

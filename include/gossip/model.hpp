@@ -100,10 +100,15 @@ class model_view {
       if (u.name == t.name) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
     if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
     // Memory seen twice would be merged twice at every exchange (and overshoot the average).
-    for (const auto& u : m_tensors)
+    for (const auto& u : m_tensors) {
       if (u.memory == t.memory && overlap(u.data, u.bytes(), t.data, t.bytes()))
         throw error(fmt::format("model_view: tensor '{}' shares memory with tensor '{}'; register each parameter's memory once", t.name,
                                 u.name));
+      if (u.momentum && u.memory == t.memory && overlap(u.momentum, u.bytes(), t.data, t.bytes()))
+        throw error(fmt::format("model_view: tensor '{}' shares memory with the momentum buffer of tensor '{}'; register parameters, "
+                                "not the optimizer's buffers",
+                                t.name, u.name));
+    }
     m_tensors.push_back(std::move(t));
     return *this;
   }

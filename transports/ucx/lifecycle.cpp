@@ -194,7 +194,7 @@ void ucx_transport::impl::init_ucx() {
     context = nullptr;
     const char* tls = std::getenv("UCX_TLS");
     throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX context: {} (UCX_TLS={}); check UCX_TLS and UCX_NET_DEVICES",
-                                      setup.rank, status_text(s), tls ? tls : "<unset>"));
+                                      setup.rank, status_text(s), tls ? tls : "<unset>, so ^sysv"));
   }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -209,7 +209,7 @@ std::string ucx_transport::describe() const {
   ucp_get_version(&major, &minor, &release);
   const char* tls = std::getenv("UCX_TLS");
   const char* dev = std::getenv("UCX_NET_DEVICES");
-  return fmt::format("UCX {}.{}.{} active messages, UCX_TLS={}, UCX_NET_DEVICES={}", major, minor, release, tls ? tls : "all",
+  return fmt::format("UCX {}.{}.{} active messages, UCX_TLS={}, UCX_NET_DEVICES={}", major, minor, release, tls ? tls : "^sysv (unset: all but sysv)",
                      dev ? dev : "all");
 }
 
