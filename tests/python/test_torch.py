@@ -539,6 +539,33 @@ def test_a_daemon_thread_waiting_in_the_engine_lets_the_process_exit(tmp_path):
     assert "main exits" in r.stdout
 
 
+def test_a_thread_reading_stats_never_fails_a_step(one_rank):
+    import threading
+    eng = gossip.Engine([("w", torch.zeros(1000))], config={"policy": {"name": "periodic", "every": 1}})
+    stop = threading.Event()
+    reads = [0, 0]  # served, refused while a step ran
+
+    def reader():
+        while not stop.is_set():
+            try:
+                eng.stats()
+                reads[0] += 1
+            except gossip.Error as e:
+                assert "in use by another thread" in str(e)
+                reads[1] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(3000):
+            eng.step(lr=0.1)  # never refused because of the reader
+    finally:
+        stop.set()
+        t.join()
+    assert reads[0] > 0
+    eng.finish()
+
+
 def test_one_rank_step_and_stats(one_rank):
     model = torch.nn.Linear(3, 2)
     with gossip.Engine(model.named_parameters(), config={"policy": {"name": "periodic", "every": 2}}) as eng:
