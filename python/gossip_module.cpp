@@ -168,12 +168,27 @@ std::string toml_string(const std::string& s) {
   for (char c : s) {
     if (c == '"' || c == '\\')
       out += '\\', out += c;
-    else if (static_cast<unsigned char>(c) < 0x20)
+    else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f)
       out += fmt::format("\\u{:04x}", static_cast<int>(c));
     else
       out += c;
   }
   return out + "\"";
+}
+
+// A str of a config dict (a section name, a key, a value) as UTF-8: a lone
+// surrogate cannot be encoded, and a NUL would cut the messages that quote it.
+std::string dict_text(const py::handle& h, const std::string& what) {
+  std::string s;
+  try {
+    s = py::str(h).cast<std::string>();
+  } catch (const py::error_already_set&) {
+    throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
+  } catch (const py::cast_error&) {
+    throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
+  }
+  if (s.find('\0') != std::string::npos) throw config_error(fmt::format("config dict: {} holds a NUL character", what));
+  return s;
 }
 
 // A Python value as TOML (for a config given as a dict).
@@ -193,7 +208,7 @@ std::string toml_value(const py::handle& v, const std::string& where, int depth 
     if (s.find_first_of(".e") == std::string::npos) s += ".0";
     return s;
   }
-  if (py::isinstance<py::str>(v)) return toml_string(v.cast<std::string>());
+  if (py::isinstance<py::str>(v)) return toml_string(dict_text(v, where));
   if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
     // No setting takes more than a list of pairs (topology edges).
     if (depth >= 2)
@@ -213,13 +228,15 @@ config config_from(const py::handle& cfg, const std::vector<std::string>& app_se
   if (py::isinstance<py::dict>(cfg)) {
     std::string text;
     for (const auto& [section, body] : cfg.cast<py::dict>()) {
-      const std::string name = py_str(section);
+      const std::string name = dict_text(section, "a section name");
       if (!py::isinstance<py::dict>(body))
         throw config_error(fmt::format("config dict: ['{}'] must be a dict of settings (a section), got a {}", name,
                                        py_str(py::type::of(body).attr("__name__"))));
       text += fmt::format("[{}]\n", toml_string(name));
-      for (const auto& [key, value] : body.cast<py::dict>())
-        text += fmt::format("{} = {}\n", toml_string(py_str(key)), toml_value(value, fmt::format("['{}']['{}']", name, py_str(key))));
+      for (const auto& [key, value] : body.cast<py::dict>()) {
+        const std::string k = dict_text(key, fmt::format("a key of ['{}']", name));
+        text += fmt::format("{} = {}\n", toml_string(k), toml_value(value, fmt::format("['{}']['{}']", name, k)));
+      }
     }
     return config::parse(text, "config dict", app_sections);
   }

@@ -184,13 +184,13 @@ TEST_SUITE("idx") {
     CHECK(ds.images.empty());
   }
 
-  TEST_CASE("a missing file names the path and the Debian package") {
+  TEST_CASE("a missing file names the path and the directory it was looked for in") {
     temp_dir dir;
     write_gz(dir.file("lab.gz"), idx_labels(0x801, 5, five_labels));
     const auto msg = read_error(dir.file("nope.gz"), dir.file("lab.gz"));
     CHECK(msg.find(dir.file("nope.gz")) != std::string::npos);
-    CHECK(msg.find("apt-get install dataset-fashion-mnist") != std::string::npos);
-    CHECK(msg.find("GOSSIP_FASHION_MNIST_DIR") != std::string::npos);
+    // Neither the package's directory nor GOSSIP_FASHION_MNIST_DIR's: the one given is named.
+    CHECK(msg.find(fmt::format("the directory '{}' was given", dir.path.string())) != std::string::npos);
 
     const auto dir_msg = read_error(dir.path.string(), dir.file("lab.gz"));
     CHECK(dir_msg.find("is a directory") != std::string::npos);
@@ -204,7 +204,21 @@ TEST_SUITE("idx") {
       return std::string();
     }();
     CHECK(load_msg.find(dir.file("no_such_dir") + "/t10k-images-idx3-ubyte.gz") != std::string::npos);
-    CHECK(load_msg.find("dataset-fashion-mnist") != std::string::npos);
+    CHECK(load_msg.find(fmt::format("the directory '{}' was given", dir.file("no_such_dir"))) != std::string::npos);
+    // The same directory from GOSSIP_FASHION_MNIST_DIR (with a trailing slash): the variable is named.
+    const char* old = std::getenv("GOSSIP_FASHION_MNIST_DIR");
+    const std::string saved = old ? old : "";
+    ::setenv("GOSSIP_FASHION_MNIST_DIR", (dir.file("no_such_dir") + "/").c_str(), 1);
+    try {
+      (void)gossip::data::load_fashion_mnist(false);
+      FAIL("a missing directory was accepted");
+    } catch (const gossip::data_error& e) {
+      CHECK(std::string(e.what()).find("GOSSIP_FASHION_MNIST_DIR is set to") != std::string::npos);
+    }
+    if (old)
+      ::setenv("GOSSIP_FASHION_MNIST_DIR", saved.c_str(), 1);
+    else
+      ::unsetenv("GOSSIP_FASHION_MNIST_DIR");
   }
 
   TEST_CASE("a wrong magic number names the file, expected and got") {

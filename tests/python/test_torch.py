@@ -507,6 +507,12 @@ def test_inputs_that_are_not_what_the_engine_takes_are_named(one_rank):
         gossip.Engine([("w", torch.zeros(4))], config=b"/nonexistent/gossip.toml")
     with pytest.raises(gossip.ConfigError, match=r"\['policy'\]\['x'\] holds lists nested more than two deep"):
         gossip.check_config({"policy": {"x": [[[1]]]}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"\['policy'\]\['name'\] is not text that UTF-8 can encode"):
+        gossip.check_config({"policy": {"name": "\ud800"}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"\['policy'\]\['name'\] holds a NUL character"):
+        gossip.check_config({"policy": {"name": "nev\x00er"}}, world=2)
+    with pytest.raises(gossip.ConfigError, match=r"unknown policy 'nev\x7fer'"):
+        gossip.check_config({"policy": {"name": "nev\x7fer"}}, world=2)
     with pytest.raises(ValueError, match=r"world = 1000000000; give a world size in 1..1048576"):
         gossip.check_config({}, world=10**9)
     with pytest.raises(TypeError, match=r"parameter 's' has layout torch.sparse_coo"):
