@@ -593,8 +593,13 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
   if (m_rank != 0) {
     // Rank 0 decides who is through (it reads its own store); then it waits
     // for this rank's ack before it may exit.
-    (void)get(name + "/done", fmt::format("rank 0 to see every rank at barrier '{}' (or hear that it died)", name));
-    put(key("ack", m_rank), blob{});
+    // Rank 0 may reach the barrier a whole timeout later and then wait its own.
+    (void)get(name + "/done", fmt::format("rank 0 to see every rank at barrier '{}' (or hear that it died)", name), 2 * m_timeout);
+    try {
+      put(key("ack", m_rank), blob{});
+    } catch (const transport_error&) {
+      // Rank 0 decided and left without waiting: some rank reported this one dead.
+    }
     return;
   }
   // Each rank: arrived (its key is there), or found dead by one that arrived.

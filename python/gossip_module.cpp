@@ -413,8 +413,19 @@ class py_engine {
     check_world(cfg, id);
     engine_spec spec = engine_spec::from(cfg);
     waiting_call unlocked;  // the rendezvous and connecting wait for peers
-    any_transport transport = make_transport(cfg, id, spec.settings.timeout);
-    m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
+    try {
+      any_transport transport = make_transport(cfg, id, spec.settings.timeout);
+      m_engine = std::make_unique<engine>(view, id.rank, id.world, std::move(spec), std::move(transport));
+    } catch (...) {
+      // Left a mark in rank 0's store, so that this rank's next Engine does not take it for its own.
+      if (m_boot && m_rank != 0) {
+        try {
+          m_boot->pass(finish_barrier);
+        } catch (const std::exception&) {
+        }
+      }
+      throw;
+    }
     {
       py::gil_scoped_acquire held;
       for (auto& [state, buf] : m_new_buffers) state["momentum_buffer"] = buf;
@@ -429,18 +440,17 @@ class py_engine {
 
   ~py_engine() {
     py::gil_scoped_release unlocked;  // leaving the fabric may wait (bounded) on peers
-    m_engine.reset();
-    // Dropped without finish() (a `with` block left by an exception, `del`):
-    // the peers count this rank as failed at once (its transport said so), and
-    // it passes the finish barrier so that theirs does not wait for it.
-    if (m_boot && !m_finished && m_rank != 0) {
-      try {
-        m_boot->pass(finish_barrier);
-      } catch (const std::exception&) {
-        // rank 0 is gone already: nobody is left to wait
-      }
-    }
-    m_boot.reset();
+    release(false);
+  }
+
+  // A `with` block left by an exception: the engine leaves its peers now
+  // (they count this rank as failed) and frees the rendezvous, so that a
+  // retry can build a new Engine; stats() and the properties still answer.
+  void abandon() {
+    if (!m_engine || m_finished) return;
+    py::gil_scoped_release unlocked;
+    release(true);
+    m_dropped = true;
   }
 
   step_result step(double lr, double loss) {
@@ -502,12 +512,19 @@ class py_engine {
     // Not waiting for a rank that died: a peer of it that got through says so.
     if (m_boot && !m_finished) m_boot->barrier(finish_barrier, m_engine->stats().dead_peers);
     m_finished = true;
+    // Every rank is through: nothing needs the rendezvous (rank 0's port) any
+    // more, and a next Engine may be built while this one is still referenced.
+    release(true);
   }
 
+  // After finish() (or a `with` left by an exception) the engine is gone:
+  // stats() and the properties answer with its last counters.
   py::object stats() {
-    engine& e = live("stats");
     std::string json;
-    {
+    if (m_final) {
+      json = m_final->stats_json;
+    } else {
+      engine& e = live("stats");
       busy_guard guard(m_busy, "stats");  // step() runs without the GIL: another thread may be inside it
       json = e.stats().to_json(-1);
     }  // not held while json.loads runs Python code, which may hand the GIL to a thread about to step()
@@ -515,16 +532,19 @@ class py_engine {
   }
 
   double weight() {
+    if (m_final) return m_final->weight;
     engine& e = live("weight");
     busy_guard guard(m_busy, "weight");
     return e.weight();
   }
   std::uint64_t steps() {
+    if (m_final) return m_final->steps;
     engine& e = live("steps");
     busy_guard guard(m_busy, "steps");
     return e.steps();
   }
   double consensus() {
+    if (m_final) return m_final->consensus;
     engine& e = live("consensus");
     busy_guard guard(m_busy, "consensus");
     return e.consensus();
@@ -553,8 +573,33 @@ class py_engine {
   }
   // step() and poll() after finish(): the engine has left its peers.
   engine& running(const char* what) {
+    if (m_dropped)
+      throw error(fmt::format("gossip.Engine.{}: the engine left its peers when its `with` block ended by an exception (build a new Engine)",
+                              what));
     if (m_finished) throw error(fmt::format("gossip.Engine.{}: finish() was called; this rank has left its peers (build a new Engine)", what));
     return live(what);
+  }
+
+  // Destroys the engine (leaving the fabric; `keep`: its last counters kept
+  // for stats() and the properties) and frees the rendezvous. Without
+  // finish(), the peers count this rank as failed at once (its transport
+  // said so), and it passes the finish barrier so that theirs does not wait
+  // for it. Called without the GIL.
+  void release(bool keep) {
+    if (m_engine && keep) {
+      const auto s = m_engine->stats();
+      m_final = final_state{s.to_json(-1), m_engine->weight(), m_engine->steps(), m_engine->consensus()};
+    }
+    m_engine.reset();
+    if (m_boot && !m_finished && m_rank != 0) {
+      try {
+        m_boot->pass(finish_barrier);
+      } catch (const std::exception&) {
+        // rank 0 is gone already: nobody is left to wait
+      }
+    }
+    m_boot.reset();
+    m_rendezvous_count.release();
   }
 
   // A parameter whose storage moved (p.data = …, resize_, a reloaded state
@@ -660,13 +705,12 @@ class py_engine {
 #if defined(GOSSIP_HAVE_UCX)
     // One Engine over the network per process at a time: a second one would
     // listen on rank 0's port again, or publish under the first one's keys.
-    if (live_rendezvous > 0)
-      throw config_error(fmt::format("gossip.Engine (rank {}): another Engine of this process still holds the rendezvous; finish() it and "
-                                     "drop it (`del eng`) before building a new one (a notebook cell run again keeps the old Engine "
-                                     "until the new one is built)",
+    if (!m_rendezvous_count.reserve())
+      throw config_error(fmt::format("gossip.Engine (rank {}): another Engine of this process has not finished and still holds the "
+                                     "rendezvous; finish() it (or drop it: `del eng`) before building a new one",
                                      id.rank));
     m_boot = fresh_rendezvous(id, timeout);
-    m_rendezvous_count.take();
+    had_engine = true;
     return ucx_transport(m_boot);
 #else
     (void)timeout;
@@ -707,11 +751,24 @@ class py_engine {
   static inline std::atomic<int> live_rendezvous{0};
   struct rendezvous_count {
     bool held = false;
-    void take() noexcept { ++live_rendezvous, held = true; }
-    ~rendezvous_count() {
-      if (held) --live_rendezvous;
+    bool reserve() noexcept {
+      int none = 0;
+      return held = live_rendezvous.compare_exchange_strong(none, 1);
     }
+    void release() noexcept {
+      if (held) --live_rendezvous, held = false;
+    }
+    ~rendezvous_count() { release(); }
   } m_rendezvous_count;
+  static inline std::atomic<bool> had_engine{false};  // this process built one over the network before
+  struct final_state {
+    std::string stats_json;
+    double weight = 0;
+    std::uint64_t steps = 0;
+    double consensus = 0;
+  };
+  std::optional<final_state> m_final;  // after the engine is destroyed
+  bool m_dropped = false;
   std::shared_ptr<bootstrap> m_boot;
 
   // The rendezvous of a new Engine. Rank 0's store of the previous one lives
@@ -726,9 +783,14 @@ class py_engine {
                            !boot->try_get(fmt::format("{}/arrive/{}", finish_barrier, id.rank))))
         return boot;
       if (std::chrono::steady_clock::now() >= deadline)
-        throw timeout_error(fmt::format("gossip.Engine (rank {}): rank 0's rendezvous at {} still serves the previous Engine, which this "
-                                        "rank has left, after {:.1f} s; rank 0 must drop it and build its new Engine too",
-                                        id.rank, boot->where(), timeout.count()));
+        throw timeout_error(
+            had_engine ? fmt::format("gossip.Engine (rank {}): rank 0's rendezvous at {} still serves the previous Engine, which this rank "
+                                     "has left, after {:.1f} s; rank 0 must finish or drop it and build its new Engine too",
+                                     id.rank, boot->where(), timeout.count())
+                       : fmt::format("gossip.Engine (rank {}): the rendezvous at {} serves a job in which this rank has finished or left "
+                                     "(another job, or an earlier run's rank 0 still running, on that port); after {:.1f} s it still "
+                                     "does: check GOSSIP_MASTER_PORT / MASTER_PORT",
+                                     id.rank, boot->where(), timeout.count()));
       detail::check_interrupt();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -886,7 +948,10 @@ does not see it): call them after optimizer.step(), not between forward and back
       .def_property_readonly("names", gp::checked(&gp::py_engine::names), "registered parameter names, in order")
       .def("__enter__", [](py::handle self) { gp::constructed(self); return self; })
       .def("__exit__", [](py::handle self, const py::object& type, const py::object&, const py::object&) {
-        if (type.is_none()) gp::constructed(self).finish(-2);
+        if (type.is_none())
+          gp::constructed(self).finish(-2);
+        else
+          gp::constructed(self).abandon();
       });
 
   m.def("check_config", &gp::check_config, py::arg("config"), py::kw_only(), py::arg("world") = py::none(),

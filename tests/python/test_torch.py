@@ -243,7 +243,10 @@ def test_world_size_disagreeing_with_config(tmp_path):
 def test_one_engine_over_the_network_at_a_time(tmp_path):
     status, out = torchrun(2, WORKER, "twice")
     assert status == 0, out
-    assert out.count("another Engine of this process still holds the rendezvous; finish() it and drop it") == 2, out
+    assert out.count("another Engine of this process has not finished and still holds the rendezvous") == 2, out
+    assert len(re.findall(r"stats after finish: steps \d+ \d+ weight True", out)) == 2, out
+    waited = re.findall(r"rank 1: built after (\S+) s", out)
+    assert len(waited) == 1 and float(waited[0]) > 1.0, out  # it did not take rank 0's old store for the new one
     ranges = re.findall(r"rank \d: a (\S+)\.\.(\S+) c (\S+)\.\.(\S+)", out)
     assert len(ranges) == 2, out
     for r in ranges:

@@ -35,10 +35,10 @@ def main():
     if mode == "config":
         gossip.Engine({"w": torch.zeros(4)}, config=sys.argv[2]).finish()
         return
-    if mode == "twice":  # a second Engine while the first lives (a notebook cell run again), then one after `del`
+    if mode == "twice":  # Engines one after another in one process
         wa, wc = torch.full((8,), float(rank)), torch.full((8,), 20.0 + rank)
         a = gossip.Engine({"w": wa})
-        try:
+        try:  # a notebook cell run again before the first finished
             gossip.Engine({"w": torch.zeros(8)})
             print(f"rank {rank}: a second Engine was built")
         except gossip.ConfigError as e:
@@ -46,12 +46,35 @@ def main():
         for _ in range(3):
             a.step(lr=0.1)
         a.finish()
-        if rank == 0:
-            time.sleep(1)  # rank 0's store of `a` lives on: rank 1's next Engine must not use it
-        del a
-        c = gossip.Engine({"w": wc})
+        c = gossip.Engine({"w": wc})  # `a` finished: its rendezvous is free, though `a` is still referenced
         c.step(lr=0.1)
         c.finish()
+        print(f"rank {rank}: stats after finish: steps {a.stats()['steps']} {c.steps} weight {a.weight > 0}")
+        # Rank 1 leaves a `with` block by an exception; its next Engine waits
+        # until rank 0 (which finishes 1.5 s later) has left that store.
+        every_step = {"policy": {"name": "periodic", "every": 1}}
+        if rank == 1:
+            try:
+                with gossip.Engine({"w": torch.zeros(8)}, config=every_step) as d:
+                    deadline = time.monotonic() + 20
+                    while d.stats()["messages_received"] == 0:  # rank 0 has connected to it
+                        assert time.monotonic() < deadline, "rank 1 heard nothing from rank 0 in 20 s"
+                        d.step(lr=0.1)
+                        time.sleep(0.01)
+                    raise RuntimeError("a failed training step")
+            except RuntimeError:
+                pass
+            t0 = time.monotonic()
+            e = gossip.Engine({"w": torch.zeros(8)})
+            print(f"rank 1: built after {time.monotonic() - t0:.2f} s")
+        else:
+            d = gossip.Engine({"w": torch.zeros(8)}, config=every_step)
+            d.step(lr=0.1)
+            time.sleep(1.5)
+            d.finish()
+            e = gossip.Engine({"w": torch.zeros(8)})
+        e.step(lr=0.1)
+        e.finish()
         # Each engine mixed its own model only: values stay in their own range.
         print(f"rank {rank}: a {wa.min():.3f}..{wa.max():.3f} c {wc.min():.3f}..{wc.max():.3f}")
         return
