@@ -928,8 +928,8 @@ app_sections: sections of the program's own that the config file may hold; a
   [train] workers key must equal the world size.
 Rank and world come from torchrun (RANK, WORLD_SIZE) or GOSSIP_RANK/GOSSIP_WORLD_SIZE;
 the rendezvous is MASTER_ADDR:MASTER_PORT+1 (or GOSSIP_MASTER_ADDR/GOSSIP_MASTER_PORT).
-One Engine over the network per process at a time: finish() and drop the old one
-first. step() and poll() write the parameters in place (torch's version counter
+One unfinished Engine over the network per process at a time: finish() (or drop)
+the old one first. step() and poll() write the parameters in place (torch's version counter
 does not see it): call them after optimizer.step(), not between forward and backward.)")
       .def(py::init<const py::iterable&, const py::object&, const py::object&, const std::vector<std::string>&>(), py::arg("named_parameters"),
            py::kw_only(), py::arg("config") = py::none(), py::arg("optimizer") = py::none(),
