@@ -199,6 +199,16 @@ TEST_CASE("sync duplicate to a completed slot returns the stored result to that 
   h.worker = 1;
   h.chunk = 5;
   CHECK(agg.handle(make_packet(h, {1, 1, 1, 1}), log.sink()) == drop_reason::slot_conflict);
+  // An older chunk there is a late retransmission of a result already given: counted, ignored, unanswered.
+  const auto seen = agg.stats().retransmissions_seen;
+  log.all.clear();
+  h.chunk = 1;
+  CHECK(agg.handle(make_packet(h, {1, 1, 1, 1}), log.sink()) == drop_reason::accepted);
+  CHECK(log.all.empty());
+  CHECK(agg.stats().retransmissions_seen == seen + 1);
+  h.chunk = 3;  // the slot's own chunk still completes
+  CHECK(agg.handle(make_packet(h, {1, 1, 1, 1}), log.sink()) == drop_reason::accepted);
+  CHECK(log.all.size() == 2);
 }
 
 TEST_CASE("async applies each delta exactly once under duplication and loss") {

@@ -440,8 +440,18 @@ class aggregator {
       }
       return drop_reason::accepted;
     }
-    if (s.used && !s.complete && (s.chunk != h.chunk || s.sequence != h.sequence || s.elements != h.elements))
+    if (s.used && !s.complete && (s.chunk != h.chunk || s.sequence != h.sequence || s.elements != h.elements)) {
+      // A late copy of a chunk this slot held before its current one: the
+      // slot moved on only after every worker had that chunk's result (a
+      // worker sends a set's next chunk only once it holds the other set's
+      // result, and that needed everyone's share of the chunk after ours).
+      // So a retransmission that crossed its own result, not a conflict.
+      if (h.sequence < s.sequence || (h.sequence == s.sequence && h.chunk < s.chunk)) {
+        ++m_stats.retransmissions_seen;
+        return drop_reason::accepted;
+      }
       return drop_reason::slot_conflict;
+    }
     g.sets[(1 - set) * c.slots + h.slot].seen &= ~bit;
     if (!s.used || s.complete) {
       s = slot_set{.seen = 0, .count = 0, .elements = h.elements, .complete = false, .used = true, .chunk = h.chunk, .sequence = h.sequence};
