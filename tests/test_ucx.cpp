@@ -484,6 +484,47 @@ TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank fo
                        timeout_error);
 }
 
+TEST_CASE("ucx: UCX_TLS from the environment or a ucx.conf is kept; left unset, sysv is left out") {
+  require_ucx();
+  // UCX reads ucx.conf when it loads, so each case runs gossip-info (which
+  // prints the transport's describe()) in a process of its own.
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  REQUIRE(n > 0);
+  const std::string exe(self, static_cast<std::size_t>(n));
+  const std::string info = exe.substr(0, exe.rfind('/')) + "/../tools/gossip-info";
+  REQUIRE_MESSAGE(::access(info.c_str(), X_OK) == 0, info);
+  char dir[] = "/tmp/gossip-ucxconf-XXXXXX";
+  REQUIRE(::mkdtemp(dir) != nullptr);
+  const std::string conf = std::string(dir) + "/ucx.conf";
+  const auto here = [&](const char* env_tls, const char* file_tls) {
+    std::string cmd = "env -u UCX_TLS -u UCX_CONFIG_DIR";
+    if (env_tls) cmd += fmt::format(" UCX_TLS='{}'", env_tls);
+    if (file_tls) {
+      FILE* f = std::fopen(conf.c_str(), "w");
+      REQUIRE(f != nullptr);
+      std::fprintf(f, "UCX_TLS=%s\n", file_tls);
+      std::fclose(f);
+      cmd += fmt::format(" UCX_CONFIG_DIR='{}'", dir);
+    }
+    cmd += " '" + info + "'";
+    std::string out;
+    if (FILE* p = ::popen(cmd.c_str(), "r")) {
+      char buf[4096];
+      for (std::size_t got; (got = std::fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, got);
+      CHECK(::pclose(p) == 0);
+    }
+    const auto at = out.find("      here: UCX ");
+    return at == std::string::npos ? out : out.substr(at, out.find('\n', at) - at);
+  };
+  CHECK_MESSAGE(here(nullptr, nullptr).find("UCX_TLS=^sysv (unset: all but sysv)") != std::string::npos, here(nullptr, nullptr));
+  CHECK_MESSAGE(here(nullptr, "tcp,self").find("UCX_TLS=tcp,self,") != std::string::npos, here(nullptr, "tcp,self"));
+  CHECK_MESSAGE(here("posix,self", "tcp").find("UCX_TLS=posix,self,") != std::string::npos, here("posix,self", "tcp"));
+  CHECK_MESSAGE(here("all", nullptr).find("UCX_TLS=all,") != std::string::npos, here("all", nullptr));
+  std::remove(conf.c_str());
+  ::rmdir(dir);
+}
+
 TEST_CASE("ucx: 2 and 4 processes exchange models bit for bit (eager and rendezvous sizes)") {
   require_ucx();
   for (const char* tls : {"tcp", "posix,self"}) {

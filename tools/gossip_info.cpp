@@ -14,6 +14,9 @@
 #if defined(GOSSIP_HAVE_SWITCH)
 #include "transports/switch/switch.hpp"
 #endif
+#if defined(GOSSIP_HAVE_UCX)
+#include "transports/ucx/ucx.hpp"
+#endif
 
 namespace {
 
@@ -58,6 +61,7 @@ int main(int argc, char** argv) try {
 #if defined(GOSSIP_HAVE_UCX)
   fmt::print("  {:<14} {}\n", "ucx", "one rank per process (or machine) over UCX; no settings here: UCX reads UCX_* environment variables, "
              "rank and world come from GOSSIP_RANK/GOSSIP_WORLD_SIZE, mpirun, Slurm or torchrun");
+  fmt::print("      here: {}\n", gossip::ucx_transport(nullptr).describe());
 #else
   fmt::print("  {:<14} {}\n", "ucx", "(not built into this installation: configure with libucx-dev installed)");
 #endif

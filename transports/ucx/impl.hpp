@@ -11,6 +11,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,11 +45,25 @@ inline constexpr std::size_t queue_capacity = 1024;
 
 inline std::string status_text(ucs_status_t s) { return ucs_status_string(s); }
 
+/// The transports the user chose: UCX_TLS from the environment, else from a
+/// ucx.conf that UCX reads ($UCX_CONFIG_DIR/ucx.conf or the installation's);
+/// nullopt when neither sets it (or a file sets UCX's default, "all").
+std::optional<std::string> user_tls();
+
+/// What the transport runs with: the user's choice, else "^sysv" (UCX's
+/// "all" less sysv, whose keepalive never sees a peer process die).
+std::string effective_tls(const std::optional<std::string>& user);
+
 /// UCX 1.13 leaves peer error handling off on the shared-memory transports
 /// (UCX_POSIX_ERROR_HANDLING=n), so under UCP_ERR_HANDLING_MODE_PEER they
 /// drop out and posix,self finds no path ("Destination is unreachable").
-/// Turns it on for the transports UCX_TLS may select, unless the user chose.
-void enable_shm_error_handling();
+/// Turns it on for the transports `user` (user_tls()) may select, unless the
+/// user chose in the environment.
+void enable_shm_error_handling(const std::optional<std::string>& user);
+
+/// ucp_config_read with the above applied: error handling on shared memory,
+/// and TLS = effective_tls(user). Throws transport_error naming the rank.
+ucp_config_t* read_config(int rank, const std::optional<std::string>& user);
 
 }  // namespace ucx_detail
 

@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -149,37 +151,68 @@ bool contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.
 
 }  // namespace
 
-void ucx_detail::enable_shm_error_handling() {
-  const char* tls_env = std::getenv("UCX_TLS");
-  if (!tls_env) {  // init_ucx then leaves sysv out
+std::optional<std::string> ucx_detail::user_tls() {
+  if (const char* env = std::getenv("UCX_TLS")) return std::string(env);
+  // A ucx.conf may set it: ask UCX for the value it read.
+  ucp_config_t* cfg = nullptr;
+  if (ucp_config_read(nullptr, nullptr, &cfg) != UCS_OK) return std::nullopt;
+  char* text = nullptr;
+  std::size_t size = 0;
+  std::optional<std::string> tls;
+  if (FILE* f = ::open_memstream(&text, &size)) {
+    ucp_config_print(cfg, f, nullptr, UCS_CONFIG_PRINT_CONFIG);
+    std::fclose(f);
+    const std::string_view printed(text, size);
+    constexpr std::string_view key = "UCX_TLS=";
+    for (auto at = printed.find(key); at != std::string_view::npos; at = printed.find(key, at + 1)) {
+      if (at != 0 && printed[at - 1] != '\n') continue;
+      const auto value = printed.substr(at + key.size(), printed.find('\n', at) - at - key.size());
+      if (value != "all") tls = std::string(value);
+      break;
+    }
+    std::free(text);
+  }
+  ucp_config_release(cfg);
+  return tls;
+}
+
+std::string ucx_detail::effective_tls(const std::optional<std::string>& user) { return user ? *user : "^sysv"; }
+
+void ucx_detail::enable_shm_error_handling(const std::optional<std::string>& user) {
+  if (!user) {  // read_config then leaves sysv out
     ::setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
     return;
   }
-  const std::string tls = tls_env;
   const auto may_use = [&](std::initializer_list<const char*> names) {
     for (const char* n : names)
-      if (tls.find(n) != std::string::npos) return true;
+      if (user->find(n) != std::string::npos) return true;
     return false;
   };
   if (may_use({"all", "posix", "sm", "shm", "^"})) ::setenv("UCX_POSIX_ERROR_HANDLING", "y", 0);
   if (may_use({"all", "sysv", "sm", "shm", "^"})) ::setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
 }
 
-void ucx_transport::impl::init_ucx() {
+ucp_config_t* ucx_detail::read_config(int rank, const std::optional<std::string>& user) {
   // Shared-memory transports exclude themselves under peer error handling
   // unless told otherwise; the user's setting wins.
-  enable_shm_error_handling();
+  enable_shm_error_handling(user);
   ucp_config_t* cfg = nullptr;
   if (auto s = ucp_config_read(nullptr, nullptr, &cfg); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot read the UCX configuration: {}", setup.rank, status_text(s)));
+    throw transport_error(fmt::format("ucx (rank {}): cannot read the UCX configuration: {}", rank, status_text(s)));
+  // UCX picks sysv for shared memory when free to, and sysv's keepalive never
+  // sees a peer process die (a killed rank stayed "alive" for minutes, its
+  // sends in flight forever); posix's does within a keepalive interval.
+  if (!user) ucp_config_modify(cfg, "TLS", "^sysv");
+  return cfg;
+}
+
+void ucx_transport::impl::init_ucx() {
+  const auto tls = user_tls();
+  ucp_config_t* cfg = read_config(setup.rank, tls);
   if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
     const auto v = fmt::format("{}s", opt.keepalive_s);
     ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", v.c_str());
   }
-  // UCX picks sysv for shared memory when free to, and sysv's keepalive never
-  // sees a peer process die (a killed rank stayed "alive" for minutes, its
-  // sends in flight forever); posix's does within a keepalive interval.
-  if (!std::getenv("UCX_TLS")) ucp_config_modify(cfg, "TLS", "^sysv");
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
@@ -192,9 +225,8 @@ void ucx_transport::impl::init_ucx() {
   ucp_config_release(cfg);
   if (s != UCS_OK) {
     context = nullptr;
-    const char* tls = std::getenv("UCX_TLS");
-    throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX context: {} (UCX_TLS={}); check UCX_TLS and UCX_NET_DEVICES",
-                                      setup.rank, status_text(s), tls ? tls : "<unset>, so ^sysv"));
+    throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX context: {} (UCX_TLS={}{}); check UCX_TLS and UCX_NET_DEVICES",
+                                      setup.rank, status_text(s), effective_tls(tls), tls ? "" : ": unset, so all but sysv"));
   }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;

@@ -207,16 +207,19 @@ transport_counters ucx_transport::counters() const noexcept {
 std::string ucx_transport::describe() const {
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);
-  const char* tls = std::getenv("UCX_TLS");
+  const auto tls = ucx_detail::user_tls();
   const char* dev = std::getenv("UCX_NET_DEVICES");
-  return fmt::format("UCX {}.{}.{} active messages, UCX_TLS={}, UCX_NET_DEVICES={}", major, minor, release, tls ? tls : "^sysv (unset: all but sysv)",
-                     dev ? dev : "all");
+  return fmt::format("UCX {}.{}.{} active messages, UCX_TLS={}{}, UCX_NET_DEVICES={}", major, minor, release, ucx_detail::effective_tls(tls),
+                     tls ? "" : " (unset: all but sysv)", dev ? dev : "all");
 }
 
 std::string ucx_transport::probe() {
-  enable_shm_error_handling();
   ucp_config_t* cfg = nullptr;
-  if (auto s = ucp_config_read(nullptr, nullptr, &cfg); s != UCS_OK) return fmt::format("ucp_config_read: {}", status_text(s));
+  try {
+    cfg = read_config(-1, user_tls());
+  } catch (const transport_error& e) {
+    return e.what();
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_AM;

@@ -52,8 +52,9 @@
 /// once on stderr as "rank J (host H)" with UCX's reason. tcp sees a killed peer as a reset connection; shared memory
 /// only through UCX keepalive, whose interval this transport sets to
 /// `keepalive_s` unless UCX_KEEPALIVE_INTERVAL is set; sysv's keepalive does
-/// not see a dead process, so unless UCX_TLS is set attach leaves sysv out
-/// (UCX_TLS=^sysv: shared memory goes over posix). Error handling on the
+/// not see a dead process, so unless UCX_TLS is set (in the environment or
+/// in a ucx.conf UCX reads) attach leaves sysv out (UCX_TLS=^sysv: shared
+/// memory goes over posix). Error handling on the
 /// posix/sysv transports is off by default in UCX 1.13
 /// (UCX_POSIX_ERROR_HANDLING=n), which would exclude them under peer error
 /// mode; attach turns it on unless the variable is set.
@@ -133,7 +134,9 @@ class ucx_transport {
   /// allocates inside (its eager buffers, shared-memory FIFOs per worker).
   std::size_t held_bytes_per_peer() const noexcept;
 
-  /// The UCX transports the worker selected, e.g. for a log line ("" before attach).
+  /// The UCX version and the transports it may use, for a log line: UCX_TLS
+  /// as set in the environment or a ucx.conf, else "^sysv" (see attach), and
+  /// UCX_NET_DEVICES.
   std::string describe() const;
 
   /// Can UCX create a context and worker here (with the current UCX_* environment)?
