@@ -347,6 +347,12 @@ void check_world(const config& cfg, const rank_identity& id) {
 
 /// The [transport] checks that need no peer: loopback only for a world of
 /// one, otherwise UCX (the default here), which takes no keys.
+// [transport] left at its default (loopback, no settings) means UCX between
+// processes: say so in the config, so that every check and message names it.
+void default_to_ucx(config& cfg, const rank_identity& id) {
+  if (id.world > 1 && cfg.transport.name == "loopback" && cfg.transport.opts.values().empty()) cfg.transport.name = "ucx";
+}
+
 void check_transport(const config& cfg, const rank_identity& id) {
   const auto& t = cfg.transport;
   // [transport] left at its default (loopback, no settings) means UCX here: ranks are processes.
@@ -411,6 +417,7 @@ class py_engine {
     m_rank = id.rank;
     m_world = id.world;
     check_world(cfg, id);
+    default_to_ucx(cfg, id);
     engine_spec spec = engine_spec::from(cfg);
     waiting_call unlocked;  // the rendezvous and connecting wait for peers
     try {
@@ -855,7 +862,7 @@ py::list describe(const Registry& r) {
 
 // gossip.check_config: what gossip.Engine checks before it needs a model or peers.
 void check_config(const py::object& cfg_arg, std::optional<int> world, const std::vector<std::string>& app_sections) {
-  const config cfg = config_from(cfg_arg, app_sections);
+  config cfg = config_from(cfg_arg, app_sections);
   rank_identity id;
   if (world) {
     if (*world < 1 || *world > 1 << 20)
@@ -869,6 +876,7 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
     }
   }
   check_world(cfg, id);
+  default_to_ucx(cfg, id);
   const engine_spec spec = engine_spec::from(cfg);
   check_transport(cfg, id);
   // What the engine checks against its transport: loopback for one rank, UCX between processes.

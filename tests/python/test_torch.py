@@ -449,6 +449,9 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
     with pytest.raises(gossip.ConfigError, match=r"same_step_merge = true needs a transport whose ranks run in lockstep .*transport 'ucx'"):
         gossip.check_config({"engine": {"same_step_merge": True}}, world=2)
     assert gossip.check_config({"engine": {"same_step_merge": True}}, world=1) is None
+    # Left unset, the transport between processes is UCX, and the messages say so.
+    with pytest.raises(gossip.ConfigError, match=r"needs transport 'switch' .* name is 'ucx'"):
+        gossip.check_config({"protocol": {"name": "switch-aggregate"}}, world=2)
     with pytest.raises(gossip.ConfigError, match=r"numerator_steps = true counts every optimizer step in full already; set in_flight_makeup"):
         gossip.check_config({"engine": {"numerator_steps": True, "in_flight_makeup": True}}, world=2)
     # The topology against the world size, as the engine builds it.
