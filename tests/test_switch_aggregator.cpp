@@ -503,6 +503,13 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   h = good;
   h.version = 9;
   check(h, 8, drop_reason::bad_version);
+  // Another version's header may be shorter than this one's: its first 8
+  // bytes tell the version; fewer than those are too short.
+  check(h, 8, drop_reason::bad_version, -static_cast<std::ptrdiff_t>(packet_bytes(8)) + 16);
+  check(h, 8, drop_reason::bad_version, -static_cast<std::ptrdiff_t>(packet_bytes(8)) + 8);
+  check(h, 8, drop_reason::too_short, -static_cast<std::ptrdiff_t>(packet_bytes(8)) + 7);
+  h.magic = 0x12345678;
+  check(h, 8, drop_reason::too_short, -static_cast<std::ptrdiff_t>(packet_bytes(8)) + 16);
   h = good;
   h.type = packet_type::sync_result;
   check(h, 8, drop_reason::bad_type);
@@ -551,7 +558,7 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   p.resize(sizeof h + 4);
   std::vector<std::byte> exact(p.begin(), p.end());
   CHECK(agg.handle(exact, [](auto, auto) {}) == drop_reason::bad_length);
-  CHECK(agg.stats().dropped() == 19);
+  CHECK(agg.stats().dropped() == 23);
 }
 
 TEST_CASE("refusals: a packet at odds with its group is answered with the reason and the group's view, no other drop") {

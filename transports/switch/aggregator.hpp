@@ -244,7 +244,15 @@ class aggregator {
 
   /// Checks a datagram against the group configuration; reads nothing past `pkt`.
   drop_reason validate(std::span<const std::byte> pkt, packet_header& h) const noexcept {
-    if (!read_header(pkt.data(), pkt.size(), h)) return drop_reason::too_short;
+    if (!read_header(pkt.data(), pkt.size(), h)) {
+      // Another version's header may be shorter; its first 8 bytes keep their
+      // offsets (packet.hpp), enough to refuse it by its version.
+      h = packet_header{};
+      if (pkt.size() < 8) return drop_reason::too_short;
+      std::memcpy(&h, pkt.data(), 8);
+      const bool other_version = h.magic == packet_header::magic_value && h.version != packet_header::version_value;
+      return other_version ? drop_reason::bad_version : drop_reason::too_short;
+    }
     if (h.magic != packet_header::magic_value) return drop_reason::bad_magic;
     if (h.version != packet_header::version_value) return drop_reason::bad_version;
     if (h.type != packet_type::sync_contribution && h.type != packet_type::async_delta && h.type != packet_type::async_leave)
