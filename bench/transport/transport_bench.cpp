@@ -261,7 +261,12 @@ int main(int argc, char** argv) {
     for (const auto& z : sizes) s.sizes.push_back(harness::parse_size(z, 64));
     if (!step_sizes.empty()) {
       s.step_elements.clear();
-      for (const auto& z : step_sizes) s.step_elements.push_back(harness::parse_size(z, 64));
+      for (const auto& z : step_sizes) {
+        // A count of floats, not bytes: each rank holds the model, its x̂ and the step's copies.
+        s.step_elements.push_back(harness::parse_size(z, 64));
+        if (s.step_elements.back() > (std::size_t{1} << 30))
+          throw std::invalid_argument("--step-elements " + z + ": more than 1G floats (4 GiB a model, held several times by each rank)");
+      }
     }
     s.bytes_per_run = static_cast<std::size_t>(mib_per_run * mib);
     cpu_set_t allowed;
