@@ -177,13 +177,14 @@ std::string toml_string(const std::string& s) {
 // surrogate cannot be encoded, and a NUL would cut the messages that quote it.
 std::string dict_text(const py::handle& h, const std::string& what) {
   std::string s;
+  bool encoded = false;
   try {
     s = py::str(h).cast<std::string>();
+    encoded = true;
   } catch (const py::error_already_set&) {
-    throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
   } catch (const py::cast_error&) {
-    throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
   }
+  if (!encoded) throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
   if (s.find('\0') != std::string::npos) throw config_error(fmt::format("config dict: {} holds a NUL character", what));
   return s;
 }
