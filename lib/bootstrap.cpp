@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <random>
 #include <system_error>
 
 namespace gossip {
@@ -30,7 +31,10 @@ namespace gossip {
 namespace {
 
 using clock = std::chrono::steady_clock;
-constexpr char magic[4] = {'G', 'R', 'V', '1'};
+// Version 2: a request carries the identity of the store its client joined
+// (0 before the first answer), and every answer the identity of the store
+// that gave it.
+constexpr char magic[4] = {'G', 'R', 'V', '2'};
 constexpr std::uint64_t max_blob = 64ull << 20;
 
 clock::time_point deadline_after(std::chrono::duration<double> d) { return clock::now() + std::chrono::duration_cast<clock::duration>(d); }
@@ -176,6 +180,18 @@ void put_u64(bootstrap::blob& b, std::uint64_t v) {
   b.insert(b.end(), p, p + 8);
 }
 
+// A store's identity: a restarted rank 0 (or its next store) gets another.
+std::uint64_t new_store_id() {
+  std::uint64_t id = 0;
+  try {
+    std::random_device rd;
+    id = (static_cast<std::uint64_t>(rd()) << 32) ^ rd();
+  } catch (const std::exception&) {  // no entropy source: the time and the process tell stores apart
+  }
+  id ^= static_cast<std::uint64_t>(clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(::getpid());
+  return id == 0 ? 1 : id;
+}
+
 }  // namespace
 
 rank_identity bootstrap::identity_from_env() {
@@ -236,6 +252,7 @@ struct bootstrap::server {
   std::mutex conn_mutex;
   std::condition_variable conn_done;
   int active = 0;                // connections being served, each on its own thread
+  std::uint64_t id = new_store_id();  // this store's identity: another store on the same port has another
 
   ~server() {
     if (stop_pipe[1] >= 0) {
@@ -289,24 +306,36 @@ struct bootstrap::server {
   // `idle` of silence. A slow one that keeps sending is served to the end.
   void handle(int c) {
     const int stop = stop_pipe[0];
-    char hdr[4 + 1 + 4];
+    char hdr[4 + 1 + 8 + 4];
     if (recv_all(c, hdr, sizeof hdr, clock::now() + idle, idle, stop) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
     const char op = hdr[4];
+    std::uint64_t joined;
+    std::memcpy(&joined, hdr + 5, 8);
     std::uint32_t klen;
-    std::memcpy(&klen, hdr + 5, 4);
+    std::memcpy(&klen, hdr + 13, 4);
     if (klen > 4096) return;
     std::string key(klen, '\0');
     if (recv_all(c, key.data(), klen, clock::now() + idle, idle, stop) != io::ok) return;
     blob reply_value;
     char status = 'N';
+    // A client of an earlier store on this port (a run that has ended) is
+    // told so, and changes nothing here: 'S'.
+    const bool stranger = joined != 0 && joined != id;
     if (op == 'P') {
       std::uint64_t vlen;
       if (recv_all(c, &vlen, 8, clock::now() + idle, idle, stop) != io::ok || vlen > max_blob) return;
       blob v(vlen);
       if (recv_all(c, v.data(), vlen, clock::now() + idle, idle, stop) != io::ok) return;
-      std::lock_guard lock(mutex);
-      store[key] = std::move(v);
-      status = 'Y';
+      if (stranger) {
+        status = 'S';
+      } else {
+        std::lock_guard lock(mutex);
+        store[key] = std::move(v);
+        status = 'Y';
+      }
+    } else if (stranger) {
+      if (op != 'G') return;
+      status = 'S';
     } else if (op == 'G') {
       std::lock_guard lock(mutex);
       if (auto it = store.find(key); it != store.end()) {
@@ -316,13 +345,14 @@ struct bootstrap::server {
     } else {
       return;
     }
-    // Reply: magic, status, length, value (assembled with memcpy into one buffer).
-    blob out(4 + 1 + 8 + reply_value.size());
+    // Reply: magic, status, store id, length, value (assembled with memcpy into one buffer).
+    blob out(4 + 1 + 8 + 8 + reply_value.size());
     const std::uint64_t n = reply_value.size();
     std::memcpy(out.data(), magic, 4);
     out[4] = static_cast<std::byte>(status);
-    std::memcpy(out.data() + 5, &n, 8);
-    if (n) std::memcpy(out.data() + 13, reply_value.data(), n);
+    std::memcpy(out.data() + 5, &id, 8);
+    std::memcpy(out.data() + 13, &n, 8);
+    if (n) std::memcpy(out.data() + 21, reply_value.data(), n);
     send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
   }
 };
@@ -460,6 +490,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       blob req;
       req.insert(req.end(), reinterpret_cast<const std::byte*>(magic), reinterpret_cast<const std::byte*>(magic) + 4);
       req.push_back(static_cast<std::byte>(op));
+      put_u64(req, m_store);
       put_u32(req, static_cast<std::uint32_t>(key.size()));
       req.insert(req.end(), reinterpret_cast<const std::byte*>(key.data()), reinterpret_cast<const std::byte*>(key.data()) + key.size());
       if (value) {
@@ -469,7 +500,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       const auto idle = m_contacted ? stall : clock::duration{};
       io r = send_all(s.fd, req.data(), req.size(), phase(), idle, -1, deadline);
       if (r == io::ok && m_contacted) r = drain(s.fd, stall, deadline);
-      char head[4 + 1 + 8];
+      char head[4 + 1 + 8 + 8];
       if (r == io::ok) r = recv_all(s.fd, head, sizeof head, phase());
       if (r == io::timeout) {
         if (stalled()) {
@@ -492,8 +523,15 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
                         m_rank, where(), r != io::ok ? "closed it without answering; either it is not a gossip rendezvous (wrong "
                                                         "GOSSIP_MASTER_PORT?) or the request stalled on the way for longer than the rendezvous's timeout (a failing link?)"
                                                      : "answered in a foreign protocol; it is not a gossip rendezvous (wrong GOSSIP_MASTER_PORT?)"));
-      std::uint64_t len;
-      std::memcpy(&len, head + 5, 8);
+      if (head[4] == 'S')
+        throw transport_error(fmt::format(
+            "bootstrap: rank {}: the rendezvous at {} ({}) is no longer the one this rank joined: rank 0 has started another one on "
+            "that port since (a new run, or a new Engine in rank 0's process), so the run this rank belongs to is over there; its "
+            "rank 0 has finished or was restarted (its output says which)",
+            m_rank, where(), m_origin));
+      std::uint64_t store = 0, len = 0;
+      std::memcpy(&store, head + 5, 8);
+      std::memcpy(&len, head + 13, 8);
       if (len > max_blob)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
@@ -513,6 +551,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       }
       found = head[4] == 'Y';
       m_contacted = true;
+      if (m_store == 0) m_store = store;
       return out;
     }
   }

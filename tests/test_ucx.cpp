@@ -320,8 +320,9 @@ class stand_in_rendezvous {
   std::thread m_thread;
 };
 
-// Rendezvous replies: magic, 'N' (not there yet) or 'Y', u64 length, blob.
-constexpr char not_there_yet[13] = {'G', 'R', 'V', '1', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
+// Rendezvous replies: magic, 'N' (not there yet) or 'Y', the store's u64
+// identity (7 here), u64 length, blob.
+constexpr char not_there_yet[21] = {'G', 'R', 'V', '2', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
@@ -379,7 +380,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n <= 2) {
         ++cut;
       } else {
-        const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '2', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -400,7 +401,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n == 1) {
         held = ::dup(c);
       } else {
-        const char reply[14] = {'G', 'R', 'V', '1', 'Y', 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '2', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -432,7 +433,7 @@ TEST_CASE("bootstrap: a client that connects and stays silent delays neither oth
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(port);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    const char part[] = "GRV1";  // the start of a request, then nothing
+    const char part[] = "GRV2";  // the start of a request, then nothing
     REQUIRE(::write(fd, part, 4) == 4);
     silent.push_back(fd);
   }
@@ -463,6 +464,29 @@ TEST_CASE("bootstrap: put, get and barrier across processes") {
     return 0;
   });
   check_all_ok(out);
+}
+
+TEST_CASE("bootstrap: a client of a rendezvous that rank 0 has replaced on the same port is told so and writes nothing there") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  auto first = std::make_unique<bootstrap>(0, 2, "127.0.0.1", port, timeout);
+  bootstrap old_client(1, 2, "127.0.0.1", port, timeout);
+  old_client.put("a", bootstrap::blob(3, std::byte{1}));
+  CHECK(first->try_get("a").has_value());
+  first.reset();  // rank 0's run ends, and a new one listens on the same port
+  bootstrap second(0, 2, "127.0.0.1", port, timeout);
+  const auto t0 = clock_type::now();
+  CHECK_THROWS_WITH_AS(old_client.put("b", bootstrap::blob(3, std::byte{2})),
+                       doctest::Contains("is no longer the one this rank joined: rank 0 has started another one on that port"),
+                       transport_error);
+  CHECK_THROWS_WITH_AS((void)old_client.get("a", "a key"), doctest::Contains("is no longer the one this rank joined"), transport_error);
+  CHECK(clock_type::now() - t0 < 5s);
+  CHECK_FALSE(second.try_get("b").has_value());
+  // A client that joins now is the new store's.
+  bootstrap new_client(1, 2, "127.0.0.1", port, timeout);
+  new_client.put("c", bootstrap::blob(1, std::byte{3}));
+  CHECK(second.try_get("c").has_value());
+  CHECK_FALSE(new_client.try_get("a").has_value());
 }
 
 TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {

@@ -104,6 +104,7 @@ class bootstrap {
   std::chrono::duration<double> m_timeout{60.0};
   std::uint64_t m_generation = 0;
   bool m_contacted = false;          // rank 0 has answered once: a refusal now means it is gone
+  std::uint64_t m_store = 0;         // the identity of rank 0's store that answered first (0: none yet)
   std::unique_ptr<server> m_server;  // rank 0 only
 };
 
