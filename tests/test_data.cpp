@@ -548,6 +548,28 @@ TEST_SUITE("partition") {
     };
     CHECK(dominant_share(0.1) > 0.4);
     CHECK(dominant_share(1000) < 0.2);
+    // The limits: as alpha falls a class goes to one worker, as it grows it is
+    // split evenly, however far (no draw underflows or overflows).
+    auto largest_holder = [&](double alpha) {
+      double least = 1;
+      const auto shares = gossip::data::partition(ds, 10, partition_kind::dirichlet, 7, {.dirichlet_alpha = alpha, .min_samples = 1});
+      for (int c = 0; c < 10; ++c) {
+        std::size_t most = 0;
+        for (const auto& s : shares) most = std::max<std::size_t>(most, static_cast<std::size_t>(std::count_if(s.begin(), s.end(), [&](auto i) {
+                                                                            return ds.labels[i] == c;
+                                                                          })));
+        least = std::min(least, static_cast<double>(most) / 300);
+      }
+      return least;  // over the classes, the smallest share of a class its largest holder has
+    };
+    for (double alpha : {1e-3, 1e-4, 1e-300}) {
+      CAPTURE(alpha);
+      CHECK(largest_holder(alpha) > 0.95);
+    }
+    for (double alpha : {1e6, 1e300}) {
+      CAPTURE(alpha);
+      CHECK(largest_holder(alpha) < 0.12);
+    }
   }
 
   TEST_CASE("dirichlet partitions are pinned: the same on every standard library") {

@@ -183,11 +183,13 @@ double standard_normal(std::mt19937_64& rng) {
   }
 }
 
-// Gamma(shape, 1) by Marsaglia and Tsang (2000); for shape < 1 the usual boost
-// Gamma(shape + 1) · U^(1/shape). Ours rather than std::gamma_distribution so
+// The log of a Gamma(shape, 1) draw, by Marsaglia and Tsang (2000); for
+// shape < 1 the usual boost Gamma(shape + 1) · U^(1/shape), whose factor
+// U^(1/shape) underflows a double for small shapes (a few thousandths), so
+// the draw is kept as its log. Ours rather than std::gamma_distribution so
 // partitions are the same with every standard library.
-double gamma_sample(std::mt19937_64& rng, double shape) {
-  if (shape < 1) return gamma_sample(rng, shape + 1) * std::pow(uniform_open(rng), 1 / shape);
+double log_gamma_sample(std::mt19937_64& rng, double shape) {
+  if (shape < 1) return log_gamma_sample(rng, shape + 1) + std::log(uniform_open(rng)) / shape;
   const double d = shape - 1.0 / 3, c = 1 / std::sqrt(9 * d);
   for (;;) {
     double x, v;
@@ -197,7 +199,7 @@ double gamma_sample(std::mt19937_64& rng, double shape) {
     } while (v <= 0);
     v = v * v * v;
     const double u = uniform_open(rng);
-    if (u < 1 - 0.0331 * x * x * x * x || std::log(u) < 0.5 * x * x + d * (1 - v + std::log(v))) return d * v;
+    if (u < 1 - 0.0331 * x * x * x * x || std::log(u) < 0.5 * x * x + d * (1 - v + std::log(v))) return std::log(d * v);
   }
 }
 
@@ -363,12 +365,13 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
     for (std::size_t c = 0; c < 256; ++c) {
       const std::size_t lo = start[c], count = start[c + 1] - lo;
       if (count == 0) continue;
+      // Proportions from the draws' logs, scaled by the largest: no draw
+      // underflows to nothing or overflows, whatever alpha (a tiny one gives
+      // the class to one worker, a huge one splits it evenly).
+      double top = -INFINITY;
+      for (auto& x : p) top = std::max(top, x = log_gamma_sample(rng, alpha));
       double sum = 0;
-      for (auto& x : p) sum += (x = gamma_sample(rng, alpha));
-      if (!(sum > 0)) {  // every draw underflowed: split evenly
-        std::fill(p.begin(), p.end(), 1.0);
-        sum = static_cast<double>(w_count);
-      }
+      for (auto& x : p) sum += (x = std::exp(x - top));
       // Cut the class at the rounded cumulative proportions: every sample once.
       double cum = 0;
       std::size_t from = 0;
