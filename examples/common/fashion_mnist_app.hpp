@@ -135,9 +135,14 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       if (std::error_code ec; !fs::is_directory(dir, ec) || ::access(dir.c_str(), W_OK) != 0)
         throw config_error(fmt::format("--json {}: cannot write the report there ({} is not a writable directory)", json_path, dir.string()));
     }
+    // [train] average_every replaces the [policy] with local SGD's schedule.
+    const std::string policy = settings.average_every > 0
+                                   ? fmt::format("local SGD averaging every {} steps ([train] average_every; the [policy] is not used)",
+                                                 settings.average_every)
+                                   : fmt::format("policy '{}'", cfg.policy.name);
     if (!quiet)
-      fmt::print("libgossip {} — {}, {} workers, policy '{}', topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title,
-               settings.workers, cfg.policy.name, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
+      fmt::print("libgossip {} — {}, {} workers, {}, topology '{}', protocol '{}', {} data\n", GOSSIP_VERSION, title, settings.workers,
+                 policy, cfg.topology.name, cfg.protocol.name, data::to_string(settings.partition));
     const auto data = datasets::load(settings);
     if constexpr (requires { make_net.check_data(data); }) make_net.check_data(data);
     if (!quiet) print_epoch_header();

@@ -406,6 +406,13 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
                                    "rate would never reach lr; use fewer warmup steps, or more epochs or samples",
                                    wu, s.warmup_steps, s.epochs, steps, run));
   }
+  // Local SGD that never reaches its first average trains every worker alone:
+  // a control that sends nothing (bench/traffic may ask for one), so said, not refused.
+  if (s.average_every > run) {
+    const std::string ae = it != cfg.sections.end() && it->second.has("average_every") ? it->second.where("average_every") : cfg.source + " [train]";
+    fmt::print(stderr, "warning: {}: average_every = {} is longer than the whole run ({} epochs of {} steps = {} steps): the workers never "
+                       "average\n", ae, s.average_every, s.epochs, steps, run);
+  }
   return steps;
 }
 
