@@ -25,6 +25,7 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
     for (const char* proto : {"push-sum", "pairwise", "stale-copy"})
       for (const int mode : {0, 1, 2, 3}) {
         const bool same_step = mode == 2, makeup = mode == 1, numerator = mode == 3;
+        if ((makeup || numerator) && std::string_view(proto) != "push-sum") continue;  // refused (push-sum only)
         const int world = 4;
         loopback_fabric fabric(world);
         std::vector<std::size_t> allocations(world);
@@ -198,6 +199,19 @@ TEST_CASE("engine: numerator_steps counts every optimizer step in full whatever 
   }
   const auto cfg = config::parse("[engine]\nnumerator_steps = true\n", "numerator.toml");
   CHECK(engine_spec::from(cfg).settings.numerator_steps);
+  // Only push-sum hands weight on with a send: with another protocol either setting is refused, not ignored.
+  for (const char* key : {"numerator_steps", "in_flight_makeup"})
+    for (const char* proto : {"pairwise", "stale-copy"}) {
+      auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", proto);
+      (std::string(key) == "numerator_steps" ? spec.settings.numerator_steps : spec.settings.in_flight_makeup) = true;
+      CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)),
+                           doctest::Contains(fmt::format("[engine] {} = true applies to protocol 'push-sum'", key).c_str()), config_error);
+    }
+  // Stats and trace in one file would overwrite each other.
+  auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"));
+  spec.settings.stats_path = spec.settings.trace_path = "out-{rank}.json";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)), doctest::Contains("stats and trace name the same file 'out-{rank}.json'"),
+                       config_error);
 }
 
 TEST_CASE("engine: numerator_steps with quasi-global momentum keeps the momentum of the optimizer's step, not of the corrected one") {

@@ -23,11 +23,25 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_settings.check();
   check_output_path(m_settings.stats_path, rank, world, "stats", m_settings.stats_where);
   check_output_path(m_settings.trace_path, rank, world, "trace", m_settings.trace_where);
+  if (!m_settings.stats_path.empty() && m_settings.stats_path == m_settings.trace_path)
+    throw config_error(fmt::format("{} and {}: [engine] stats and trace name the same file '{}', and one would overwrite the other; give each "
+                                   "a path of its own",
+                                   m_settings.stats_where, m_settings.trace_where, m_settings.stats_path));
   const auto caps = m_transport.capabilities();
   m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
-  m_numerator_steps = m_settings.numerator_steps && m_protocol.type() == protocol::kind::push_sum && !model.device();
+  // Both correct a push-sum sender's share in flight; elsewhere they would be ignored.
+  for (const auto& [on, key] : {std::pair{m_settings.numerator_steps, "numerator_steps"}, std::pair{m_settings.in_flight_makeup, "in_flight_makeup"}}) {
+    if (on && m_protocol.type() != protocol::kind::push_sum)
+      throw config_error(fmt::format("engine (rank {}): [engine] {} = true applies to protocol 'push-sum' (it corrects for the weight a send "
+                                     "hands on), not to '{}': set it to false or use push-sum",
+                                     rank, key, spec.protocol.name));
+    if (on && model.device())
+      throw config_error(fmt::format("engine (rank {}): [engine] {} = true is not implemented for models in device memory: set it to false",
+                                     rank, key));
+  }
+  m_numerator_steps = m_settings.numerator_steps;
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
   // that delivers at step boundaries (loopback), or the switch's sync
   // all-reduce, which every member merges at the step after it posted — and

@@ -80,8 +80,9 @@ struct engine_settings {
   /// (loopback); over UCX, where a share can be merged sooner or later, one
   /// optimizer step is made up whichever it is. A poll() that merges between the send and the optimizer step
   /// finds nothing to make up yet, and drops it. No effect with
-  /// same_step_merge (nothing is in flight across an optimizer step), under
-  /// other protocols, or for a model in device memory.
+  /// same_step_merge (nothing is in flight across an optimizer step). Push-sum
+  /// host models only: the engine refuses it under other protocols and for a
+  /// model in device memory.
   bool in_flight_makeup = false;
   /// Push-sum: every optimizer step counts in full in this rank's numerator
   /// x = w·z, whatever the weight w it ran at, as Stochastic Gradient Push
@@ -97,9 +98,9 @@ struct engine_settings {
   /// z's displacement by 1 + c, so that the factor is not carried into the
   /// next step. Keeps x_{t−1} (one more copy of
   /// the model, read and written by the drift pass). A poll() that merges
-  /// between steps leaves the next step's correction out. Host models; not
-  /// with in_flight_makeup (which makes up one step after each send) or
-  /// same_step_merge.
+  /// between steps leaves the next step's correction out. Push-sum host
+  /// models only (refused otherwise); not with in_flight_makeup (which makes
+  /// up one step after each send) or same_step_merge.
   bool numerator_steps = false;
   /// 0: off. Else (4 by default) a step waits (merging what arrives) while this rank is
   /// more than max_lead steps ahead of its slowest live source, as heard in
