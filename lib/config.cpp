@@ -26,11 +26,18 @@ option_value to_value(const toml::node& n, const std::string& where, const std::
   if (auto v = n.as_string()) return v->get();
   if (auto a = n.as_array()) {
     int_list out;
+    // Nested lists are pairs, and only [topology] edges takes them (edges =
+    // [[0, 1], [1, 2]], kept flat): in another key, or mixed with plain
+    // integers, they would be read as other values.
+    const bool pairs = !a->empty() && a->front().is_array();
     for (const auto& e : *a) {
+      if (e.is_array() != pairs || (pairs && key != "edges"))
+        throw config_error(fmt::format("{}: key '{}' {}; only [topology] edges takes a list of pairs [[a, b], ...], and other lists hold "
+                                       "integers only",
+                                       where, key, pairs && key != "edges" ? "holds nested lists" : "mixes integers and nested lists"));
       if (auto i = e.as_integer()) {
         out.push_back(i->get());
       } else if (auto inner = e.as_array()) {
-        // Nested lists are pairs ([topology] edges = [[0, 1], [1, 2]]); anything else would be read as other pairs.
         if (inner->size() != 2)
           throw config_error(fmt::format("{}: key '{}' holds a nested list of {} values; a nested list is a pair of integers [a, b] "
                                          "([topology] edges), and other lists hold integers only",

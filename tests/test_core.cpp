@@ -90,8 +90,13 @@ TEST_CASE("malformed config files name the file, the key and what is expected") 
   // A nested list is a pair (edges): [[0, 1, 2], [3]] would otherwise be read as the pairs (0, 1), (2, 3).
   CHECK_THROWS_WITH_AS(config::parse("[topology]\nname = \"edges\"\nedges = [[0, 1, 2], [3]]\n", "bad.toml"),
                        doctest::Contains("bad.toml [topology]: key 'edges' holds a nested list of 3 values"), config_error);
-  CHECK_THROWS_WITH_AS(config::parse("[policy]\nx = [[256]]\n", "bad.toml"), doctest::Contains("key 'x' holds a nested list of 1 values"),
+  // Only edges takes pairs; elsewhere, or mixed with integers, nested lists are refused rather than flattened.
+  CHECK_THROWS_WITH_AS(config::parse("[policy]\nx = [[256]]\n", "bad.toml"), doctest::Contains("key 'x' holds nested lists; only [topology] edges"),
                        config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[train]\nhidden = [[1, 2]]\n", "bad.toml", {"train"}), doctest::Contains("key 'hidden' holds nested lists"),
+                       config_error);
+  CHECK_THROWS_WITH_AS(config::parse("[topology]\nname = \"edges\"\nedges = [[0, 1], 2, 3]\n", "bad.toml"),
+                       doctest::Contains("key 'edges' mixes integers and nested lists"), config_error);
 
   const auto unknown = config::parse("[policy]\nname = \"sometimes\"\n", "run.toml");
   CHECK_THROWS_WITH_AS(engine_spec::from(unknown),
