@@ -34,12 +34,14 @@ inline void prepare_out_dir(const std::string& dir, std::string_view flag = "--o
     throw config_error(fmt::format("{} {}: the directory is not writable ({})", flag, dir, std::strerror(errno)));
 }
 
-/// Checks that file `path` can be written: not a directory, in a writable directory.
+/// Checks that file `path` can be written: not a directory, in a writable
+/// directory, which is created (with its parents) when missing, as --out's is.
 inline void check_out_file(const std::string& path, std::string_view flag) {
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::is_directory(path, ec)) throw config_error(fmt::format("{} {}: is a directory; give the path of a file", flag, path));
   const fs::path parent = fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
+  if (!fs::exists(parent, ec)) fs::create_directories(parent, ec);
   if (!fs::is_directory(parent, ec) || ::access(parent.c_str(), W_OK) != 0)
     throw config_error(fmt::format("{} {}: {} is not a writable directory", flag, path, parent.string()));
 }

@@ -13,8 +13,9 @@
 ///
 /// The engine orders its passes on that stream after the caller's update, and
 /// waits only for events it recorded there (never cudaDeviceSynchronize). A
-/// step's drift pass and its snapshot copy are one fused kernel each. When the
-/// transport cannot take device memory (Debian's UCX, loopback) a send is
+/// step's drift pass and its snapshot copy are one fused kernel each. No
+/// transport takes device memory yet (Debian's UCX has no CUDA support, and
+/// the UCX transport does not ask a CUDA-aware one), so a send is
 /// staged through pinned host buffers by cudaMemcpyAsync on the stream, while
 /// the transport still moves the previous send from another buffer; received
 /// payloads are uploaded asynchronously and merged by one kernel.
@@ -33,7 +34,8 @@ inline bool available() { return unavailable_reason().empty(); }
 
 struct device_options {
   /// How sends reach the transport: "auto" (direct when the transport reports
-  /// device memory support, staged otherwise), "staged" or "direct".
+  /// device memory support, staged otherwise), "staged" or "direct". No
+  /// transport reports it yet: "auto" stages, and "direct" is refused.
   std::string transfer = "auto";
   /// Messages merged by one kernel (each needs a model-sized device buffer).
   int merge_batch = 4;

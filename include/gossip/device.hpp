@@ -90,10 +90,10 @@ class device_backend {
 
 namespace detail {
 /// Capability hook: true when a transport reports that it can send from and
-/// receive into device memory (a `device_memory` member of
-/// transport_capabilities, filled from what UCX reports at run time). A
-/// transport that has no such member is treated as host-only, so its device
-/// models are staged through pinned host buffers.
+/// receive into device memory (a `device_memory` member of its
+/// capabilities). No transport has that member yet (transport_capabilities
+/// does not declare it), so every transport is treated as host-only and
+/// device models are staged through pinned host buffers.
 template <class Capabilities>
 constexpr bool takes_device_memory(const Capabilities& caps) noexcept {
   if constexpr (requires { caps.device_memory; })

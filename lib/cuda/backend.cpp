@@ -262,7 +262,7 @@ class cuda_backend final : public device_backend {
     if (m_options.transfer == "direct") {
       if (!s.transport_takes_device_memory)
         throw config_error(fmt::format("gossip::cuda::device (rank {}): transfer = \"direct\" but the transport cannot send device "
-                                       "memory (a UCX build with CUDA support reports it); use \"auto\" or \"staged\"",
+                                       "memory (no transport does yet: sends are staged through pinned host buffers); use \"auto\" or \"staged\"",
                                        s.rank));
       direct = true;
     } else if (m_options.transfer == "auto") {
