@@ -883,6 +883,7 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
   // What the engine checks against its transport: loopback for one rank, UCX between processes.
   const bool loopback = cfg.transport.name == "loopback" && id.world == 1;
   spec.settings.check_with(loopback ? "loopback" : "ucx", loopback, "gossip.check_config");
+  spec.settings.check_outputs(id.rank, id.world);
   // The topology against the world size, as the engine builds it (the switch builds none).
   if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, id.rank, id.world);
 }

@@ -21,12 +21,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
   m_settings.check();
-  check_output_path(m_settings.stats_path, rank, world, "stats", m_settings.stats_where);
-  check_output_path(m_settings.trace_path, rank, world, "trace", m_settings.trace_where);
-  if (!m_settings.stats_path.empty() && m_settings.stats_path == m_settings.trace_path)
-    throw config_error(fmt::format("{} and {}: [engine] stats and trace name the same file '{}', and one would overwrite the other; give each "
-                                   "a path of its own",
-                                   m_settings.stats_where, m_settings.trace_where, m_settings.stats_path));
+  m_settings.check_outputs(rank, world);
   const auto caps = m_transport.capabilities();
   m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);

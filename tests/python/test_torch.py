@@ -449,6 +449,11 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
     with pytest.raises(gossip.ConfigError, match=r"same_step_merge = true needs a transport whose ranks run in lockstep .*transport 'ucx'"):
         gossip.check_config({"engine": {"same_step_merge": True}}, world=2)
     assert gossip.check_config({"engine": {"same_step_merge": True}}, world=1) is None
+    # The report paths, as every rank's engine checks them.
+    with pytest.raises(gossip.ConfigError, match=r"every one of the 4 ranks would write this one file; put \{rank\} in the path"):
+        gossip.check_config({"engine": {"stats": "stats.json"}}, world=4)
+    with pytest.raises(gossip.ConfigError, match=r"stats and trace name the same file 'a\{rank\}'"):
+        gossip.check_config({"engine": {"stats": "a{rank}", "trace": "a{rank}"}}, world=2)
     # Left unset, the transport between processes is UCX, and the messages say so.
     with pytest.raises(gossip.ConfigError, match=r"needs transport 'switch' .* name is 'ucx'"):
         gossip.check_config({"protocol": {"name": "switch-aggregate"}}, world=2)
