@@ -986,7 +986,7 @@ does not see it): call them after optimizer.step(), not between forward and back
     }
     d["engine"] = engine;
     return d;
-  }, "Every component a config may name ([policy], [topology], [protocol]) and the [engine] settings.");
+  }, "Every component a config may name ([policy], [topology], [protocol], [codec]) and the [engine] settings.");
 #if defined(GOSSIP_PYTHON_CUDA)
   m.attr("has_cuda") = true;
   m.def("cuda_unavailable_reason", &gossip::cuda::unavailable_reason,

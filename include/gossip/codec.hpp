@@ -2,7 +2,7 @@
 /// Codecs: what a message carries, once the policy has decided to send.
 ///
 ///     [codec]
-///     name = "int8"      # auto (default: int8 between processes, none in-process), none, fp16, int8, topk, randomk
+///     name = "int8"      # auto (default: int8 between processes, none in-process), none, fp16, int8, topk, randomk, lowrank
 ///     block = 256        # int8: values per scale
 ///
 ///     [codec]
