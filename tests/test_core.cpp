@@ -41,6 +41,15 @@ TEST_CASE("an environment variable overrides the file for specs that name one") 
   CHECK(o.resolved(specs, "[engine]").real("timeout_s") == 2.5);
   ::setenv("GOSSIP_TEST_TIMEOUT", "soon", 1);
   CHECK_THROWS_WITH_AS(o.resolved(specs, "[engine]"), doctest::Contains("GOSSIP_TEST_TIMEOUT=soon (for key 'timeout_s'): expected a number"), config_error);
+  // The variable overrides the file, but not a command-line override that says otherwise.
+  ::setenv("GOSSIP_TEST_TIMEOUT", "2.5", 1);
+  options cli("x");
+  cli.set("timeout_s", 10.0, "--set engine.timeout_s=10");
+  CHECK_THROWS_WITH_AS(cli.resolved(specs, "[engine]"),
+                       doctest::Contains("--set engine.timeout_s=10 and environment variable GOSSIP_TEST_TIMEOUT=2.5 both set key 'timeout_s'"),
+                       config_error);
+  cli.set("timeout_s", 2.5, "--set engine.timeout_s=2.5");
+  CHECK(cli.resolved(specs, "[engine]").where("timeout_s") == "--set engine.timeout_s=2.5");
   ::unsetenv("GOSSIP_TEST_TIMEOUT");
   // A value from the environment is blamed on the environment, not on the file.
   ::setenv("GOSSIP_TIMEOUT_S", "-1", 1);
