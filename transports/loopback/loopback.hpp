@@ -39,7 +39,8 @@ struct link_emulation {
 
   /// A message's emulated delay is waited out whatever the engine's timeout,
   /// so the settings are bounded: a config_error naming `where` (for each
-  /// key, as `where(key)` gives it) otherwise.
+  /// key, as `where(key)` gives it) otherwise; and attach refuses a message
+  /// whose wire time alone exceeds the engine's timeout.
   template <class Where>
   void check(const Where& where) const {
     if (!(bandwidth_gbps == 0 || (bandwidth_gbps >= 1e-3 && bandwidth_gbps <= 1e6)))
@@ -120,6 +121,16 @@ class loopback_transport {
       throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
                                      "engine its own rank's endpoint",
                                      m_rank));
+    // The emulated delay is waited out whatever the engine's timeout: one
+    // message longer on the wire than every other wait may last is refused.
+    if (const auto& link = m_shared->link; link.bandwidth_gbps > 0 || link.latency_us > 0) {
+      const double wire_s = (link.bandwidth_gbps > 0 ? static_cast<double>(s.message_bytes) * 8.0 / (link.bandwidth_gbps * 1e9) : 0.0) +
+                            link.latency_us * 1e-6;
+      if (wire_s > s.timeout.count())
+        throw config_error(fmt::format("loopback (rank {}): one message of {} bytes spends {:.1f} s on the emulated link ({} Gbit/s, {} µs), "
+                                       "longer than the engine's timeout ({} s, [engine] timeout_s); raise bandwidth_gbps or timeout_s",
+                                       s.rank, s.message_bytes, wire_s, link.bandwidth_gbps, link.latency_us, s.timeout.count()));
+    }
     m_setup = s;
     me.in = s.inbox;
     me.layout = s.layout;
