@@ -145,7 +145,10 @@ int main(int argc, char** argv) {
       if (v < lo || v > hi) throw config_error(fmt::format("{}: key '{}' must be in {}..{}, got {}", o.where(key), key, lo, hi, v));
       return v;
     };
-    const int n_seeds = seeds ? seeds : static_cast<int>(in_range(bench, "seeds", 1, 100));
+    const auto bench_seeds = in_range(bench, "seeds", 1, 100);
+    if (seeds && bench.has("seeds") && bench.where("seeds").starts_with("--set") && bench_seeds != seeds)
+      throw config_error(fmt::format("--seeds {} and {} both set the number of seeds; neither wins silently: give one", seeds, bench.where("seeds")));
+    const int n_seeds = seeds ? seeds : static_cast<int>(bench_seeds);
     const auto quick_epochs = in_range(bench, "quick_epochs", 1, 10000);
     const auto quick_limit = in_range(bench, "quick_train_limit", 0, std::int64_t{1} << 30);
     auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
@@ -200,9 +203,11 @@ int main(int argc, char** argv) {
                                      "control already: give an adaptive policy (gossip-info lists them)",
                                      base.policy.opts.where("name")));
     examples::train_settings rounds_probe = settings;
-    rounds_probe.average_rounds = static_cast<int>(bl.integer("rounds"));
-    if (rounds_probe.average_rounds == 0 || rounds_probe.average_rounds < -1)
-      throw config_error(fmt::format("{}: key 'rounds' must be >= 1, or -1 for automatic", bl.where("rounds")));
+    const auto rounds = bl.integer("rounds");
+    if (rounds == 0 || rounds < -1 || rounds > 64)
+      throw config_error(fmt::format("{}: key 'rounds' must be in 1..64 (gossip rounds per average), or -1 for automatic, got {}",
+                                     bl.where("rounds"), rounds));
+    rounds_probe.average_rounds = static_cast<int>(rounds);
     const int avg_rounds = rounds_probe.rounds_per_average();
     const double outer_lr = bl.real("outer_lr"), outer_momentum = bl.real("outer_momentum");
     if (!(outer_lr > 0) || !std::isfinite(outer_lr))
