@@ -109,6 +109,18 @@ config config::parse(std::string_view text, const std::string& source, std::vect
   config c(std::move(app_sections));
   c.source = source;
   const auto where = [&](std::string_view section) { return fmt::format("{} [{}]", source, section); };
+  // A section the text leaves out keeps its defaults; messages about them
+  // name this source, and say the section was left out.
+  const auto left_out = [&](std::string_view section) {
+    return text.find_first_not_of(" \t\r\n") == std::string_view::npos ? where(section)
+                                                                          : fmt::format("{} [{}] (left out: the defaults)", source, section);
+  };
+  c.policy.opts = options(left_out("policy"));
+  c.topology.opts = options(left_out("topology"));
+  c.protocol.opts = options(left_out("protocol"));
+  c.transport.opts = options(left_out("transport"));
+  c.codec.opts = options(left_out("codec"));
+  c.engine = options(left_out("engine"));
   for (const auto& [k, v] : root) {
     const std::string section(k.str());
     auto* t = v.as_table();
