@@ -111,10 +111,16 @@ struct train_settings {
     s.lr = o.real("lr");
     s.momentum = o.real("momentum");
     s.weight_decay = o.real("weight_decay");
-    if (!(s.lr > 0) || !std::isfinite(s.lr)) throw config_error(fmt::format("{}: key 'lr' must be a finite number > 0, got {}", o.where("lr"), s.lr));
-    if (!(s.weight_decay >= 0) || !std::isfinite(s.weight_decay))
-      throw config_error(fmt::format("{}: key 'weight_decay' must be a finite number >= 0, got {}", o.where("weight_decay"), s.weight_decay));
-    if (!(s.momentum >= 0 && s.momentum < 1)) throw config_error(fmt::format("{}: key 'momentum' must be in [0, 1), got {}", o.where("momentum"), s.momentum));
+    // The model trains in float: each value must hold as one (1e39 would be
+    // inf, 0.99999999 would round to 1).
+    const auto as_float = [](double v) { return static_cast<double>(static_cast<float>(v)); };
+    if (!(s.lr > 0) || !std::isfinite(as_float(s.lr)) || !(s.lr >= std::numeric_limits<float>::min()))
+      throw config_error(fmt::format("{}: key 'lr' must be a number > 0 that a float holds (1.2e-38 to 3.4e38), got {}", o.where("lr"), s.lr));
+    if (!(s.weight_decay >= 0) || !std::isfinite(as_float(s.weight_decay)))
+      throw config_error(fmt::format("{}: key 'weight_decay' must be a number >= 0 that a float holds (up to 3.4e38), got {}", o.where("weight_decay"),
+                                     s.weight_decay));
+    if (!(s.momentum >= 0 && as_float(s.momentum) < 1))
+      throw config_error(fmt::format("{}: key 'momentum' must be in [0, 1) as a float (at most 0.99999994), got {}", o.where("momentum"), s.momentum));
     try {
       s.schedule = lr_schedule::parse(o.string("schedule"));
     } catch (const config_error& e) {
