@@ -195,14 +195,14 @@ config config::from_env(std::vector<std::string> app_sections) {
   return config(std::move(app_sections));
 }
 
-void config::apply_override(std::string_view assignment) {
+void config::apply_override(std::string_view assignment, std::string_view origin) {
   const std::string text(assignment);
   const auto eq = text.find('=');
   const auto dot = text.find('.');
   if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
     throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
   const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1), value = text.substr(eq + 1);
-  const std::string where = fmt::format("--set {}", text);
+  const std::string where = origin.empty() ? fmt::format("--set {}", text) : std::string(origin);
   if (const auto known = known_sections(); std::find(known.begin(), known.end(), section) == known.end())
     throw config_error(fmt::format("{}: {}", where, unknown_section(*this, section)));
   toml::table parsed;

@@ -37,11 +37,11 @@ refused() {  # expected-message args…: refused before the header
 refused "--set transport.bandwith_gbps=1: unknown key 'bandwith_gbps' for transport 'loopback' (did you mean 'bandwidth_gbps'?)" \
   --set transport.bandwith_gbps=1
 refused "--set transport.latency_us=-5: key 'latency_us' of transport 'loopback' must be in [0, 1e7] microseconds" --set transport.latency_us=-5
-refused "--set transport.bandwidth_gbps=1e-12: key 'bandwidth_gbps' of transport 'loopback' must be 0 (not emulated) or in [0.001, 1e6]" \
+refused "--bandwidth-gbps 1e-12: key 'bandwidth_gbps' of transport 'loopback' must be 0 (not emulated) or in [0.001, 1e6]" \
   --bandwidth-gbps 1e-12
 refused "unknown transport 'tcp'; known transports: loopback, ucx, switch" --set transport.name=tcp
 refused "--json /nonexistent-dir/run.json: cannot write the report there" --json /nonexistent-dir/run.json
-refused "--set train.lr=inf: key 'lr' must be a finite number > 0" --set train.lr=inf
+refused "--set train.lr=inf: key 'lr' must be a number > 0 that a float holds" --set train.lr=inf
 refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch-aggregate
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2

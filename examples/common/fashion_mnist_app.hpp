@@ -96,7 +96,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     std::vector<std::pair<std::string, std::string>> flagged;  // (key, flag)
     const auto flag = [&](bool given, const char* name, std::string key, const std::string& value) {
       if (!given) return;
-      cfg.apply_override(key + "=" + value);
+      cfg.apply_override(key + "=" + value, fmt::format("{} {}", name, value));
       flagged.emplace_back(std::move(key), name);
     };
     flag(!policy.empty(), "--policy", "policy.name", policy);

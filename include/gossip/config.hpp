@@ -73,8 +73,10 @@ struct config {
   /// Setting `policy.name` (or topology/protocol/transport/codec) switches the
   /// component and drops the file's options for the old one; options set by
   /// apply_override stay, in either order, and the new component refuses
-  /// those it does not have when the section is resolved.
-  void apply_override(std::string_view assignment);
+  /// those it does not have when the section is resolved. `origin` names
+  /// the override in messages instead (e.g. "--policy drift", for a
+  /// program's own flag that sets a key).
+  void apply_override(std::string_view assignment, std::string_view origin = {});
 
   /// A section of the program's own, checked against `specs` (absent: all
   /// defaults). `name` must be one of app_sections.
