@@ -190,6 +190,9 @@ config config::from_env(std::vector<std::string> app_sections) {
     // gossip-run --config sets it; a user may have left it set by hand.
     if (std::error_code ec; !std::filesystem::exists(path, ec))
       throw config_error(fmt::format("GOSSIP_CONFIG={}: no such file; point it at a config file, or unset it for the defaults", path));
+    if (std::error_code ec; std::filesystem::is_directory(path, ec))
+      throw config_error(fmt::format("GOSSIP_CONFIG={}: is a directory, not a config file; point it at a .toml file, or unset it for the defaults",
+                                     path));
     return load(path, std::move(app_sections));
   }
   return config(std::move(app_sections));

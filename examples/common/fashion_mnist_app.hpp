@@ -81,9 +81,15 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   try {
     // gossip-run --config passes the file as GOSSIP_CONFIG.
     bool from_env = false;
-    if (const char* env = std::getenv("GOSSIP_CONFIG"); config_path.empty() && env && *env) {
-      config_path = env;
-      from_env = true;
+    if (const char* env = std::getenv("GOSSIP_CONFIG"); env && *env) {
+      if (config_path.empty()) {
+        config_path = env;
+        from_env = true;
+      } else if (std::error_code ec; !std::filesystem::equivalent(config_path, env, ec) && !ec) {  // (a missing file: load() says so)
+        throw config_error(fmt::format("--config {} and GOSSIP_CONFIG={} (gossip-run --config) name different files; neither wins "
+                                       "silently: give one",
+                                       config_path, env));
+      }
     }
     // [train] is this program's; [bench] and [baseline] are bench/traffic's, whose configs run this example too.
     const std::vector<std::string> own_sections = {"train", "bench", "baseline"};
