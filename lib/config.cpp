@@ -212,9 +212,11 @@ void config::apply_override(std::string_view assignment, std::string_view origin
   try {
     parsed = toml::parse("v = " + value, where);
   } catch (const toml::parse_error&) {
-    // A bare word is taken as a string, so policy.name=drift works without quotes.
+    // A bare word is taken as a string, so policy.name=drift works without
+    // quotes; as written (a TOML literal string), so that a backslash in a
+    // path stays a backslash.
     try {
-      parsed = toml::parse("v = \"" + value + "\"", where);
+      parsed = toml::parse(value.find('\'') == std::string::npos ? "v = '" + value + "'" : "v = \"" + value + "\"", where);
     } catch (const toml::parse_error& e) {
       throw config_error(fmt::format("{}: the value is not valid TOML ({}); a string with such characters goes in single quotes, "
                                      "which TOML takes as written: --set \"{}.{}='…'\"",
