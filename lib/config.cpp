@@ -216,6 +216,7 @@ void config::apply_override(std::string_view assignment, std::string_view origin
     // quotes; as written (a TOML literal string), so that a backslash in a
     // path stays a backslash.
     try {
+      if (!value.empty() && (value.front() == '"' || value.front() == '\'')) throw;  // a quoted string left open: not a bare word
       parsed = toml::parse(value.find('\'') == std::string::npos ? "v = '" + value + "'" : "v = \"" + value + "\"", where);
     } catch (const toml::parse_error& e) {
       throw config_error(fmt::format("{}: the value is not valid TOML ({}); a string with such characters goes in single quotes, "

@@ -247,7 +247,11 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
   // One value per --set: a second line would set a key nobody named (and nothing would read it).
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.every=3\nname = \"drift\""), doctest::Contains("must be a single TOML value"), config_error);
-  CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid\"\nx = \"y"), doctest::Contains("must be a single TOML value"), config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid\"\nx = \"y"), doctest::Contains("the value is not valid TOML"), config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid'\nx = 'y"), doctest::Contains("the value is not valid TOML"), config_error);
+  // A bare word is taken as written: a backslash stays one.
+  cfg.apply_override("train.data_dir=/data/a\\nb");
+  CHECK(cfg.sections.at("train").string("data_dir") == "/data/a\\nb");
   CHECK(cfg.policy.name == "drift");
   CHECK(cfg.policy.opts.integer("every") == 5);  // the refused override changed nothing
 }
