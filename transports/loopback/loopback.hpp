@@ -39,7 +39,7 @@ struct link_emulation {
 
   /// A message's emulated delay is waited out whatever the engine's timeout,
   /// so the settings are bounded: a config_error naming `where` (for each
-  /// key, as `where(key)` gives it) otherwise; and attach refuses a message
+  /// key, as `where(key)` gives it) otherwise; and post() refuses a message
   /// whose wire time alone exceeds the engine's timeout.
   template <class Where>
   void check(const Where& where) const {
@@ -121,16 +121,6 @@ class loopback_transport {
       throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
                                      "engine its own rank's endpoint",
                                      m_rank));
-    // The emulated delay is waited out whatever the engine's timeout: one
-    // message longer on the wire than every other wait may last is refused.
-    if (const auto& link = m_shared->link; link.bandwidth_gbps > 0 || link.latency_us > 0) {
-      const double wire_s = (link.bandwidth_gbps > 0 ? static_cast<double>(s.message_bytes) * 8.0 / (link.bandwidth_gbps * 1e9) : 0.0) +
-                            link.latency_us * 1e-6;
-      if (wire_s > s.timeout.count())
-        throw config_error(fmt::format("loopback (rank {}): one message of {} bytes spends {:.1f} s on the emulated link ({} Gbit/s, {} µs), "
-                                       "longer than the engine's timeout ({} s, [engine] timeout_s); raise bandwidth_gbps or timeout_s",
-                                       s.rank, s.message_bytes, wire_s, link.bandwidth_gbps, link.latency_us, s.timeout.count()));
-    }
     m_setup = s;
     me.in = s.inbox;
     me.layout = s.layout;
@@ -198,6 +188,14 @@ class loopback_transport {
     GOSSIP_ASSERT(msg.size() <= p.in->message_bytes(), "message of {} bytes exceeds the inbox slot of {}", msg.size(), p.in->message_bytes());
     auto& slot = p.in->at(static_cast<std::size_t>(idx), step);
     GOSSIP_ASSERT(slot.state.load(std::memory_order_acquire) == inbox::empty, "rank {} inbox slot for rank {} still full at step {}", to, m_rank, step);
+    // The emulated delay is waited out whatever the engine's timeout: a
+    // message longer on the wire than any wait may last is refused, not sent.
+    if (const auto& link = m_shared->link; link.bandwidth_gbps > 0 && static_cast<double>(msg.size()) * 8.0 / (link.bandwidth_gbps * 1e9) +
+                                                                            link.latency_us * 1e-6 > m_setup.timeout.count())
+      throw config_error(fmt::format("loopback (rank {}): a message of {} bytes would spend {:.1f} s on the emulated link ({} Gbit/s, {} µs), "
+                                     "longer than the engine's timeout ({} s, [engine] timeout_s); raise bandwidth_gbps or timeout_s",
+                                     m_rank, msg.size(), static_cast<double>(msg.size()) * 8.0 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6,
+                                     link.bandwidth_gbps, link.latency_us, m_setup.timeout.count()));
     std::memcpy(slot.data, msg.data(), msg.size());
     slot.bytes = msg.size();
     slot.ready_at = arrival(msg.size());

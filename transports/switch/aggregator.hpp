@@ -310,6 +310,13 @@ class aggregator {
     return true;
   }
 
+  /// How many bytes of a refusal to send in answer to a datagram of
+  /// `answered` bytes: never more than it (no amplification). Only a packet
+  /// of another version can be shorter than a header; its refusal is then
+  /// cut to its length, and the first 8 bytes (magic, version, type, reason)
+  /// are all a worker of any version reads of one.
+  static constexpr std::size_t refusal_bytes(std::size_t answered) noexcept { return std::min(sizeof(packet_header), answered); }
+
   /// How long after a session took a member a packet of the session it
   /// displaced counts as late (stale_session) rather than as a second live job
   /// on the group (session_conflict). Time as advance() tells it.

@@ -255,7 +255,8 @@ class dpdk_switch {
     });
     // A packet at odds with its group's configuration is answered where it
     // came from, so that its worker stops with the reason.
-    if (packet_header r; m_agg.refusal(h, why, r)) send_to(source, std::as_bytes(std::span(&r, 1)));
+    if (packet_header r; m_agg.refusal(h, why, r))
+      send_to(source, std::as_bytes(std::span(&r, 1)).first(aggregator::refusal_bytes(payload.size())));
   }
 
   void handle_arp(port_state& p, const std::uint8_t* f, std::size_t len) {

@@ -41,7 +41,9 @@
 /// `sequence` = model size in floats (0: any; saturated at 2^32 − 1). So a
 /// refusal's `elements` is no count of values: none follow. The client stops at once with an error
 /// that says what differs, instead of retransmitting until its timeout. A
-/// refusal is never larger than what it answers, and a refusal sent to a
+/// refusal is never larger than what it answers (aggregator::refusal_bytes:
+/// one to a packet of another version shorter than a header is cut to its
+/// length), and a refusal sent to a
 /// switch is dropped there as bad_type, never answered.
 ///
 /// The first 8 bytes (magic, version, type, flags) keep these offsets in

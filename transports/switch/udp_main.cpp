@@ -204,7 +204,8 @@ int main(int argc, char** argv) {
       });
       // A packet at odds with its group's configuration is answered where it
       // came from, so that its worker stops with the reason.
-      if (packet_header r; agg.refusal(h, why, r)) send(std::as_bytes(std::span(&r, 1)), from[static_cast<std::size_t>(i)]);
+      if (packet_header r; agg.refusal(h, why, r))
+        send(std::as_bytes(std::span(&r, 1)).first(aggregator::refusal_bytes(pkt.size())), from[static_cast<std::size_t>(i)]);
     }
     flush();
   }
