@@ -26,12 +26,9 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
-  // Both correct a push-sum sender's share in flight; elsewhere they would be ignored.
+  detail::refuse_outside_push_sum(m_settings, m_protocol.type() == protocol::kind::push_sum ? "push-sum" : std::string_view(spec.protocol.name),
+                                  [&](const char*) { return fmt::format("engine (rank {})", rank); });
   for (const auto& [on, key] : {std::pair{m_settings.numerator_steps, "numerator_steps"}, std::pair{m_settings.in_flight_makeup, "in_flight_makeup"}}) {
-    if (on && m_protocol.type() != protocol::kind::push_sum)
-      throw config_error(fmt::format("engine (rank {}): [engine] {} = true applies to protocol 'push-sum' (it corrects for the weight a send "
-                                     "hands on), not to '{}': set it to false or use push-sum",
-                                     rank, key, spec.protocol.name));
     if (on && model.device())
       throw config_error(fmt::format("engine (rank {}): [engine] {} = true is not implemented for models in device memory: set it to false",
                                      rank, key));

@@ -127,6 +127,21 @@ inline void engine_settings::check() const {
       throw config_error(fmt::format("engine_settings::{} must be {}, got {} (the config key [engine] {})", r.field, r.expected, v, r.key));
 }
 
+namespace detail {
+/// numerator_steps and in_flight_makeup correct a push-sum sender's share in
+/// flight; under another protocol they would be ignored, so they are
+/// refused. `where(key)` names where each was set.
+template <class Where>
+void refuse_outside_push_sum(const engine_settings& s, std::string_view protocol, const Where& where) {
+  if (protocol == "push-sum") return;
+  for (const auto& [on, key] : {std::pair{s.numerator_steps, "numerator_steps"}, std::pair{s.in_flight_makeup, "in_flight_makeup"}})
+    if (on)
+      throw config_error(fmt::format("{}: [engine] {} = true applies to protocol 'push-sum' (it corrects for the weight a send hands on), "
+                                     "not to '{}': set it to false or use push-sum",
+                                     where(key), key, protocol));
+}
+}  // namespace detail
+
 inline engine_spec engine_spec::from(const config& cfg) {
   engine_spec s;
   s.policy = policy_registry().make(cfg.policy.name, cfg.policy.opts);
@@ -168,7 +183,9 @@ inline engine_spec engine_spec::from(const config& cfg) {
                                      "use mode = \"async\" or \"auto\", or stagger = false", s.protocol.opts.where()));
     s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name, staggered));
   }
-  s.settings = engine_settings::from(cfg.engine.resolved(engine_option_specs(), "[engine]"));
+  const options engine = cfg.engine.resolved(engine_option_specs(), "[engine]");
+  s.settings = engine_settings::from(engine);
+  detail::refuse_outside_push_sum(s.settings, s.protocol.name, [&](const char* key) { return engine.where(key); });
   s.config_settings = cfg.shared_settings();
   s.config_fingerprint = cfg.fingerprint();
   return s;

@@ -454,6 +454,9 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
         gossip.check_config({"engine": {"stats": "stats.json"}}, world=4)
     with pytest.raises(gossip.ConfigError, match=r"stats and trace name the same file 'a\{rank\}'"):
         gossip.check_config({"engine": {"stats": "a{rank}", "trace": "a{rank}"}}, world=2)
+    # Settings that only push-sum would use.
+    with pytest.raises(gossip.ConfigError, match=r"in_flight_makeup = true applies to protocol 'push-sum' .* not to 'pairwise'"):
+        gossip.check_config({"protocol": {"name": "pairwise"}, "engine": {"in_flight_makeup": True}}, world=2)
     # Left unset, the transport between processes is UCX, and the messages say so.
     with pytest.raises(gossip.ConfigError, match=r"needs transport 'switch' .* name is 'ucx'"):
         gossip.check_config({"protocol": {"name": "switch-aggregate"}}, world=2)
