@@ -4,8 +4,9 @@
 //
 // Each rank gets GOSSIP_RANK, GOSSIP_WORLD_SIZE, GOSSIP_MASTER_ADDR/PORT (a free
 // loopback port; rank 0 serves the rendezvous) and, with --config,
-// GOSSIP_CONFIG. Output lines are prefixed with the rank. SIGINT/SIGTERM are
-// forwarded. If a rank fails, by default (--on-failure abort) the others get
+// GOSSIP_CONFIG. Output lines are prefixed with the rank (cut every 64 KiB).
+// SIGINT/SIGTERM/SIGHUP are forwarded; ranks read /dev/null as stdin and get
+// SIGTERM should gossip-run die. If a rank fails, by default (--on-failure abort) the others get
 // SIGTERM, then SIGKILL after the grace period, and gossip-run exits non-zero
 // naming the rank and its status. With --on-failure continue the others keep
 // running: a rank killed by a signal counts as dead, and gossip-run exits 0
@@ -16,8 +17,10 @@
 // variables instead.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -73,6 +76,23 @@ std::string describe(int status) {
 // Set when writing to our stdout or stderr failed (a closed pipe: `| head`).
 bool g_out_closed = false, g_err_closed = false;
 
+// gossip-run's own messages: a stderr that cannot be written any more (its
+// reader left, or it was closed) costs the message, never the ranks' supervision.
+template <class... A>
+void note(fmt::format_string<A...> f, A&&... a) noexcept {
+  if (g_err_closed) return;
+  try {
+    fmt::print(stderr, f, std::forward<A>(a)...);
+  } catch (const std::exception&) {
+    g_err_closed = true;
+  }
+}
+
+// A line longer than this without its newline (a progress bar, a binary
+// dump) is written out as it is, so that it neither grows without bound nor
+// is scanned again on every read.
+constexpr std::size_t max_partial_line = 64 * 1024;
+
 // Writes complete lines of `buf` with the rank prefix; keeps a partial tail.
 // Once `to` cannot be written (its reader left), its lines are dropped and
 // the ranks are stopped as by SIGTERM: a pipeline whose reader has gone ends,
@@ -84,8 +104,8 @@ void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
     for (std::size_t nl; !closed && (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
       fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
     buf.erase(0, start);
-    if (all && !buf.empty() && !closed) fmt::print(to, "[{}] {}\n", rank, buf);
-    if (all || closed) buf.clear();
+    if ((all || buf.size() > max_partial_line) && !buf.empty() && !closed) fmt::print(to, "[{}] {}\n", rank, buf);
+    if (all || closed || buf.size() > max_partial_line) buf.clear();
     if (!closed && std::fflush(to) != 0) throw std::runtime_error("flush failed");
   } catch (const std::exception&) {
     buf.clear();
@@ -130,38 +150,61 @@ int main(int argc, char** argv) {
 
   if (master_port == 0) master_port = free_port();
   if (master_port == 0) {
-    fmt::print(stderr, "gossip-run: could not find a free port on 127.0.0.1; pass --master-port\n");
+    note("gossip-run: could not find a free port on 127.0.0.1; pass --master-port\n");
     return 1;
   }
+  // SIGHUP (a closed terminal or ssh session) stops the ranks as SIGTERM does.
+  const int forwarded_signals[] = {SIGINT, SIGTERM, SIGHUP};
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  for (int s : forwarded_signals) sigaction(s, &sa, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
+  const pid_t supervisor = ::getpid();
 
   std::vector<child> kids(static_cast<std::size_t>(n));
+  // Ranks started before a failure to start the next are not left running.
+  const auto abandon_started = [&] {
+    for (auto& k : kids)
+      if (k.pid > 0) ::kill(-k.pid, SIGKILL);
+    for (auto& k : kids)
+      if (k.pid > 0) ::waitpid(k.pid, nullptr, 0);
+  };
   for (int r = 0; r < n; ++r) {
     int po[2], pe[2];
-    if (::pipe(po) != 0 || ::pipe(pe) != 0) {
-      fmt::print(stderr, "gossip-run: pipe failed: {}\n", std::strerror(errno));
+    // Close-on-exec: no rank holds another's pipes (a rank whose reader is
+    // another rank would block once gossip-run is gone).
+    if (::pipe2(po, O_CLOEXEC) != 0 || ::pipe2(pe, O_CLOEXEC) != 0) {
+      note("gossip-run: pipe for rank {} failed: {}; stopping the {} rank(s) started\n", r, std::strerror(errno), r);
+      abandon_started();
       return 1;
     }
+    // The signals stay blocked across fork, so that a child cannot take one
+    // meant for gossip-run with its handler before it has reset them.
+    sigset_t block, old;
+    sigemptyset(&block);
+    for (int s : forwarded_signals) sigaddset(&block, s);
+    ::sigprocmask(SIG_BLOCK, &block, &old);
     const pid_t pid = ::fork();
     if (pid < 0) {
-      fmt::print(stderr, "gossip-run: fork of rank {} failed: {}\n", r, std::strerror(errno));
-      for (auto& k : kids)
-        if (k.pid > 0) ::kill(k.pid, SIGTERM);
+      ::sigprocmask(SIG_SETMASK, &old, nullptr);
+      note("gossip-run: fork of rank {} failed: {}; stopping the {} rank(s) started\n", r, std::strerror(errno), r);
+      abandon_started();
       return 1;
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // its own process group: signals reach what the rank starts too
+      for (int s : forwarded_signals) std::signal(s, SIG_DFL);
+      std::signal(SIGPIPE, SIG_DFL);
+      ::sigprocmask(SIG_SETMASK, &old, nullptr);
+      // A rank does not outlive gossip-run (killed, or its terminal closed).
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != supervisor) ::_exit(128 + SIGTERM);
+      // Its own process group is not the terminal's foreground one: reading
+      // the terminal would stop it (SIGTTIN) for ever. Ranks read nothing.
+      if (const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC); null >= 0) ::dup2(null, STDIN_FILENO);
       ::dup2(po[1], STDOUT_FILENO);
       ::dup2(pe[1], STDERR_FILENO);
-      ::close(po[0]);
-      ::close(pe[0]);
-      ::close(po[1]);
-      ::close(pe[1]);
       ::setenv("GOSSIP_RANK", std::to_string(r).c_str(), 1);
       ::setenv("GOSSIP_WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("GOSSIP_MASTER_ADDR", master_addr.c_str(), 1);
@@ -174,6 +217,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "gossip-run: cannot start '%s': %s\n", args[0], std::strerror(errno));
       ::_exit(127);
     }
+    ::setpgid(pid, pid);  // also here: a signal forwarded at once finds the group
+    ::sigprocmask(SIG_SETMASK, &old, nullptr);
     ::close(po[1]);
     ::close(pe[1]);
     auto& k = kids[static_cast<std::size_t>(r)];
@@ -201,7 +246,7 @@ int main(int argc, char** argv) {
       drain_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
     if (g_signal && forwarded != g_signal) {
       forwarded = g_signal;
-      fmt::print(stderr, "gossip-run: forwarding signal {} to {} rank(s)\n", static_cast<int>(g_signal), running);
+      note("gossip-run: forwarding signal {} to {} rank(s)\n", static_cast<int>(g_signal), running);
       stop_others(g_signal);
       stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
     }
@@ -239,7 +284,7 @@ int main(int argc, char** argv) {
           --running;
           const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
           if (!ok && keep_going && !g_signal) {
-            fmt::print(stderr, "gossip-run: rank {} (pid {}) ended with {}; the other ranks go on (--on-failure continue)\n", k.rank, pid,
+            note("gossip-run: rank {} (pid {}) ended with {}; the other ranks go on (--on-failure continue)\n", k.rank, pid,
                        describe(status));
             if (WIFEXITED(status) && failed_rank < 0) {  // an error, not a death
               failed_rank = k.rank;
@@ -248,14 +293,14 @@ int main(int argc, char** argv) {
           } else if (!ok && failed_rank < 0 && !g_signal) {
             failed_rank = k.rank;
             failed_status = status;
-            fmt::print(stderr, "gossip-run: rank {} (pid {}) failed with {}; stopping the other ranks\n", k.rank, pid, describe(status));
+            note("gossip-run: rank {} (pid {}) failed with {}; stopping the other ranks\n", k.rank, pid, describe(status));
             stop_others(SIGTERM);
             stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
           }
         }
     }
     if (running > 0 && std::chrono::steady_clock::now() > stop_at) {
-      fmt::print(stderr, "gossip-run: {} rank(s) still running {:.1f} s after SIGTERM; sending SIGKILL\n", running, grace);
+      note("gossip-run: {} rank(s) still running {:.1f} s after SIGTERM; sending SIGKILL\n", running, grace);
       stop_others(SIGKILL);
       stop_at = std::chrono::steady_clock::time_point::max();
     }
@@ -275,11 +320,11 @@ int main(int argc, char** argv) {
       lost += fmt::format("{}rank {} (pid {}, {})", lost.empty() ? "" : "; ", k.rank, k.pid, k.exited ? describe(k.status) : "still running");
   }
   if (!lost.empty())
-    fmt::print(stderr, "gossip-run: {} of {} ranks finished ({}); did not finish: {}\n", n_finished,
+    note("gossip-run: {} of {} ranks finished ({}); did not finish: {}\n", n_finished,
                kids.size(), finished.empty() ? "none" : "ranks " + finished, lost);
   if (keep_going && failed_rank < 0 && !g_signal) return finished.empty() ? 1 : 0;
   if (failed_rank >= 0) {
-    fmt::print(stderr, "gossip-run: failed: rank {} ended with {}\n", failed_rank, describe(failed_status));
+    note("gossip-run: failed: rank {} ended with {}\n", failed_rank, describe(failed_status));
     return WIFEXITED(failed_status) ? WEXITSTATUS(failed_status) : 128 + WTERMSIG(failed_status);
   }
   if (g_signal) return 128 + static_cast<int>(g_signal);
