@@ -139,6 +139,12 @@ TEST_CASE("group_config parses and rejects with the key named") {
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,idle_s=90000"), doctest::Contains("key 'idle_s' must be in 0..86400"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,mode=async,members=2"), doctest::Contains("elements"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=65"), doctest::Contains("members"), std::invalid_argument);
+  // The message quotes the whole --group text, whichever item is wrong.
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,modes=async,members=2"), doctest::Contains("group 'id=1,modes=async,members=2': unknown key 'modes'"),
+                       std::invalid_argument);
+  // An aggregate larger than the machine is refused before it is allocated.
+  CHECK_THROWS_WITH_AS(aggregator({group_config::parse("id=1,mode=async,members=64,elements=4294967296")}),
+                       doctest::Contains("GiB of memory; check elements= and members="), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,chunk=400"), doctest::Contains("chunk"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,colour=red"), doctest::Contains("colour"), std::invalid_argument);
   CHECK_THROWS_AS(aggregator({group_config{.id = 1}, group_config{.id = 1}}), std::invalid_argument);

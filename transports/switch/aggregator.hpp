@@ -73,6 +73,8 @@
 /// passes.
 ///
 /// Not thread-safe: one polling thread owns an aggregator.
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -113,8 +115,9 @@ struct group_config {
   /// order, defaults as above). Throws std::invalid_argument naming the key.
   static group_config parse(std::string_view text) {
     group_config g;
+    const std::string whole(text);  // for messages: `text` is consumed item by item
     auto fail = [&](const std::string& what) {
-      throw std::invalid_argument("group '" + std::string(text) + "': " + what +
+      throw std::invalid_argument("group '" + whole + "': " + what +
                                   " (expected e.g. id=1,mode=sync,members=4,chunk=256,slots=128 or id=2,mode=async,members=4,elements=1000000)");
     };
     while (!text.empty()) {
@@ -196,6 +199,16 @@ class drop_injector {
 class aggregator {
  public:
   explicit aggregator(std::vector<group_config> groups) {
+    // An async group holds its model (members + 1) times: more than this
+    // machine's memory is refused before it is allocated and zero-filled.
+    const double physical = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+    double needed = 0;
+    for (const auto& g : groups)
+      if (g.mode == group_mode::async) needed += static_cast<double>(g.elements) * 4.0 * (g.members + 1.0);
+    if (physical > 0 && needed > physical)
+      throw std::invalid_argument("the async groups' aggregates need " + std::to_string(static_cast<long long>(needed / (1 << 30))) +
+                                  " GiB (elements x (members + 1) floats each), more than this machine's " +
+                                  std::to_string(static_cast<long long>(physical / (1 << 30))) + " GiB of memory; check elements= and members=");
     for (const auto& g : groups) {
       if (find(g.id)) throw std::invalid_argument("group id " + std::to_string(g.id) + " is configured twice");
       if (g.members < 1 || g.members > 64) throw std::invalid_argument("group " + std::to_string(g.id) + ": members must be in 1..64");

@@ -27,6 +27,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "cli_checks.hpp"
 #include "dpdk_switch.hpp"
 #include "signals.hpp"
 
@@ -82,10 +83,12 @@ int main(int argc, char** argv) {
   app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
   app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(CLI::Range(1, 64));
   app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool");
-  app.add_option("--drop", cfg.drop, "drop this fraction of requests and of replies (loss injection)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--drop", cfg.drop, "drop this fraction of requests and of replies (loss injection)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->check(finite_number());
   app.add_option("--seed", cfg.seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here on exit (and on SIGUSR1)");
-  app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)");
+  app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
   app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)");
   try {
     app.parse(argc, argv);

@@ -18,12 +18,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "aggregator.hpp"
+#include "cli_checks.hpp"
 #include "report.hpp"
 #include "signals.hpp"
 
@@ -41,10 +43,12 @@ int main(int argc, char** argv) {
   app.add_option("--bind", bind, "IPv4 address to listen on");
   app.add_option("--port", port, "UDP port");
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
-  app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->check(finite_number());
   app.add_option("--seed", seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here on exit (and on SIGUSR1)");
-  app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)");
+  app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
   app.add_option("--cpu", cpu, "pin to this CPU");
   CLI11_PARSE(app, argc, argv);
 
@@ -61,7 +65,18 @@ int main(int argc, char** argv) {
     CPU_SET(cpu, &set);
     if (sched_setaffinity(0, sizeof set, &set) != 0) fmt::print(stderr, "gossip-switch-udp: cannot pin to CPU {}: {}\n", cpu, std::strerror(errno));
   }
-  aggregator agg(groups);
+  // Two groups with one id, or a model too large to hold, are refused here, not by an abort.
+  std::optional<aggregator> made;
+  try {
+    made.emplace(groups);
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "gossip-switch-udp: --group: not enough memory for the groups' aggregates (elements x members floats each)\n");
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "gossip-switch-udp: --group: {}\n", e.what());
+    return 2;
+  }
+  aggregator& agg = *made;
 
   const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd < 0) {
