@@ -12,6 +12,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
+# libFuzzer reads a non-number as 0, which means no limit at all.
+if ! [[ $seconds =~ ^[1-9][0-9]*$ ]]; then
+  echo "tools/fuzz.sh: SECONDS must be a positive integer, got '$seconds' (usage: bash tools/fuzz.sh [SECONDS] [TARGET...])" >&2
+  exit 2
+fi
 bash tools/setup.sh fuzz
 dir=build-fuzz
 if [ ! -f $dir/build.ninja ]; then

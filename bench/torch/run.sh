@@ -65,7 +65,7 @@ while [[ $# -gt 0 ]]; do
     --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]{1,9}$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0 (0: all)" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/torch: --epochs takes an integer in 1..9999" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
     --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
-    --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_]+=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
+    --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_][a-z0-9_]*=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
       SETS+=(--set "$2"); shift 2 ;;
     --check-args) CHECK=1; shift ;;
     -h|--help) usage ;;

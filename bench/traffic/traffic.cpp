@@ -60,6 +60,13 @@ struct variant {
   bool probe = false;  ///< record the instruments' timeline (first seed)
 };
 
+// A word single-quoted for the shell, a ' inside as '\''.
+std::string shell_quoted(const std::string& word) {
+  std::string q = "'";
+  for (const char c : word) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
 // One run as real processes: gossip-run starts `workers` ranks of the
 // Fashion-MNIST example with the bench's config and this run's policy and
 // seed; rank 0 writes the report.
@@ -68,15 +75,9 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
 #if defined(GOSSIP_RUN_PATH) && defined(GOSSIP_FASHION_MNIST_PATH)
   const auto report = std::filesystem::absolute(std::filesystem::path(out_dir) / "run.json").string();
   std::filesystem::remove(report);
-  // Every word single-quoted for the shell, a ' inside as '\''.
-  const auto quoted = [](const std::string& word) {
-    std::string q = "'";
-    for (const char c : word) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-    return q + "'";
-  };
-  std::string cmd = fmt::format("{} -n {} --config {} -- {}", quoted(GOSSIP_RUN_PATH), s.workers, quoted(config_path),
-                                quoted(GOSSIP_FASHION_MNIST_PATH));
-  auto set = [&](const std::string& kv) { cmd += " --set " + quoted(kv); };
+  std::string cmd = fmt::format("{} -n {} --config {} -- {}", shell_quoted(GOSSIP_RUN_PATH), s.workers, shell_quoted(config_path),
+                                shell_quoted(GOSSIP_FASHION_MNIST_PATH));
+  auto set = [&](const std::string& kv) { cmd += " --set " + shell_quoted(kv); };
   // The run's policy is given whole below (the adaptive run's carries the
   // --set policy keys already); a control's must not inherit them.
   for (const auto& o : overrides)
@@ -91,7 +92,7 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   set(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
   set(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
   if (!momentum.empty()) set("engine.momentum=\"" + momentum + "\"");
-  cmd += fmt::format(" --json {} > {} 2>&1", quoted(report), quoted(out_dir + "/run.log"));
+  cmd += fmt::format(" --json {} > {} 2>&1", shell_quoted(report), shell_quoted(out_dir + "/run.log"));
   if (std::system(cmd.c_str()) != 0 || !std::filesystem::exists(report))
     throw error(fmt::format("a run over processes failed; its output is in {}/run.log (command: {})", out_dir, cmd));
   std::ifstream in(report);
@@ -480,16 +481,18 @@ int main(int argc, char** argv) {
 
     // The plot is drawn by a small matplotlib script; it is optional.
     const auto png = (std::filesystem::path(out_dir) / "traffic.png").string();
-    const std::string cmd = fmt::format("/usr/bin/python3 '{}/tools/plot_traffic.py' '{}' '{}'", GOSSIP_SOURCE_DIR, json_path, png);
-    if (std::system(cmd.c_str()) == 0)
-      fmt::print("wrote {}\n", png);
-    // The instruments (consensus distance, sends, push-sum weights) of the first seed's runs.
-    const auto diag = (std::filesystem::path(out_dir) / "traffic-diagnosis.png").string();
-    if (std::any_of(rows.begin(), rows.end(), [](const run_row& r) { return !r.timeline.is_null(); }) &&
-        std::system(fmt::format("/usr/bin/python3 '{}/tools/plot_diagnosis.py' '{}' '{}'", GOSSIP_SOURCE_DIR, json_path, diag).c_str()) == 0)
-      fmt::print("wrote {}\n", diag);
-    else
-      fmt::print("(no PNG: {} failed; apt-get install python3-matplotlib)\n", cmd);
+    const auto plot = [&](const char* script, const std::string& out) {
+      const std::string cmd = fmt::format("/usr/bin/python3 {} {} {}", shell_quoted(fmt::format("{}/tools/{}", GOSSIP_SOURCE_DIR, script)),
+                                          shell_quoted(json_path), shell_quoted(out));
+      if (std::system(cmd.c_str()) == 0)
+        fmt::print("wrote {}\n", out);
+      else
+        fmt::print("(no {}: {} failed; apt-get install python3-matplotlib)\n", out, cmd);
+    };
+    plot("plot_traffic.py", png);
+    // The instruments (consensus distance, sends, push-sum weights) of the first seed's runs; threads only.
+    if (std::any_of(rows.begin(), rows.end(), [](const run_row& r) { return !r.timeline.is_null(); }))
+      plot("plot_diagnosis.py", (std::filesystem::path(out_dir) / "traffic-diagnosis.png").string());
   } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
     return gossip::examples::report_error();
   }
