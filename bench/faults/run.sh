@@ -51,7 +51,7 @@
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
-if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
+if [[ $# -gt 0 && $1 != -* ]]; then BUILD=$1; shift; fi  # (-h is an option, not a directory)
 QUICK=0; OUT=$SRC/results; SEEDS=; ONLY=; RTO_MAX_MS=; MAX_LEAD=4
 SCENARIOS=kill-1-of-4,kill-2-of-8,sigstop-20s,loss-10pct,switch-restart
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -69,7 +69,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $MAX_LEAD =~ ^[0-9]{1,7}$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps in 0..9999999 (0: off)" >&2; exit 2; }
-[[ -z $SEEDS || ( $SEEDS =~ ^[0-9]+$ && $SEEDS -ge 1 && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
+[[ -z $SEEDS || ( $SEEDS =~ ^[1-9][0-9]{0,2}$ && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
 [[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]+$ && $RTO_MAX_MS -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
 for s in ${ONLY//,/ }; do
   [[ ,$SCENARIOS, == *,$s,* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }

@@ -12,16 +12,20 @@
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
-if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
+if [[ $# -gt 0 && $1 != -* ]]; then BUILD=$1; shift; fi  # (-h is an option, not a directory)
 N=2; SIZES="4K 64K 1M 16M 64M"; REPS=3; OUT=$SRC/results; WINDOW=128
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --workers) N=$2; shift 2 ;;
+    -h|--help) usage 0 ;;
+    --workers|--sizes|--reps|--out|--window) [[ $# -ge 2 ]] || { echo "bench/switch: $1 needs a value" >&2; exit 2; } ;;&
+    --workers) [[ $2 =~ ^[0-9]+$ ]] && (( $2 >= 2 && $2 <= 64 )) || { echo "bench/switch: --workers takes 2..64 (a switch group's members), not '$2'" >&2; exit 2; }
+      N=$2; shift 2 ;;
     --sizes) SIZES=$2; shift 2 ;;
-    --reps) REPS=$2; shift 2 ;;
+    --reps) [[ $2 =~ ^[1-9][0-9]{0,2}$ ]] || { echo "bench/switch: --reps takes an integer in 1..999, not '$2'" >&2; exit 2; }; REPS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    --window) WINDOW=$2; shift 2 ;;
-    *) echo "unknown option $1" >&2; exit 2 ;;
+    --window) [[ $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/switch: --window takes an integer in 1..4096 (slots), not '$2'" >&2; exit 2; }; WINDOW=$2; shift 2 ;;
+    *) echo "bench/switch: unknown option $1" >&2; usage ;;
   esac
 done
 B=$BUILD/transports/switch
@@ -29,8 +33,8 @@ source "$SRC/transports/switch/netns.sh"
 set +e; gsw_can_run; rc=$?; set -e
 [[ $rc == 0 ]] || exit "$rc"
 TAG=${GSW_TAG:-4}
-TMP=$(mktemp -d /tmp/gsw-bench.XXXXXX)
 mkdir -p "$OUT"
+TMP=$(mktemp -d /tmp/gsw-bench.XXXXXX)
 PID=
 cleanup() {
   if [[ -n $PID ]] && kill -0 "$PID" 2>/dev/null; then kill -INT "$PID"; sleep 0.5; kill -KILL "$PID" 2>/dev/null || true; fi

@@ -48,7 +48,7 @@ SRC=$(cd "$(dirname "$0")/../.." && pwd)
 HERE=$SRC/bench/torch
 usage() { sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 BUILD=$SRC/build
-if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
+if [[ $# -gt 0 && $1 != -* ]]; then BUILD=$1; shift; fi  # (-h is an option, not a directory)
 QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto; SETS=()
 num() {  # FLAG VALUE [MAX]: a number in (0, MAX]
   [[ $2 =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v v="$2" -v hi="${3:-1e9}" 'BEGIN{exit !(v > 0 && v <= hi)}' ||
@@ -144,9 +144,9 @@ shape() {  # NETNS-ARGS... DEV
   fi
 }
 NETEM=0
-ip link add "${P}probe" type dummy 2>/dev/null && {
-  tc qdisc add dev "${P}probe" root netem delay 1ms 2>/dev/null && NETEM=1
-  ip link del "${P}probe"
+ip link add "${P}n" type dummy 2>/dev/null && {
+  tc qdisc add dev "${P}n" root netem delay 1ms 2>/dev/null && NETEM=1
+  ip link del "${P}n"
 }
 if [[ $DELAY != 0 ]] && ((!NETEM)); then echo "bench/torch: this kernel has no netem: --delay-ms $DELAY is not emulated (rate only)"; fi
 

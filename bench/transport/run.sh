@@ -13,7 +13,7 @@
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD=$SRC/build
-if [[ $# -gt 0 && $1 != --* ]]; then BUILD=$1; shift; fi
+if [[ $# -gt 0 && $1 != -* ]]; then BUILD=$1; shift; fi  # (-h is an option, not a directory)
 OUT=$SRC/results
 args=()
 while [[ $# -gt 0 ]]; do
@@ -22,6 +22,6 @@ while [[ $# -gt 0 ]]; do
     *) args+=("$1"); shift ;;
   esac
 done
-ninja -C "$BUILD" bench/transport/transport_bench >/dev/null
+if ! built=$(ninja -C "$BUILD" bench/transport/transport_bench 2>&1); then echo "$built" >&2; exit 1; fi
 export UCX_NET_DEVICES=lo
 exec "$BUILD/bench/transport/transport_bench" --out "$OUT" "${args[@]}"
