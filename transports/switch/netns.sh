@@ -32,6 +32,10 @@ gsw_down() {
 
 gsw_up() {
   local n=$1 mode=$2
+  # Checked before anything is made: addresses are 10.77.TAG.(10 + i).
+  [[ ${3:-0} =~ ^[0-9]+$ && ${3:-0} -le 255 ]] || { echo "netns.sh: TAG must be 0..255, not '${3:-0}'" >&2; return 2; }
+  [[ $n =~ ^[0-9]+$ && $n -ge 1 && $n -le 245 ]] || { echo "netns.sh: N must be 1..245 workers, not '$n'" >&2; return 2; }
+  [[ $mode == dpdk || $mode == kernel ]] || { echo "netns.sh: the layout is dpdk or kernel, not '$mode'" >&2; return 2; }
   gsw_names "${3:-0}"
   gsw_down "$GSW_TAG"
   ip netns add "${GSW_P}-sw"
@@ -83,7 +87,11 @@ gsw_can_run() {
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   case "${1:-}" in
-    up) gsw_up "${2:?N}" "${3:?dpdk|kernel}" "${4:-0}" ;;
+    up)  # a step that fails takes down what the earlier ones made
+      set -E
+      trap 'gsw_down "${4:-0}" 2>/dev/null || true' ERR
+      gsw_up "${2:?N}" "${3:?dpdk|kernel}" "${4:-0}"
+      trap - ERR ;;
     down) gsw_down "${2:-0}" ;;
     vdevs) gsw_vdevs "${2:?N}" "${3:-0}"; echo ;;
     *) echo "usage: $0 up N dpdk|kernel [TAG] | down [TAG] | vdevs N [TAG]" >&2; exit 2 ;;
