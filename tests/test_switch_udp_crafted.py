@@ -17,6 +17,7 @@ Usage: test_switch_udp_crafted.py PATH/TO/gossip-switch-udp
 """
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -249,6 +250,8 @@ def main():
             sw.wait(10)
         except subprocess.TimeoutExpired:
             sw.kill()
+            sw.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     print("PASS" if not failures else "FAILED: %d check(s)" % len(failures))
     return 1 if failures else 0
 
