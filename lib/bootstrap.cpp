@@ -524,7 +524,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
                                                         "GOSSIP_MASTER_PORT?) or the request stalled on the way for longer than the rendezvous's timeout (a failing link?)"
                                                      : "answered in a foreign protocol; it is not a gossip rendezvous (wrong GOSSIP_MASTER_PORT?)"));
       if (head[4] == 'S')
-        throw transport_error(fmt::format(
+        throw rendezvous_replaced(fmt::format(
             "bootstrap: rank {}: the rendezvous at {} ({}) is no longer the one this rank joined: rank 0 has started another one on "
             "that port since (a new run, or a new Engine in rank 0's process), so the run this rank belongs to is over there; its "
             "rank 0 has finished or was restarted (its output says which)",

@@ -787,9 +787,13 @@ class py_engine {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
     for (;;) {
       auto boot = make_bootstrap(id, timeout);
-      if (id.rank == 0 || (!boot->try_get(fmt::format("{}/done", finish_barrier)) &&
-                           !boot->try_get(fmt::format("{}/arrive/{}", finish_barrier, id.rank))))
-        return boot;
+      try {
+        if (id.rank == 0 || (!boot->try_get(fmt::format("{}/done", finish_barrier)) &&
+                             !boot->try_get(fmt::format("{}/arrive/{}", finish_barrier, id.rank))))
+          return boot;
+      } catch (const rendezvous_replaced&) {
+        // Rank 0 replaced the store between the two looks: the next client joins the new one.
+      }
       if (std::chrono::steady_clock::now() >= deadline)
         throw timeout_error(
             had_engine ? fmt::format("gossip.Engine (rank {}): rank 0's rendezvous at {} still serves the previous Engine, which this rank "

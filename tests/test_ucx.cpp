@@ -479,7 +479,7 @@ TEST_CASE("bootstrap: a client of a rendezvous that rank 0 has replaced on the s
   CHECK_THROWS_WITH_AS(old_client.put("b", bootstrap::blob(3, std::byte{2})),
                        doctest::Contains("is no longer the one this rank joined: rank 0 has started another one on that port"),
                        transport_error);
-  CHECK_THROWS_WITH_AS((void)old_client.get("a", "a key"), doctest::Contains("is no longer the one this rank joined"), transport_error);
+  CHECK_THROWS_WITH_AS((void)old_client.get("a", "a key"), doctest::Contains("is no longer the one this rank joined"), rendezvous_replaced);
   CHECK(clock_type::now() - t0 < 5s);
   CHECK_FALSE(second.try_get("b").has_value());
   // A client that joins now is the new store's.

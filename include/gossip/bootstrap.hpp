@@ -36,6 +36,14 @@ struct rank_identity {
   std::string source;  ///< which variables it came from, e.g. "GOSSIP_RANK/GOSSIP_WORLD_SIZE"
 };
 
+/// A bootstrap client reached a rendezvous store other than the one it
+/// joined: rank 0 has started another on the same port since, so the run
+/// this client belongs to is over there.
+class rendezvous_replaced : public transport_error {
+ public:
+  using transport_error::transport_error;
+};
+
 class bootstrap {
  public:
   using blob = std::vector<std::byte>;
