@@ -307,7 +307,19 @@ struct bootstrap::server {
   void handle(int c) {
     const int stop = stop_pipe[0];
     char hdr[4 + 1 + 8 + 4];
-    if (recv_all(c, hdr, sizeof hdr, clock::now() + idle, idle, stop) != io::ok || std::memcmp(hdr, magic, 4) != 0) return;
+    if (recv_all(c, hdr, 4, clock::now() + idle, idle, stop) != io::ok) return;
+    if (std::memcmp(hdr, magic, 4) != 0) {
+      // A client of another version is answered with this one's magic, so
+      // that it can say so; anything else is not ours to answer.
+      if (std::memcmp(hdr, magic, 3) == 0) {
+        char reply[4 + 1 + 8 + 8] = {};
+        std::memcpy(reply, magic, 4);
+        reply[4] = 'V';
+        send_all(c, reply, sizeof reply, clock::now() + idle, idle, stop);
+      }
+      return;
+    }
+    if (recv_all(c, hdr + 4, sizeof hdr - 4, clock::now() + idle, idle, stop) != io::ok) return;
     const char op = hdr[4];
     std::uint64_t joined;
     std::memcpy(&joined, hdr + 5, 8);
@@ -500,7 +512,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       const auto idle = m_contacted ? stall : clock::duration{};
       io r = send_all(s.fd, req.data(), req.size(), phase(), idle, -1, deadline);
       if (r == io::ok && m_contacted) r = drain(s.fd, stall, deadline);
-      char head[4 + 1 + 8 + 8];
+      char head[4 + 1 + 8 + 8] = {};  // zeros: what a reply cut short did not fill
       if (r == io::ok) r = recv_all(s.fd, head, sizeof head, phase());
       if (r == io::timeout) {
         if (stalled()) {
@@ -517,6 +529,11 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         last = "the connection was cut before the reply (a failing link?)";
         continue;
       }
+      // Another version's reply may be shorter (and then look cut short): its magic says which.
+      if (std::memcmp(head, magic, 3) == 0 && head[3] != magic[3] && head[3] != 0)
+        throw transport_error(fmt::format("bootstrap: rank {}: rank 0's rendezvous at {} speaks version {} of its protocol and this rank "
+                                          "version {}: run every rank from the same libgossip release",
+                                          m_rank, where(), head[3], magic[3]));
       if (r != io::ok || std::memcmp(head, magic, 4) != 0)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} accepted the connection but {}",

@@ -217,7 +217,9 @@ void config::apply_override(std::string_view assignment, std::string_view origin
     // path stays a backslash.
     try {
       if (!value.empty() && (value.front() == '"' || value.front() == '\'')) throw;  // a quoted string left open: not a bare word
-      parsed = toml::parse(value.find('\'') == std::string::npos ? "v = '" + value + "'" : "v = \"" + value + "\"", where);
+      std::string basic;  // with a ' inside: a basic string, its \ and " escaped so that it still reads as written
+      for (const char ch : value) basic += ch == '\\' || ch == '"' ? std::string{'\\', ch} : std::string(1, ch);
+      parsed = toml::parse(value.find('\'') == std::string::npos ? "v = '" + value + "'" : "v = \"" + basic + "\"", where);
     } catch (const toml::parse_error& e) {
       throw config_error(fmt::format("{}: the value is not valid TOML ({}); a string with such characters goes in single quotes, "
                                      "which TOML takes as written: --set \"{}.{}='…'\"",

@@ -489,6 +489,35 @@ TEST_CASE("bootstrap: a client of a rendezvous that rank 0 has replaced on the s
   CHECK_FALSE(new_client.try_get("a").has_value());
 }
 
+TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") {
+  // A rank 0 of another version: its reply names its version.
+  const std::uint16_t port = free_port();
+  {
+    stand_in_rendezvous other(port, [](int c, int) {
+      const char reply[13] = {'G', 'R', 'V', '9', 'N', 0, 0, 0, 0, 0, 0, 0, 0};
+      [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
+    });
+    bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(5.0));
+    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 2"), transport_error);
+  }
+  // A client of another version: this rank 0 answers with its own magic and 'V'.
+  const std::uint16_t port2 = free_port();
+  bootstrap b0(0, 2, "127.0.0.1", port2, std::chrono::duration<double>(5.0));
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port2);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const char request[] = {'G', 'R', 'V', '1', 'G', 1, 0, 0, 0, 'k'};
+  REQUIRE(::write(fd, request, sizeof request) == static_cast<ssize_t>(sizeof request));
+  char reply[5] = {};
+  std::size_t got = 0;
+  for (ssize_t n; got < sizeof reply && (n = ::read(fd, reply + got, sizeof reply - got)) > 0;) got += static_cast<std::size_t>(n);
+  ::close(fd);
+  CHECK(std::string(reply, got) == "GRV2V");
+}
+
 TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {
   // Rank 2 never arrives. Rank 1 found it dead; rank 0 (not its neighbour)
   // learns it from rank 1's arrival and leaves at once.
