@@ -474,6 +474,7 @@ TEST_SUITE("partition") {
       return std::string();
     };
     CHECK(dirichlet_message(0, 1).find("dirichlet_alpha = 0") != std::string::npos);
+    CHECK(dirichlet_message(1e-310, 1).find("at least 1e-300") != std::string::npos);
     CHECK(dirichlet_message(-1, 1).find("dirichlet_alpha = -1") != std::string::npos);
     CHECK(dirichlet_message(0.1, 6).find("at least 6 samples each") != std::string::npos);
     CHECK(dirichlet_message(0.1, 5).empty());

@@ -139,6 +139,11 @@ int main(int argc, char** argv) {
     config base = config::load(config_path, {"train", "bench", "baseline"});
     ::setenv("UCX_NET_DEVICES", "lo", 0);  // the ranks run on this machine
     for (const auto& o : overrides) base.apply_override(o);
+    // Each run sets [engine] momentum itself (the controls their optimizer's own): the variable would override some runs and not others.
+    if (const char* m = std::getenv("GOSSIP_MOMENTUM"); m && *m)
+      throw config_error(fmt::format("GOSSIP_MOMENTUM={}: bench/traffic sets [engine] momentum per run (the adaptive run from the config, the "
+                                     "controls their optimizer's own); unset it, and give the adaptive run's as --set engine.momentum=…",
+                                     m));
     const auto bench = base.section("bench", examples::traffic_bench_specs());
     const auto bl = base.section("baseline", examples::traffic_baseline_specs());
     const auto in_range = [](const options& o, const char* key, std::int64_t lo, std::int64_t hi) {

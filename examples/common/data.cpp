@@ -353,8 +353,9 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
 
   if (kind == partition_kind::dirichlet) {
     const double alpha = opts.dirichlet_alpha;
-    if (!(alpha > 0) || !std::isfinite(alpha))
-      throw config_error(fmt::format("dirichlet_alpha = {} for a dirichlet partition: expected a number > 0", alpha));
+    // Below 1e-300 the draws' logs (log U / alpha) overflow to -inf.
+    if (!(alpha >= 1e-300) || !std::isfinite(alpha))
+      throw config_error(fmt::format("dirichlet_alpha = {} for a dirichlet partition: expected a finite number of at least 1e-300", alpha));
     const std::size_t min_samples = std::max<std::size_t>(opts.min_samples, 1);
     if (min_samples > n / w_count)
       throw config_error(fmt::format("dirichlet partition of {} samples among workers = {} with at least {} samples each: too few samples",

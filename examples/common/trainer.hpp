@@ -134,8 +134,9 @@ struct train_settings {
     s.warmup_steps = positive("warmup_steps", 0, 1 << 30);
     s.classes_per_worker = positive("classes_per_worker", 1, 10);
     s.dirichlet_alpha = o.real("dirichlet_alpha");
-    if (!(s.dirichlet_alpha > 0) || !std::isfinite(s.dirichlet_alpha))
-      throw config_error(fmt::format("{}: key 'dirichlet_alpha' must be > 0, got {}", o.where("dirichlet_alpha"), s.dirichlet_alpha));
+    if (!(s.dirichlet_alpha >= 1e-300) || !std::isfinite(s.dirichlet_alpha))
+      throw config_error(fmt::format("{}: key 'dirichlet_alpha' must be a finite number of at least 1e-300, got {}", o.where("dirichlet_alpha"),
+                                     s.dirichlet_alpha));
     s.average_every = positive("average_every", 0, 1 << 30);
     s.average_rounds = positive("average_rounds", -1, 64);
     if (s.average_rounds == 0) throw config_error(fmt::format("{}: key 'average_rounds' must be >= 1, or -1 for automatic", o.where("average_rounds")));

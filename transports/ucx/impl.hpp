@@ -62,8 +62,8 @@ std::string effective_tls(const std::optional<std::string>& user);
 void enable_shm_error_handling(const std::optional<std::string>& user);
 
 /// ucp_config_read with the above applied: error handling on shared memory,
-/// and TLS = effective_tls(user). Throws transport_error naming the rank.
-ucp_config_t* read_config(int rank, const std::optional<std::string>& user);
+/// and TLS = effective_tls(user). Throws transport_error starting with `who`.
+ucp_config_t* read_config(std::string_view who, const std::optional<std::string>& user);
 
 }  // namespace ucx_detail
 

@@ -192,13 +192,13 @@ void ucx_detail::enable_shm_error_handling(const std::optional<std::string>& use
   if (may_use({"all", "sysv", "sm", "shm", "^"})) ::setenv("UCX_SYSV_ERROR_HANDLING", "y", 0);
 }
 
-ucp_config_t* ucx_detail::read_config(int rank, const std::optional<std::string>& user) {
+ucp_config_t* ucx_detail::read_config(std::string_view who, const std::optional<std::string>& user) {
   // Shared-memory transports exclude themselves under peer error handling
   // unless told otherwise; the user's setting wins.
   enable_shm_error_handling(user);
   ucp_config_t* cfg = nullptr;
   if (auto s = ucp_config_read(nullptr, nullptr, &cfg); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot read the UCX configuration: {}", rank, status_text(s)));
+    throw transport_error(fmt::format("{}: cannot read the UCX configuration: {}", who, status_text(s)));
   // UCX picks sysv for shared memory when free to, and sysv's keepalive never
   // sees a peer process die (a killed rank stayed "alive" for minutes, its
   // sends in flight forever); posix's does within a keepalive interval.
@@ -208,7 +208,7 @@ ucp_config_t* ucx_detail::read_config(int rank, const std::optional<std::string>
 
 void ucx_transport::impl::init_ucx() {
   const auto tls = user_tls();
-  ucp_config_t* cfg = read_config(setup.rank, tls);
+  ucp_config_t* cfg = read_config(fmt::format("ucx (rank {})", setup.rank), tls);
   if (!std::getenv("UCX_KEEPALIVE_INTERVAL")) {
     const auto v = fmt::format("{}s", opt.keepalive_s);
     ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", v.c_str());

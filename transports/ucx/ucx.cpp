@@ -216,7 +216,7 @@ std::string ucx_transport::describe() const {
 std::string ucx_transport::probe() {
   ucp_config_t* cfg = nullptr;
   try {
-    cfg = read_config(-1, user_tls());
+    cfg = read_config("ucx", user_tls());
   } catch (const transport_error& e) {
     return e.what();
   }
