@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
         }
     }
     if (running > 0 && std::chrono::steady_clock::now() > stop_at) {
-      note("gossip-run: {} rank(s) still running {:.1f} s after SIGTERM; sending SIGKILL\n", running, grace);
+      note("gossip-run: {} rank(s) still running {:.1f} s after signal {}; sending SIGKILL\n", running, grace, forwarded ? forwarded : SIGTERM);
       stop_others(SIGKILL);
       stop_at = std::chrono::steady_clock::time_point::max();
     }
