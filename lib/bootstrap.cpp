@@ -315,7 +315,15 @@ struct bootstrap::server {
         char reply[4 + 1 + 8 + 8] = {};
         std::memcpy(reply, magic, 4);
         reply[4] = 'V';
-        send_all(c, reply, sizeof reply, clock::now() + idle, idle, stop);
+        // Closed with the request unread, the connection would be reset and
+        // the reply maybe lost: end the writing side, and read what comes for a moment.
+        if (send_all(c, reply, sizeof reply, clock::now() + idle, idle, stop) == io::ok) {
+          ::shutdown(c, SHUT_WR);
+          char sink[4096];
+          const auto until = clock::now() + std::chrono::milliseconds(200);
+          while (recv_all(c, sink, sizeof sink, until, {}, stop) == io::ok) {
+          }
+        }
       }
       return;
     }

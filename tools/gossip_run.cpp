@@ -93,25 +93,29 @@ void note(fmt::format_string<A...> f, A&&... a) noexcept {
 // is scanned again on every read.
 constexpr std::size_t max_partial_line = 64 * 1024;
 
-// Writes complete lines of `buf` with the rank prefix; keeps a partial tail.
-// Once `to` cannot be written (its reader left), its lines are dropped and
-// the ranks are stopped as by SIGTERM: a pipeline whose reader has gone ends,
-// and no rank is left running without this process watching it.
+// Writes complete lines of `buf` with the rank prefix, and a partial tail in
+// pieces of max_partial_line; keeps the rest. Once `to` cannot be written
+// (its reader left), its lines are dropped. For stdout the ranks are then
+// stopped as by SIGTERM: a pipeline whose reader has gone ends, and no rank
+// is left running without this process watching it. A closed stderr only
+// costs its lines (as it costs gossip-run's own messages, note()).
 void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
   bool& closed = to == stdout ? g_out_closed : g_err_closed;
   try {
     std::size_t start = 0;
     for (std::size_t nl; !closed && (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
       fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
+    for (; !closed && buf.size() - start > max_partial_line; start += max_partial_line)
+      fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, max_partial_line));
     buf.erase(0, start);
-    if ((all || buf.size() > max_partial_line) && !buf.empty() && !closed) fmt::print(to, "[{}] {}\n", rank, buf);
-    if (all || closed || buf.size() > max_partial_line) buf.clear();
+    if (all && !buf.empty() && !closed) fmt::print(to, "[{}] {}\n", rank, buf);
+    if (all || closed) buf.clear();
     if (!closed && std::fflush(to) != 0) throw std::runtime_error("flush failed");
   } catch (const std::exception&) {
     buf.clear();
     if (!closed) {
       closed = true;
-      if (!g_signal) g_signal = SIGTERM;  // the main loop forwards it and reports it
+      if (to == stdout && !g_signal) g_signal = SIGTERM;  // the main loop forwards it and reports it
       if (to != stderr && !g_err_closed)
         std::fprintf(stderr, "gossip-run: cannot write to stdout any more (its reader closed it); stopping the ranks\n");
     }
@@ -158,7 +162,14 @@ int main(int argc, char** argv) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  for (int s : forwarded_signals) sigaction(s, &sa, nullptr);
+  // A signal ignored when gossip-run started (nohup) stays ignored, for the ranks too.
+  bool ignored[std::size(forwarded_signals)] = {};
+  for (std::size_t i = 0; i < std::size(forwarded_signals); ++i) {
+    struct sigaction was {};
+    sigaction(forwarded_signals[i], nullptr, &was);
+    ignored[i] = was.sa_handler == SIG_IGN;
+    if (!ignored[i]) sigaction(forwarded_signals[i], &sa, nullptr);
+  }
   std::signal(SIGPIPE, SIG_IGN);
   const pid_t supervisor = ::getpid();
 
@@ -194,7 +205,7 @@ int main(int argc, char** argv) {
     }
     if (pid == 0) {
       ::setpgid(0, 0);  // its own process group: signals reach what the rank starts too
-      for (int s : forwarded_signals) std::signal(s, SIG_DFL);
+      for (std::size_t i = 0; i < std::size(forwarded_signals); ++i) std::signal(forwarded_signals[i], ignored[i] ? SIG_IGN : SIG_DFL);
       std::signal(SIGPIPE, SIG_DFL);
       ::sigprocmask(SIG_SETMASK, &old, nullptr);
       // A rank does not outlive gossip-run (killed, or its terminal closed).
@@ -205,6 +216,8 @@ int main(int argc, char** argv) {
       if (const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC); null >= 0) ::dup2(null, STDIN_FILENO);
       ::dup2(po[1], STDOUT_FILENO);
       ::dup2(pe[1], STDERR_FILENO);
+      // dup2 onto the same fd (gossip-run started with 0 or 1 closed) keeps close-on-exec: clear it.
+      for (int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO}) ::fcntl(fd, F_SETFD, 0);
       ::setenv("GOSSIP_RANK", std::to_string(r).c_str(), 1);
       ::setenv("GOSSIP_WORLD_SIZE", std::to_string(n).c_str(), 1);
       ::setenv("GOSSIP_MASTER_ADDR", master_addr.c_str(), 1);

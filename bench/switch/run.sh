@@ -6,7 +6,7 @@
 #   host-udp     the same code as a kernel-UDP process on the host, workers on loopback
 # Every result is checked against the reference sum. Writes results/switch.json.
 #
-#   bench/switch/run.sh [BUILD_DIR] [--workers N] [--sizes "4K 64K 1M 16M 64M"] [--reps R] [--out DIR]
+#   bench/switch/run.sh [BUILD_DIR] [--workers N] [--sizes "4K 64K 1M 16M 64M"] [--reps R] [--window SLOTS] [--out DIR] [-h]
 #
 # Pinning (2 cores): the aggregator on CPU 1, the workers on CPU 0.
 set -euo pipefail
@@ -19,12 +19,12 @@ while [[ $# -gt 0 ]]; do
   case $1 in
     -h|--help) usage 0 ;;
     --workers|--sizes|--reps|--out|--window) [[ $# -ge 2 ]] || { echo "bench/switch: $1 needs a value" >&2; exit 2; } ;;&
-    --workers) [[ $2 =~ ^[0-9]+$ ]] && (( $2 >= 2 && $2 <= 64 )) || { echo "bench/switch: --workers takes 2..64 (a switch group's members), not '$2'" >&2; exit 2; }
+    --workers) [[ $2 =~ ^[1-9][0-9]?$ ]] && (( $2 >= 2 && $2 <= 64 )) || { echo "bench/switch: --workers takes 2..64 (a switch group's members), not '$2'" >&2; exit 2; }
       N=$2; shift 2 ;;
     --sizes) SIZES=$2; shift 2 ;;
     --reps) [[ $2 =~ ^[1-9][0-9]{0,2}$ ]] || { echo "bench/switch: --reps takes an integer in 1..999, not '$2'" >&2; exit 2; }; REPS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    --window) [[ $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/switch: --window takes an integer in 1..4096 (slots), not '$2'" >&2; exit 2; }; WINDOW=$2; shift 2 ;;
+    --window) [[ $2 =~ ^[1-9][0-9]{0,3}$ ]] && (( $2 <= 4096 )) || { echo "bench/switch: --window takes an integer in 1..4096 (slots), not '$2'" >&2; exit 2; }; WINDOW=$2; shift 2 ;;
     *) echo "bench/switch: unknown option $1" >&2; usage ;;
   esac
 done

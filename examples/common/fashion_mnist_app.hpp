@@ -85,7 +85,10 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
       if (config_path.empty()) {
         config_path = env;
         from_env = true;
-      } else if (std::error_code ec; !std::filesystem::exists(env, ec) || !std::filesystem::equivalent(config_path, env, ec)) {
+      } else if (std::error_code ec; !std::filesystem::exists(env, ec)) {
+        throw config_error(fmt::format("GOSSIP_CONFIG={} (gossip-run --config): no such file, and --config {} names one; give one of them",
+                                       env, config_path));
+      } else if (!std::filesystem::equivalent(config_path, env, ec)) {
         throw config_error(fmt::format("--config {} and GOSSIP_CONFIG={} (gossip-run --config) name different files; neither wins "
                                        "silently: give one",
                                        config_path, env));

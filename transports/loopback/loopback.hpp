@@ -39,8 +39,10 @@ struct link_emulation {
 
   /// A message's emulated delay is waited out whatever the engine's timeout,
   /// so the settings are bounded: a config_error naming `where` (for each
-  /// key, as `where(key)` gives it) otherwise; and post() refuses a message
-  /// whose wire time alone exceeds the engine's timeout.
+  /// key, as `where(key)` gives it) otherwise. attach() refuses a latency
+  /// longer than the engine's timeout, and post() a message whose wire time
+  /// alone exceeds it (config_error, thrown out of the engine's step: the
+  /// run cannot go on as configured, and its peers see this rank leave).
   template <class Where>
   void check(const Where& where) const {
     if (!(bandwidth_gbps == 0 || (bandwidth_gbps >= 1e-3 && bandwidth_gbps <= 1e6)))
@@ -121,6 +123,11 @@ class loopback_transport {
       throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
                                      "engine its own rank's endpoint",
                                      m_rank));
+    // Latency alone longer than the timeout fails every message: said now, not at the first send.
+    if (m_shared->link.latency_us * 1e-6 > s.timeout.count())
+      throw config_error(fmt::format("loopback (rank {}): the emulated latency ({} µs) is longer than the engine's timeout ({} s, [engine] "
+                                     "timeout_s); lower latency_us or raise timeout_s",
+                                     s.rank, m_shared->link.latency_us, s.timeout.count()));
     m_setup = s;
     me.in = s.inbox;
     me.layout = s.layout;
@@ -190,12 +197,15 @@ class loopback_transport {
     GOSSIP_ASSERT(slot.state.load(std::memory_order_acquire) == inbox::empty, "rank {} inbox slot for rank {} still full at step {}", to, m_rank, step);
     // The emulated delay is waited out whatever the engine's timeout: a
     // message longer on the wire than any wait may last is refused, not sent.
-    if (const auto& link = m_shared->link; link.bandwidth_gbps > 0 && static_cast<double>(msg.size()) * 8.0 / (link.bandwidth_gbps * 1e9) +
-                                                                            link.latency_us * 1e-6 > m_setup.timeout.count())
-      throw config_error(fmt::format("loopback (rank {}): a message of {} bytes would spend {:.1f} s on the emulated link ({} Gbit/s, {} µs), "
-                                     "longer than the engine's timeout ({} s, [engine] timeout_s); raise bandwidth_gbps or timeout_s",
-                                     m_rank, msg.size(), static_cast<double>(msg.size()) * 8.0 / (link.bandwidth_gbps * 1e9) + link.latency_us * 1e-6,
-                                     link.bandwidth_gbps, link.latency_us, m_setup.timeout.count()));
+    if (const auto& link = m_shared->link; link.bandwidth_gbps > 0 || link.latency_us > 0) {
+      const double wire_s =
+          (link.bandwidth_gbps > 0 ? static_cast<double>(msg.size()) * 8.0 / (link.bandwidth_gbps * 1e9) : 0.0) + link.latency_us * 1e-6;
+      if (wire_s > m_setup.timeout.count())
+        throw config_error(fmt::format("loopback (rank {}): a message of {} bytes would spend {:.1f} s on the emulated link ({} Gbit/s, {} µs), "
+                                       "longer than the engine's timeout ({} s, [engine] timeout_s); raise bandwidth_gbps, lower latency_us "
+                                       "or raise timeout_s",
+                                       m_rank, msg.size(), wire_s, link.bandwidth_gbps, link.latency_us, m_setup.timeout.count()));
+    }
     std::memcpy(slot.data, msg.data(), msg.size());
     slot.bytes = msg.size();
     slot.ready_at = arrival(msg.size());

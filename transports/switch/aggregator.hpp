@@ -199,15 +199,17 @@ class drop_injector {
 class aggregator {
  public:
   explicit aggregator(std::vector<group_config> groups) {
-    // An async group holds its model (members + 1) times: more than this
-    // machine's memory is refused before it is allocated and zero-filled.
+    // An async group holds its model (members + 1) times, and a sequence per
+    // member and chunk: more than this machine's memory is refused before it
+    // is allocated and zero-filled.
     const double physical = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
     double needed = 0;
     for (const auto& g : groups)
-      if (g.mode == group_mode::async) needed += static_cast<double>(g.elements) * 4.0 * (g.members + 1.0);
+      if (g.mode == group_mode::async && g.chunk > 0)
+        needed += static_cast<double>(g.elements) * 4.0 * (g.members + 1.0) + static_cast<double>(g.chunks()) * 8.0 * g.members;
     if (physical > 0 && needed > physical)
       throw std::invalid_argument("the async groups' aggregates need " + std::to_string(static_cast<long long>(needed / (1 << 30))) +
-                                  " GiB (elements x (members + 1) floats each), more than this machine's " +
+                                  " GiB (elements x (members + 1) floats, and a sequence per member and chunk), more than this machine's " +
                                   std::to_string(static_cast<long long>(physical / (1 << 30))) + " GiB of memory; check elements= and members=");
     for (const auto& g : groups) {
       if (find(g.id)) throw std::invalid_argument("group id " + std::to_string(g.id) + " is configured twice");

@@ -87,10 +87,14 @@ gsw_can_run() {
 
 if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   case "${1:-}" in
-    up)  # a step that fails takes down what the earlier ones made
+    up)  # a step that fails takes down what the earlier ones made (the arguments are checked first)
+      gsw_tag=${4:-0}
+      [[ $gsw_tag =~ ^[0-9]+$ && $gsw_tag -le 255 ]] || { echo "netns.sh: TAG must be 0..255, not '$gsw_tag'" >&2; exit 2; }
+      [[ ${2:?N} =~ ^[0-9]+$ && $2 -ge 1 && $2 -le 245 ]] || { echo "netns.sh: N must be 1..245 workers, not '$2'" >&2; exit 2; }
+      [[ ${3:?dpdk|kernel} == dpdk || $3 == kernel ]] || { echo "netns.sh: the layout is dpdk or kernel, not '$3'" >&2; exit 2; }
       set -E
-      trap 'gsw_down "${4:-0}" 2>/dev/null || true' ERR
-      gsw_up "${2:?N}" "${3:?dpdk|kernel}" "${4:-0}"
+      trap 'trap - ERR; gsw_down "$gsw_tag" 2>/dev/null || true' ERR
+      gsw_up "$2" "$3" "$gsw_tag"
       trap - ERR ;;
     down) gsw_down "${2:-0}" ;;
     vdevs) gsw_vdevs "${2:?N}" "${3:-0}"; echo ;;

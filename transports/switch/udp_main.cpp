@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   try {
     made.emplace(groups);
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "gossip-switch-udp: --group: not enough memory for the groups' aggregates (elements x members floats each)\n");
+    fmt::print(stderr, "gossip-switch-udp: --group: not enough memory for the groups' aggregates (elements x (members + 1) floats each)\n");
     return 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "gossip-switch-udp: --group: {}\n", e.what());
