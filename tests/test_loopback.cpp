@@ -200,6 +200,13 @@ TEST_CASE("link emulation is bounded: a delay the engine's timeout cannot cut sh
                                    link_emulation{.latency_us = 1e12}, link_emulation{.latency_us = std::numeric_limits<double>::infinity()}})
     CHECK_THROWS_AS(loopback_fabric(2, bad), config_error);
   CHECK_NOTHROW(loopback_fabric(2, {.bandwidth_gbps = 0.001, .latency_us = 1e7}));
+  // Within range, but a latency longer than the engine's timeout: refused when the engine attaches.
+  {
+    loopback_fabric slow(2, {.latency_us = 6e6});
+    toy_model m({16}, 1);
+    CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5), slow.endpoint(0)),
+                         doctest::Contains("the emulated latency (6000000 µs) is longer than the engine's timeout (5 s"), config_error);
+  }
   // Within range, but one message of this model outlasts the engine's timeout on the wire: its post is refused.
   {
     loopback_fabric slow(2, {.bandwidth_gbps = 0.001});
