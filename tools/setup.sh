@@ -13,9 +13,12 @@ packages=(
 )
 # `setup.sh fuzz`: also clang and its runtimes (libFuzzer, sanitizers) for
 # tools/fuzz.sh; the default build does not need them.
-if [ "${1:-}" = fuzz ]; then
-  packages+=(clang libclang-rt-dev)
-fi
+case "${1:-}" in
+  "") ;;
+  fuzz) packages+=(clang libclang-rt-dev) ;;
+  -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; echo "usage: bash tools/setup.sh [fuzz]"; exit 0 ;;
+  *) echo "tools/setup.sh: unknown argument '$1' (usage: bash tools/setup.sh [fuzz])" >&2; exit 2 ;;
+esac
 
 missing=()
 for p in "${packages[@]}"; do

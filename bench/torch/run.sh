@@ -46,7 +46,10 @@
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 HERE=$SRC/bench/torch
-usage() { sed -n '4,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() {  # usage [STATUS]: 0 (asked for, to stdout) or 2 (a bad argument, to stderr)
+  if [[ ${1:-2} == 0 ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2
+}
 BUILD=$SRC/build
 if [[ $# -gt 0 && $1 != -* ]]; then BUILD=$1; shift; fi  # (-h is an option, not a directory)
 QUICK=0; OUT=$SRC/results; RATE=100; SEEDS=""; CHECK=0; DELAY=0; LIMIT_SET=""; EPOCHS_SET=""; MOMENTUM=auto; SETS=()
@@ -61,14 +64,14 @@ while [[ $# -gt 0 ]]; do
     --rate) [[ $# -ge 2 ]] || usage; num --rate "$2" 100000; awk -v v="$2" 'BEGIN{exit !(v >= 0.01)}' ||
       { echo "bench/torch: --rate below 0.01 Mbit/s would not finish" >&2; exit 2; }; RATE=$2; shift 2 ;;
     --seeds) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,2}$ ]] || { echo "bench/torch: --seeds takes an integer in 1..999" >&2; exit 2; }; SEEDS=$2; shift 2 ;;
-    --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 == 0 ]] || num --delay-ms "$2" 10000; DELAY=$2; shift 2 ;;
+    --delay-ms) [[ $# -ge 2 ]] || usage; [[ $2 =~ ^0+([.]0*)?$ ]] && set -- "$1" 0 "${@:3}" || num --delay-ms "$2" 10000; DELAY=$2; shift 2 ;;
     --train-limit) [[ $# -ge 2 && $2 =~ ^[0-9]{1,9}$ ]] || { echo "bench/torch: --train-limit takes an integer >= 0 (0: all)" >&2; exit 2; }; LIMIT_SET=$2; shift 2 ;;
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/torch: --epochs takes an integer in 1..9999" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
     --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
     --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_][a-z0-9_]*=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
       SETS+=(--set "$2"); shift 2 ;;
     --check-args) CHECK=1; shift ;;
-    -h|--help) usage ;;
+    -h|--help) usage 0 ;;
     *) echo "bench/torch: unknown option $1" >&2; usage ;;
   esac
 done
