@@ -129,13 +129,14 @@ options options::resolved(std::span<const option_spec> specs, std::string_view c
         option_value v = parse_env(s, e);
         // The variable overrides the file; an override given on the command
         // line (--set, or a flag) that says otherwise is refused: neither wins silently.
-        if (auto o = m_origins.find(s.key); o != m_origins.end() && o->second != m_where && out.has(s.key) &&
-                                            to_string(out.values().at(s.key)) != to_string(v))
+        const auto o = m_origins.find(s.key);
+        const bool overridden = o != m_origins.end() && o->second != m_where && out.has(s.key);
+        if (!overridden)
+          out.set(s.key, std::move(v), fmt::format("environment variable {}={}", s.env, e));
+        else if (to_string(out.values().at(s.key)) != to_string(v))
           throw config_error(fmt::format("{} and environment variable {}={} both set key '{}' of {}, to different values; neither wins "
                                          "silently: unset the variable or drop the override",
                                          o->second, s.env, e, s.key, component));
-        if (auto o = m_origins.find(s.key); o == m_origins.end() || o->second == m_where || !out.has(s.key))
-          out.set(s.key, std::move(v), fmt::format("environment variable {}={}", s.env, e));
       }
     if (!out.has(s.key)) out.set(s.key, s.default_value);
   }

@@ -27,13 +27,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
   detail::refuse_outside_push_sum(m_settings, m_protocol.type() == protocol::kind::push_sum ? "push-sum" : std::string_view(spec.protocol.name),
-                                  [&](const char*) { return fmt::format("engine (rank {})", rank); });
-  for (const auto& [on, key] : {std::pair{m_settings.numerator_steps, "numerator_steps"}, std::pair{m_settings.in_flight_makeup, "in_flight_makeup"}}) {
-    if (on && model.device())
-      throw config_error(fmt::format("engine (rank {}): [engine] {} = true is not implemented for models in device memory: set it to false",
-                                     rank, key));
-  }
-  m_numerator_steps = m_settings.numerator_steps;
+                                  model.device() != nullptr, [&](const char*) { return fmt::format("engine (rank {})", rank); });
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
   // that delivers at step boundaries (loopback), or the switch's sync
   // all-reduce, which every member merges at the step after it posted — and
@@ -136,7 +130,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
     }
     const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
-    if (m_policy.wants_step_change() || qgm || m_numerator_steps) {
+    if (m_policy.wants_step_change() || qgm || m_settings.numerator_steps) {
       m_prev.resize(m_elements);
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
     }
@@ -361,7 +355,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     bool& in;
     ~leave_step() { in = false; }
   } leave{m_in_step};
-  if (m_numerator_steps) {
+  if (m_settings.numerator_steps) {
     // The optimizer step since the last one ran at the weight the rank has
     // now; z − x_{t−1} is that step unless a poll() merged in between. Below
     // w = ½ it counts at 2w: z steps at most twice the optimizer's step.
@@ -463,7 +457,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     // The share the last send left in flight, made up in this pass when
     // nothing was merged since (a merge makes it up itself).
     float makeup = take_makeup();
-    if (makeup != 0 && ref_base != m_snapshot && !m_numerator_steps) {
+    if (makeup != 0 && ref_base != m_snapshot && !m_settings.numerator_steps) {
       for (const auto& s : m_slots) make_up(s.data, m_snapshot + s.offset, s.count, makeup);
       makeup = 0;
     }
@@ -480,10 +474,10 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       // over loopback, seeds 1–3: 77.41 % against 77.09 % by label (8
       // workers), 83.41 % against 84.00 % iid (4 workers).
       const qgm_args q = with_q ? qgm_args{m_mhat.data() + s.offset, m_momentum[i],
-                                           static_cast<float>(1.0 / (info.lr * (m_numerator_steps ? m_step_scale : 1.0))),
+                                           static_cast<float>(1.0 / (info.lr * (m_settings.numerator_steps ? m_step_scale : 1.0))),
                                            m_settings.momentum_beta, merge_share}
                                 : qgm_args{};
-      const drift_sums d = makeup != 0 ? (m_numerator_steps ? drift_pass_stepped(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
+      const drift_sums d = makeup != 0 ? (m_settings.numerator_steps ? drift_pass_stepped(s.data, r, p, s.count, makeup, with_q ? &q : nullptr)
                                                             : drift_pass_made_up(s.data, r, p, s.count, makeup, with_q ? &q : nullptr))
                            : with_q    ? drift_pass(s.data, r, p, s.count, q)
                                        : drift_pass(s.data, r, p, s.count);
@@ -627,7 +621,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       }
     }
   }
-  if (m_settings.in_flight_makeup && !m_settings.same_step_merge && !m_device && m_protocol.type() == protocol::kind::push_sum)
+  if (m_settings.in_flight_makeup && !m_settings.same_step_merge)  // (push-sum host models: others refused it)
     m_makeup = std::max(0.0, weight_before_send - m_protocol.weight());
   m_transport.end_step(t);
   const auto t2 = clock::now();
@@ -675,7 +669,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
 }
 
 inline float engine::take_makeup() noexcept {
-  if (m_numerator_steps) return std::exchange(m_step_makeup, 0.0f);
+  if (m_settings.numerator_steps) return std::exchange(m_step_makeup, 0.0f);
   if (!(m_makeup > 0)) return 0;
   const double w = m_protocol.weight();
   const auto c = static_cast<float>(w > 0 ? m_makeup / w : 0.0);

@@ -237,9 +237,9 @@ class engine {
   void merge_received(std::size_t lo, std::size_t hi);  // m_received[lo, hi)
   // The make-up coefficient w_sent/w of in_flight_makeup (0: none pending), taken once.
   float take_makeup() noexcept;
-  bool makeup_pending() const noexcept { return m_numerator_steps ? m_step_makeup != 0 : m_makeup > 0; }
+  bool makeup_pending() const noexcept { return m_settings.numerator_steps ? m_step_makeup != 0 : m_makeup > 0; }
   // What the make-up is measured from: x̂ (in_flight_makeup) or x_{t−1} (numerator_steps).
-  const float* makeup_ref() const noexcept { return m_numerator_steps ? m_prev.data() : m_snapshot; }
+  const float* makeup_ref() const noexcept { return m_settings.numerator_steps ? m_prev.data() : m_snapshot; }
   void attach_device(const device_backend& backend, bool transport_takes_device_memory);
 
   int m_rank, m_world;
@@ -320,7 +320,6 @@ class engine {
   double m_group_drift_sq = std::numeric_limits<double>::quiet_NaN();
   std::uint64_t m_step = 0;
   bool m_in_step = false;          // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
-  bool m_numerator_steps = false;  // numerator_steps, and push-sum on a host model
   float m_step_makeup = 0;         // numerator_steps: min(1/w − 1, 1) for this step's optimizer step, taken once
   double m_step_scale = 1;         // numerator_steps: 1 + that, for quasi-global momentum's displacement
   bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)

@@ -129,16 +129,19 @@ inline void engine_settings::check() const {
 
 namespace detail {
 /// numerator_steps and in_flight_makeup correct a push-sum sender's share in
-/// flight; under another protocol they would be ignored, so they are
-/// refused. `where(key)` names where each was set.
+/// flight, on host models; under another protocol, or for a model in device
+/// memory, they would be ignored, so they are refused. `where(key)` names
+/// where each was set.
 template <class Where>
-void refuse_outside_push_sum(const engine_settings& s, std::string_view protocol, const Where& where) {
-  if (protocol == "push-sum") return;
-  for (const auto& [on, key] : {std::pair{s.numerator_steps, "numerator_steps"}, std::pair{s.in_flight_makeup, "in_flight_makeup"}})
-    if (on)
+void refuse_outside_push_sum(const engine_settings& s, std::string_view protocol, bool device, const Where& where) {
+  for (const auto& [on, key] : {std::pair{s.numerator_steps, "numerator_steps"}, std::pair{s.in_flight_makeup, "in_flight_makeup"}}) {
+    if (on && protocol != "push-sum")
       throw config_error(fmt::format("{}: [engine] {} = true applies to protocol 'push-sum' (it corrects for the weight a send hands on), "
                                      "not to '{}': set it to false or use push-sum",
                                      where(key), key, protocol));
+    if (on && device)
+      throw config_error(fmt::format("{}: [engine] {} = true is not implemented for models in device memory: set it to false", where(key), key));
+  }
 }
 }  // namespace detail
 
@@ -185,7 +188,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
   }
   const options engine = cfg.engine.resolved(engine_option_specs(), "[engine]");
   s.settings = engine_settings::from(engine);
-  detail::refuse_outside_push_sum(s.settings, s.protocol.name, [&](const char* key) { return engine.where(key); });
+  detail::refuse_outside_push_sum(s.settings, s.protocol.name, false, [&](const char* key) { return engine.where(key); });
   s.config_settings = cfg.shared_settings();
   s.config_fingerprint = cfg.fingerprint();
   return s;
