@@ -147,6 +147,9 @@ TEST_CASE("group_config parses and rejects with the key named") {
                        doctest::Contains("GiB of memory; check elements= and members="), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,chunk=400"), doctest::Contains("chunk"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,colour=red"), doctest::Contains("colour"), std::invalid_argument);
+  // An empty --group (a shell variable left unset) is not a group of defaults.
+  CHECK_THROWS_WITH_AS(group_config::parse(""), doctest::Contains("group '': is empty"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(group_config::parse("  "), doctest::Contains("is empty"), std::invalid_argument);
   CHECK_THROWS_AS(aggregator({group_config{.id = 1}, group_config{.id = 1}}), std::invalid_argument);
 }
 

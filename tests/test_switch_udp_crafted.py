@@ -17,6 +17,7 @@ Usage: test_switch_udp_crafted.py PATH/TO/gossip-switch-udp
 """
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -49,14 +50,6 @@ def parse(data):
             "values": list(struct.unpack_from("<%df" % n, data, HDR.size)) if f[2] != REFUSED else []}
 
 
-def free_port():
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 failures = []
 
 
@@ -70,8 +63,15 @@ def main():
     exe = sys.argv[1]
     tmp = tempfile.mkdtemp(prefix="gsw-crafted.")
     stats = os.path.join(tmp, "stats.json")
-    port = free_port()
-    sw = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--stats-json", stats,
+    # Refused at start, with the option named: an empty --group, an unwritable --stats-json.
+    for args, says in ((["--group", ""], "--group: group '': is empty"),
+                       (["--group", "id=1,members=2", "--stats-json", os.path.join(tmp, "no-such-dir", "s.json")],
+                        "--stats-json: cannot write")):
+        r = subprocess.run([exe, "--bind", "127.0.0.1", "--port", "0", "--duration", "5"] + args,
+                           stderr=subprocess.PIPE, text=True, timeout=30)
+        check(r.returncode == 2 and says in r.stderr, "%s: exit 2 saying '%s' (got %d: %s)" % (args, says, r.returncode, r.stderr.strip()))
+    # --port 0: the switch takes a free port and names it when it serves.
+    sw = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", "0", "--stats-json", stats,
                            "--group", "id=1,mode=sync,members=2,chunk=4,slots=2",
                            "--group", "id=2,mode=async,members=2,chunk=4,elements=6",
                            "--group", "id=3,mode=async,members=2,chunk=4,elements=4,idle_s=1",
@@ -79,9 +79,12 @@ def main():
                           stderr=subprocess.PIPE, text=True)
     try:
         line = sw.stderr.readline()
-        if "serving" not in line:
-            print("FAIL: gossip-switch-udp did not start: " + line)
+        served = re.search(r"serving .* on 127\.0\.0\.1:(\d+)", line)
+        if not served or served.group(1) == "0":
+            print("FAIL: gossip-switch-udp did not start on a port of its own: " + line)
             return 1
+        port = int(served.group(1))
+        check(os.path.exists(stats), "--stats-json is written when the switch starts (so an unwritable path fails then)")
         addr = ("127.0.0.1", port)
         w = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
         for s in w:
@@ -231,6 +234,7 @@ def main():
         w[1].sendto(packet(SYNC, 4, 0, a, session=401), addr)
         check(quiet(1), "after its one refusal the current session is served again (no result: the set needs worker 1)")
 
+        os.remove(stats)  # the switch wrote it when it started; SIGUSR1 writes it again
         os.kill(sw.pid, signal.SIGUSR1)
         deadline = time.time() + 10
         while time.time() < deadline and not os.path.exists(stats):

@@ -11,11 +11,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 
+# --sanitize / --tsan anywhere among the arguments; the rest go to meson test.
 mode=release
-case "${1:-}" in
-  --sanitize) mode=asan; shift ;;
-  --tsan) mode=tsan; shift ;;
-esac
+args=()
+for a in "$@"; do
+  case "$a" in
+    --sanitize | --tsan)
+      want=asan
+      [ "$a" = --tsan ] && want=tsan
+      if [ "$mode" != release ] && [ "$mode" != "$want" ]; then
+        echo "test.sh: --sanitize and --tsan are two builds; give one of them" >&2
+        exit 2
+      fi
+      mode=$want ;;
+    *) args+=("$a") ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 
 if [ "$mode" = release ]; then
   bash tools/build.sh

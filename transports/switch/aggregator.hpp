@@ -120,6 +120,7 @@ struct group_config {
       throw std::invalid_argument("group '" + whole + "': " + what +
                                   " (expected e.g. id=1,mode=sync,members=4,chunk=256,slots=128 or id=2,mode=async,members=4,elements=1000000)");
     };
+    if (text.find_first_not_of(" \t") == std::string_view::npos) fail("is empty");
     while (!text.empty()) {
       const auto comma = text.find(',');
       const auto item = text.substr(0, comma);
@@ -264,7 +265,11 @@ class aggregator {
       // offsets (packet.hpp), enough to refuse it by its version.
       h = packet_header{};
       if (pkt.size() < 8) return drop_reason::too_short;
-      std::memcpy(&h, pkt.data(), 8);
+      std::memcpy(&h.magic, pkt.data(), sizeof h.magic);
+      h.version = std::to_integer<std::uint8_t>(pkt[4]);
+      h.type = static_cast<packet_type>(std::to_integer<std::uint8_t>(pkt[5]));
+      h.flags = std::to_integer<std::uint8_t>(pkt[6]);
+      h.reserved = std::to_integer<std::uint8_t>(pkt[7]);
       const bool other_version = h.magic == packet_header::magic_value && h.version != packet_header::version_value;
       return other_version ? drop_reason::bad_version : drop_reason::too_short;
     }

@@ -21,7 +21,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <string_view>
 #include <thread>
 
 #include <CLI/CLI.hpp>
@@ -51,7 +54,8 @@ int poll_loop(void* arg) {
       a.sw->advance(std::chrono::duration<double>(std::chrono::steady_clock::now() - a.start).count());
     if ((iterations & 0xffff) == 0) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - a.start).count();
-      if (signals::dump.exchange(false)) a.sw->report(s).write_json(a.stats_path);
+      if (signals::dump.exchange(false) && !a.stats_path.empty() && !a.sw->report(s).write_json(a.stats_path))
+        fmt::print(stderr, "gossip-switch: cannot write {}: {}\n", a.stats_path, std::strerror(errno));
       if (a.duration > 0 && s > a.duration) signals::stop = true;
     }
   }
@@ -62,15 +66,6 @@ int poll_loop(void* arg) {
 
 int main(int argc, char** argv) {
   using namespace gossip::sw;
-  const int eal = rte_eal_init(argc, argv);
-  if (eal < 0) {
-    fmt::print(stderr, "gossip-switch: EAL init failed: {} (without hugepages use --no-huge -m 512 --no-pci --no-shconf)\n", rte_strerror(rte_errno));
-    return 1;
-  }
-  argc -= eal;
-  argv += eal;
-  argv[0] = const_cast<char*>("gossip-switch");
-
   CLI::App app{"DPDK aggregation switch for libgossip (sync all-reduce and async shared aggregate over UDP)."};
   dpdk_switch_config cfg;
   std::vector<std::string> group_specs;
@@ -87,9 +82,32 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0))
       ->check(finite_number());
   app.add_option("--seed", cfg.seed, "seed of the loss injection");
-  app.add_option("--stats-json", stats_path, "write statistics here on exit (and on SIGUSR1)");
+  app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
   app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
   app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)");
+  app.footer(
+      "DPDK's EAL options come first, then '--', then these, e.g.\n"
+      "  gossip-switch -l 1 --no-huge -m 512 --no-pci --no-shconf --vdev=net_af_packet0,iface=gsw-s0 -- \\\n"
+      "    --ip 10.77.0.1 --group id=1,mode=sync,members=2\n"
+      "The EAL's options: gossip-switch --eal-help");
+  // -h/--help before '--' is this program's help, not the EAL's (--eal-help).
+  for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "-h" || a == "--help") {
+      fmt::print("{}", app.help());
+      return 0;
+    }
+    if (a == "--eal-help") argv[i] = const_cast<char*>("--help");
+  }
+  const int eal = rte_eal_init(argc, argv);
+  if (eal < 0) {
+    fmt::print(stderr, "gossip-switch: EAL init failed: {} (without hugepages use --no-huge -m 512 --no-pci --no-shconf)\n", rte_strerror(rte_errno));
+    return 1;
+  }
+  argc -= eal;
+  argv += eal;
+  argv[0] = const_cast<char*>("gossip-switch");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -112,6 +130,10 @@ int main(int argc, char** argv) {
     if (const auto down = sw.wait_link_up(link_wait); !down.empty())
       fmt::print(stderr, "gossip-switch: {} port(s) still down after {:.0f} s (first: {}); serving anyway\n", down.size(), link_wait, down[0]);
 
+    // An unwritable --stats-json is found now, not after the run it was to record.
+    if (!stats_path.empty() && !sw.report(0).write_json(stats_path))
+      throw std::invalid_argument(fmt::format("--stats-json: cannot write {}: {}", stats_path, std::strerror(errno)));
+
     signals::install();
 
     loop_args args{&sw, stats_path, duration, std::chrono::steady_clock::now()};
@@ -123,8 +145,9 @@ int main(int argc, char** argv) {
       rte_eal_remote_launch(poll_loop, &args, worker);
       while (!signals::stop) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (signals::dump.exchange(false))
-          sw.report(std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count()).write_json(stats_path);
+        if (signals::dump.exchange(false) && !stats_path.empty() &&
+            !sw.report(std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count()).write_json(stats_path))
+          fmt::print(stderr, "gossip-switch: cannot write {}: {}\n", stats_path, std::strerror(errno));
         if (duration > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count() > duration) signals::stop = true;
       }
       rte_eal_wait_lcore(worker);
@@ -133,7 +156,8 @@ int main(int argc, char** argv) {
     }
     const auto report = sw.report(std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count());
     std::fputs(report.text().c_str(), stderr);
-    if (!stats_path.empty() && !report.write_json(stats_path)) fmt::print(stderr, "gossip-switch: cannot write {}\n", stats_path);
+    if (!stats_path.empty() && !report.write_json(stats_path))
+      fmt::print(stderr, "gossip-switch: cannot write {}: {}\n", stats_path, std::strerror(errno));
     sw.stop();
     sw.park_for_exit();
   } catch (const std::exception& e) {

@@ -41,13 +41,13 @@ int main(int argc, char** argv) {
   std::uint64_t seed = 1;
   int cpu = -1;
   app.add_option("--bind", bind, "IPv4 address to listen on");
-  app.add_option("--port", port, "UDP port");
+  app.add_option("--port", port, "UDP port (0: a free one, printed when serving)");
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
       ->check(CLI::Range(0.0, 1.0))
       ->check(finite_number());
   app.add_option("--seed", seed, "seed of the loss injection");
-  app.add_option("--stats-json", stats_path, "write statistics here on exit (and on SIGUSR1)");
+  app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
   app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
   app.add_option("--cpu", cpu, "pin to this CPU");
   CLI11_PARSE(app, argc, argv);
@@ -97,6 +97,8 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "gossip-switch-udp: bind {}:{}: {} (is another aggregator running on that port?)\n", bind, port, std::strerror(errno));
     return 1;
   }
+  // --port 0: the kernel picks a free port; say which (workers need it).
+  if (socklen_t len = sizeof local; ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) port = ntohs(local.sin_port);
 
   signals::install();
 
@@ -163,15 +165,22 @@ int main(int argc, char** argv) {
   };
 
   const auto start = std::chrono::steady_clock::now();
-  fmt::print(stderr, "gossip-switch-udp: serving {} group(s) on {}:{}{}\n", groups.size(), bind, port,
-             drop > 0 ? fmt::format(", dropping {:.1f} % of packets", 100 * drop) : "");
   auto report = [&] {
     switch_report r{.program = "gossip-switch-udp", .groups = groups, .ports = {pc}, .agg = agg.stats()};
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return r;
   };
+  // An unwritable --stats-json is found now, not after the run it was to record.
+  if (!stats_path.empty() && !report().write_json(stats_path)) {
+    fmt::print(stderr, "gossip-switch-udp: --stats-json: cannot write {}: {}\n", stats_path, std::strerror(errno));
+    ::close(fd);
+    return 2;
+  }
+  fmt::print(stderr, "gossip-switch-udp: serving {} group(s) on {}:{}{}\n", groups.size(), bind, port,
+             drop > 0 ? fmt::format(", dropping {:.1f} % of packets", 100 * drop) : "");
   while (!signals::stop) {
-    if (signals::dump.exchange(false)) report().write_json(stats_path);
+    if (signals::dump.exchange(false) && !stats_path.empty() && !report().write_json(stats_path))
+      fmt::print(stderr, "gossip-switch-udp: cannot write {}: {}\n", stats_path, std::strerror(errno));
     const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (duration > 0 && now > duration) break;
     agg.advance(now);  // evicts async members silent past their group's idle_s
@@ -226,7 +235,7 @@ int main(int argc, char** argv) {
   }
   const auto r = report();
   std::fputs(r.text().c_str(), stderr);
-  if (!stats_path.empty() && !r.write_json(stats_path)) fmt::print(stderr, "gossip-switch-udp: cannot write {}\n", stats_path);
+  if (!stats_path.empty() && !r.write_json(stats_path)) fmt::print(stderr, "gossip-switch-udp: cannot write {}: {}\n", stats_path, std::strerror(errno));
   ::close(fd);
   return 0;
 }
