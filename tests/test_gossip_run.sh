@@ -43,6 +43,29 @@ kill -TERM $pid
 wait $pid
 [ "$(grep -c got-term "$tmp/out3")" = 2 ] || fail "SIGTERM was not forwarded to both ranks: $(cat "$tmp/out3")"
 
+# A second signal does not wait out the grace period: ranks that ignore
+# SIGTERM are killed at once. (SIGTERM, not SIGINT: a background job of a
+# script starts with SIGINT ignored, and gossip-run keeps it so.)
+"$run" -n 2 --grace 60 -- sh -c 'trap "" TERM; echo ready; sleep 60 & wait; sleep 60' >"$tmp/out7" 2>"$tmp/err7" &
+pid=$!
+bg+=($pid)
+for _ in $(seq 100); do [ "$(grep -c ready "$tmp/out7")" = 2 ] && break; sleep 0.1; done
+start=$(date +%s)
+kill -TERM $pid
+sleep 0.5
+kill -TERM $pid
+wait $pid
+rc=$?
+[ $rc = 143 ] || fail "two SIGTERMs: expected exit 143, got $rc: $(cat "$tmp/err7")"
+[ $(( $(date +%s) - start )) -lt 20 ] || fail "the second SIGTERM did not kill the ranks at once"
+grep -q "signal 15 again: sending SIGKILL to 2 rank(s)" "$tmp/err7" || fail "no escalation message: $(cat "$tmp/err7")"
+
+# The free port is looked for where rank 0 will listen: an address that is not
+# this machine's is named.
+"$run" -n 2 --master-addr 192.0.2.1 -- true 2>"$tmp/err8"
+[ $? = 1 ] || fail "a foreign --master-addr must fail"
+grep -q "master-addr 192.0.2.1: no free port there" "$tmp/err8" || fail "foreign --master-addr not named: $(cat "$tmp/err8")"
+
 # A program that does not exist is a clear error.
 "$run" -n 1 -- /nonexistent/program 2>"$tmp/err4"
 [ $? = 127 ] || fail "expected 127 for a missing program"

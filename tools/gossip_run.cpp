@@ -2,10 +2,10 @@
 //
 //   gossip-run -n 4 [--config run.toml] -- ./train --epochs 2
 //
-// Each rank gets GOSSIP_RANK, GOSSIP_WORLD_SIZE, GOSSIP_MASTER_ADDR/PORT (a free
-// loopback port; rank 0 serves the rendezvous) and, with --config,
+// Each rank gets GOSSIP_RANK, GOSSIP_WORLD_SIZE, GOSSIP_MASTER_ADDR/PORT (a port
+// free on the master address; rank 0 serves the rendezvous) and, with --config,
 // GOSSIP_CONFIG. Output lines are prefixed with the rank (cut every 64 KiB).
-// SIGINT/SIGTERM/SIGHUP are forwarded; ranks read /dev/null as stdin and get
+// SIGINT/SIGTERM/SIGHUP are forwarded (a second one sends SIGKILL); ranks read /dev/null as stdin and get
 // SIGTERM should gossip-run die. If a rank fails, by default (--on-failure abort) the others get
 // SIGTERM, then SIGKILL after the grace period, and gossip-run exits non-zero
 // naming the rank and its status. With --on-failure continue the others keep
@@ -16,6 +16,7 @@
 // Under mpirun or srun, start the program directly: bootstrap reads their
 // variables instead.
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -40,21 +41,40 @@
 
 namespace {
 
-volatile std::sig_atomic_t g_signal = 0;
-void on_signal(int s) { g_signal = s; }
+volatile std::sig_atomic_t g_signal = 0;   // the last signal
+volatile std::sig_atomic_t g_signals = 0;  // how many came (a second one escalates to SIGKILL)
+void on_signal(int s) {
+  g_signal = s;
+  if (g_signals < 1000) g_signals = g_signals + 1;
+}
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return 0;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
+// A port free on `address` (where rank 0 will listen), or 0 with `why` set.
+int free_port(const std::string& address, std::string& why) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
+  addrinfo* res = nullptr;
+  if (const int rc = ::getaddrinfo(address.c_str(), "0", &hints, &res); rc != 0) {
+    why = ::gai_strerror(rc);
+    return 0;
+  }
   int port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
-    port = ntohs(a.sin_port);
-  ::close(fd);
+  for (addrinfo* a = res; a && port == 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage got{};
+    socklen_t len = sizeof got;
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::getsockname(fd, reinterpret_cast<sockaddr*>(&got), &len) == 0)
+      port = ntohs(got.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&got)->sin6_port : reinterpret_cast<sockaddr_in*>(&got)->sin_port);
+    else
+      why = std::strerror(errno);
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
   return port;
 }
 
@@ -115,7 +135,10 @@ void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
     buf.clear();
     if (!closed) {
       closed = true;
-      if (to == stdout && !g_signal) g_signal = SIGTERM;  // the main loop forwards it and reports it
+      if (to == stdout && !g_signal) {  // the main loop forwards it and reports it
+        g_signal = SIGTERM;
+        g_signals = 1;
+      }
       if (to != stderr && !g_err_closed)
         std::fprintf(stderr, "gossip-run: cannot write to stdout any more (its reader closed it); stopping the ranks\n");
     }
@@ -152,10 +175,15 @@ int main(int argc, char** argv) {
   app.allow_extras(false);
   CLI11_PARSE(app, argc, argv);
 
-  if (master_port == 0) master_port = free_port();
   if (master_port == 0) {
-    note("gossip-run: could not find a free port on 127.0.0.1; pass --master-port\n");
-    return 1;
+    std::string why;
+    master_port = free_port(master_addr, why);
+    if (master_port == 0) {
+      note("gossip-run: --master-addr {}: no free port there ({}); rank 0 listens on that address, so it must be one of this "
+           "machine's, or pass --master-port\n",
+           master_addr, why);
+      return 1;
+    }
   }
   // SIGHUP (a closed terminal or ssh session) stops the ranks as SIGTERM does.
   const int forwarded_signals[] = {SIGINT, SIGTERM, SIGHUP};
@@ -241,7 +269,7 @@ int main(int argc, char** argv) {
     k.err = pe[0];
   }
 
-  int failed_rank = -1, failed_status = 0, forwarded = 0;
+  int failed_rank = -1, failed_status = 0, forwarded = 0, signals_seen = 0;
   const bool keep_going = on_failure == "continue";
   auto stop_at = std::chrono::steady_clock::time_point::max();
   auto stop_others = [&](int sig) {
@@ -257,11 +285,20 @@ int main(int argc, char** argv) {
                          std::chrono::steady_clock::now() < drain_until)) {
     if (running == 0 && drain_until == std::chrono::steady_clock::time_point::max())
       drain_until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-    if (g_signal && forwarded != g_signal) {
-      forwarded = g_signal;
-      note("gossip-run: forwarding signal {} to {} rank(s)\n", static_cast<int>(g_signal), running);
-      stop_others(g_signal);
-      stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
+    // The first signal is forwarded and the ranks get the grace period; a
+    // second one (Ctrl-C again) does not wait for it.
+    if (const int seen = g_signals; seen > signals_seen) {
+      if (signals_seen == 0) {
+        forwarded = g_signal;
+        note("gossip-run: forwarding signal {} to {} rank(s) (send it again to kill them at once)\n", forwarded, running);
+        stop_others(forwarded);
+        stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
+      } else if (running > 0) {
+        note("gossip-run: signal {} again: sending SIGKILL to {} rank(s)\n", static_cast<int>(g_signal), running);
+        stop_others(SIGKILL);
+        stop_at = std::chrono::steady_clock::time_point::max();
+      }
+      signals_seen = seen;
     }
     fds.clear();
     for (auto& k : kids) {
