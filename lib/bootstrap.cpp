@@ -208,7 +208,7 @@ rank_identity bootstrap::identity_from_env() {
       throw config_error(
           fmt::format("bootstrap: {} is set but {} is not; set both (rank and world size)", r ? p[0] : p[1], r ? p[1] : p[0]));
     if (!world || *world < 1 || *world > 1 << 20)
-      throw config_error(fmt::format("bootstrap: {}='{}' is not a valid world size (an integer >= 1)", p[1], w));
+      throw config_error(fmt::format("bootstrap: {}='{}' is not a valid world size (an integer in 1..{})", p[1], w, 1 << 20));
     if (!rank || *rank < 0 || *rank >= *world)
       throw config_error(
           fmt::format("bootstrap: {}='{}' is not a valid rank for {}={} (an integer in 0..{})", p[0], r, p[1], *world, *world - 1));

@@ -593,6 +593,16 @@ TEST_CASE("switch transport refuses a config that does not pair with it") {
   CHECK_THROWS_WITH_AS(gossip::make_switch_transport(cfg, 0, 2), doctest::Contains("switch-aggregate"), gossip::config_error);
   auto c2 = switch_config("periodic", 47999);
   CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c2, 0, 1), doctest::Contains("2..64"), gossip::config_error);
+  // An address that is not IPv4 is refused with the key and where it was set.
+  auto c3 = switch_config("periodic", 47999);
+  c3.apply_override("transport.address=\"switch.local\"");
+  CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c3, 0, 2),
+                       "--set transport.address=\"switch.local\": key 'address' must be an IPv4 address such as 10.77.0.1 (the switch "
+                       "protocol runs over IPv4), got 'switch.local'",
+                       gossip::config_error);
+  auto c4 = switch_config("periodic", 47999);
+  c4.apply_override("transport.bind=\"::1\"");
+  CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c4, 0, 2), doctest::Contains("key 'bind' must be an IPv4 address"), gossip::config_error);
   CHECK(gossip::switch_mode("auto", "periodic") == "sync");
   CHECK(gossip::switch_mode("auto", "drift-lr") == "async");
   CHECK(gossip::switch_mode("auto", "consensus") == "sync");

@@ -47,6 +47,8 @@
 /// drift² at the send), whose group mean the reply carries as its weight
 /// (signal::group_drift_sq: the pace a shared schedule follows). Errors of the thread (a timeout naming the
 /// switch and group) are rethrown by the next post() or collect().
+#include <arpa/inet.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -374,6 +376,10 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   s.client.rto_s = o.real("rto_ms") / 1000;
   s.client.timeout_s = o.real("timeout_s");
   s.client.bind_address = o.string("bind");
+  for (const char* key : {"address", "bind"})
+    if (in_addr a{}; ::inet_pton(AF_INET, o.string(key).c_str(), &a) != 1)
+      throw config_error(fmt::format("{}: key '{}' must be an IPv4 address such as 10.77.0.1 (the switch protocol runs over IPv4), got '{}'",
+                                     o.where(key), key, o.string(key)));
   for (const auto& [key, v] : {std::pair{"rto_ms", s.client.rto_s}, std::pair{"timeout_s", s.client.timeout_s}})
     if (!(v > 0) || !std::isfinite(v)) throw config_error(fmt::format("{}: key '{}' must be a finite number > 0, got {}", o.where(key), key, o.real(key)));
   return switch_transport(std::move(s));
