@@ -30,6 +30,12 @@ const std::string& options::where(std::string_view key) const {
   return it == m_origins.end() ? m_where : it->second;
 }
 
+std::string options::where(std::string_view key, std::string_view other) const {
+  const auto& a = where(key);
+  const auto& b = where(other);
+  return a == b ? a : fmt::format("{} (and '{}' from {})", a, other, b);
+}
+
 const option_value& options::at(std::string_view key) const {
   auto it = m_values.find(std::string(key));
   if (it == m_values.end())

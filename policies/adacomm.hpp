@@ -95,7 +95,7 @@ class adacomm {
     const std::int64_t tau_max = o.integer("tau_max");
     if (tau_max < tau0)
       throw config_error(fmt::format("{}: key 'tau_max' of policy 'adacomm' must be an integer >= tau0 ({}), got {}",
-                                     o.where("tau_max"), tau0, tau_max));
+                                     o.where("tau_max", "tau0"), tau0, tau_max));
     const double smoothing = o.real("smoothing");
     if (!(smoothing >= 0 && smoothing < 1))
       throw config_error(fmt::format("{}: key 'smoothing' of policy 'adacomm' must be a number in [0, 1), got {}",

@@ -131,7 +131,7 @@ class consensus {
       throw config_error(
           fmt::format("{}: key 'max_interval' of policy 'consensus' must be an integer >= 0 (0 = no limit), got {}", o.where("max_interval"), max_interval));
     if (max_interval > 0 && max_interval < min_interval)
-      throw config_error(fmt::format("{}: key 'max_interval' of policy 'consensus' ({}) must be >= min_interval ({}) or 0", o.where("max_interval"),
+      throw config_error(fmt::format("{}: key 'max_interval' of policy 'consensus' ({}) must be >= min_interval ({}) or 0", o.where("max_interval", "min_interval"),
                                      max_interval, min_interval));
     p.min_interval = static_cast<std::uint64_t>(min_interval);
     p.max_interval = static_cast<std::uint64_t>(max_interval);

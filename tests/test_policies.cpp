@@ -856,6 +856,9 @@ TEST_CASE("adacomm: options") {
   msg = config_error_of([] { build<gp::adacomm>(opts().set("tau0", std::int64_t{20}).set("tau_max", std::int64_t{19})); });
   CHECK(contains(msg, "'tau_max'"));
   CHECK(contains(msg, "19"));
+  // tau0 set elsewhere than tau_max: the message names both places.
+  msg = config_error_of([] { build<gp::adacomm>(opts().set("tau0", std::int64_t{200}, "--set policy.tau0=200")); });
+  CHECK(contains(msg, "(and 'tau0' from --set policy.tau0=200): key 'tau_max' of policy 'adacomm' must be an integer >= tau0 (200), got 100"));
   for (double bad : {1.0, -0.1}) {
     INFO("smoothing = " << bad);
     msg = config_error_of([&] { build<gp::adacomm>(opts().set("smoothing", bad)); });

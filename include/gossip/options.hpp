@@ -64,6 +64,9 @@ class options {
   const std::string& where() const noexcept { return m_where; }
   /// Where `key` was set: its origin if it has one, else where().
   const std::string& where(std::string_view key) const;
+  /// Where `key` was set, and where `other` was when that differs: for a
+  /// check of one key against another ("tau_max >= tau0").
+  std::string where(std::string_view key, std::string_view other) const;
 
   double real(std::string_view key) const;
   std::int64_t integer(std::string_view key) const;
