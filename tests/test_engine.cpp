@@ -326,6 +326,28 @@ TEST_CASE("engine construction errors are clear") {
   model_view empty;
   CHECK_THROWS_WITH_AS(engine(empty, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
                        doctest::Contains("the model has no tensors"), config_error);
+  std::vector<float> unsized;
+  model_view hollow;
+  hollow.add("w", unsized);
+  CHECK_THROWS_WITH_AS(engine(hollow, 0, 2, spec_of(any_policy(policies::never{}, "never")), fabric.endpoint(0)),
+                       doctest::Contains("the model's 1 tensor(s) hold no values"), config_error);
+  // The switch's protocol over a transport that delivers messages would merge
+  // them as sums: refused, as engine_spec::from refuses it in a config.
+  auto summed = spec_of(any_policy(policies::never{}, "never"));
+  summed.protocol.name = "switch-aggregate";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, summed, fabric.endpoint(0)),
+                       "engine (rank 0): protocol 'switch-aggregate' sums in the network and needs transport 'switch', not 'loopback'; over "
+                       "'loopback' use push-sum, pairwise or stale-copy",
+                       config_error);
+  {  // A rank's endpoint serves one engine: its peers counted the first one out when it left.
+    loopback_fabric once(1);
+    {
+      engine first(m.view, 0, 1, spec_of(any_policy(policies::never{}, "never")), once.endpoint(0));
+      first.finish();
+    }
+    CHECK_THROWS_WITH_AS(engine(m.view, 0, 1, spec_of(any_policy(policies::never{}, "never")), once.endpoint(0)),
+                         doctest::Contains("a loopback_fabric serves one run: build a new fabric"), config_error);
+  }
   std::vector<float> x(4);
   model_view dev;
   dev.add("w", x, memory_kind::cuda);

@@ -20,12 +20,25 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
+  if (model.elements() == 0)
+    throw config_error(fmt::format("engine (rank {}): the model's {} tensor(s) hold no values (registered before they were sized?)", rank,
+                                   model.size()));
   m_settings.check();
   m_settings.check_outputs(rank, world);
   const auto caps = m_transport.capabilities();
   m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  // A protocol that sums in the network needs the switch, and the switch sums
+  // nothing else: either way round the models would be merged as what they are not.
+  if (m_protocol.aggregated() && !caps.aggregates)
+    throw config_error(fmt::format("engine (rank {}): protocol '{}' sums in the network and needs transport 'switch', not '{}'; over "
+                                   "'{}' use push-sum, pairwise or stale-copy",
+                                   rank, spec.protocol.name, caps.name, caps.name));
+  if (!m_protocol.aggregated() && caps.aggregates)
+    throw config_error(fmt::format("engine (rank {}): transport '{}' sums what the ranks send and carries protocol 'switch-aggregate' "
+                                   "only, not '{}'",
+                                   rank, caps.name, spec.protocol.name));
   detail::refuse_outside_push_sum(m_settings, m_protocol.type() == protocol::kind::push_sum ? "push-sum" : std::string_view(spec.protocol.name),
                                   model.device() != nullptr, [&](const char*) { return fmt::format("engine (rank {})", rank); });
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
@@ -330,7 +343,7 @@ inline void engine::catch_up(std::uint64_t step, std::size_t& merged) {
 
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
-    throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (build a new engine to train on)", m_rank));
+    throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (train on with new engines on a new transport: over loopback a new loopback_fabric)", m_rank));
   // Quasi-global momentum rebuilds the optimizer's buffers from the step's
   // displacement divided by lr: without it the buffers would silently stay local.
   if ((!m_mhat.empty() || m_device_qgm) && !(std::isfinite(info.lr) && info.lr > 0)) [[unlikely]]

@@ -143,6 +143,10 @@ struct transport_capabilities {
   /// transport_counters::source_step_heard how far its slowest live source
   /// has come; [engine] max_lead then paces by it alone.
   bool step_beacons = false;
+  /// Sums what the ranks post in the network (the switch) instead of
+  /// delivering each message: only the switch-aggregate protocol speaks to
+  /// it, and it carries no other.
+  bool aggregates = false;
   const char* name = "?";
 };
 

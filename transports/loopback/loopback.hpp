@@ -119,7 +119,13 @@ class loopback_transport {
     if (s.rank != m_rank)
       throw config_error(fmt::format("loopback: endpoint of rank {} attached as rank {}", m_rank, s.rank));
     auto& me = self();
-    if (me.attached.load() && !me.departed.load())
+    // Its peers have seen this rank leave and count it out for good.
+    if (me.departed.load())
+      throw config_error(fmt::format("loopback: rank {}'s endpoint belonged to an engine that has left (it finished, failed or was "
+                                     "destroyed), and its peers count it out; a loopback_fabric serves one run: build a new fabric, "
+                                     "and new engines on every rank, to train again",
+                                     m_rank));
+    if (me.attached.load())
       throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
                                      "engine its own rank's endpoint",
                                      m_rank));

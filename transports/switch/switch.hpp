@@ -215,7 +215,7 @@ class switch_transport {
   }
 
   transport_capabilities capabilities() const noexcept {
-    return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .name = "switch"};
+    return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .aggregates = true, .name = "switch"};
   }
   std::size_t dead_peers(std::span<received>) noexcept { return 0; }
 
