@@ -1,6 +1,7 @@
 #pragma once
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -100,6 +101,17 @@ class consensus {
   double lr_max() const noexcept { return m_lr_max; }
   /// Shared schedule: the steps between the last two rounds (0 before a round).
   std::uint64_t round_interval() const noexcept { return m_round_interval; }
+
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const {
+    for (const auto& [key, v, lo, hi, open_lo] : {std::tuple{"threshold", threshold, 0.0, 1e6, true}, std::tuple{"lr_exponent", lr_exponent, 0.0, 2.0, false},
+                                                  std::tuple{"balance", balance, 0.0, 4.0, false}})
+      if (!std::isfinite(v) || (open_lo ? !(v > lo) : !(v >= lo)) || v > hi)
+        throw config_error(fmt::format("policy 'consensus': {} must be a number in {}{}, {}], got {}", key, open_lo ? "(" : "[", lo, hi, v));
+    if (min_interval < 1) throw config_error("policy 'consensus': min_interval must be >= 1, got 0");
+    if (max_interval > 0 && max_interval < min_interval)
+      throw config_error(fmt::format("policy 'consensus': max_interval ({}) must be >= min_interval ({}) or 0", max_interval, min_interval));
+  }
 
   static std::vector<option_spec> specs() {
     return {

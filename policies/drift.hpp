@@ -43,6 +43,12 @@ struct drift {
     return decision::skip(reason::below_threshold, value, threshold);
   }
 
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const {
+    if (!(std::isfinite(threshold) && threshold > 0))
+      throw config_error(fmt::format("policy 'drift': threshold must be a finite number > 0, got {}", threshold));
+  }
+
   static std::vector<option_spec> specs() {
     return {
         {"threshold", 0.01, "send when the drift exceeds this (number > 0)"},

@@ -33,6 +33,14 @@ struct drift_lr {
   double epsilon = 0.0;  ///< c_t grows as (1 + step)^epsilon; 0 keeps it constant
   std::uint64_t min_interval = 1;
 
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const {
+    if (!(std::isfinite(c0) && c0 > 0)) throw config_error(fmt::format("policy 'drift-lr': c0 must be a finite number > 0, got {}", c0));
+    if (!(std::isfinite(epsilon) && epsilon >= 0))
+      throw config_error(fmt::format("policy 'drift-lr': epsilon must be a finite number >= 0, got {}", epsilon));
+    if (min_interval < 1) throw config_error("policy 'drift-lr': min_interval must be >= 1, got 0");
+  }
+
   /// c_t·η_t² at this step.
   double threshold_at(const signal& s) const noexcept {
     const double c = epsilon == 0 ? c0 : c0 * std::pow(1.0 + static_cast<double>(s.step), epsilon);

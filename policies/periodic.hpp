@@ -45,6 +45,11 @@ struct periodic {
 
   constexpr std::uint64_t fixed_period() const noexcept { return every; }
 
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const {
+    if (every < 1) throw config_error("policy 'periodic': every must be >= 1, got 0");
+  }
+
   static std::vector<option_spec> specs() {
     return {{"every", std::int64_t{1}, "send on every `every`-th step (integer >= 1; 1 = every step)"},
             {"stagger", false, "ranks take turns: rank r sends `r·every/world` steps earlier in each period than rank 0"}};

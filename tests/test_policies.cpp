@@ -150,6 +150,29 @@ TEST_CASE("periodic: every = 3 fires on the 3rd, 6th, ... step whatever the drif
   CHECK(e.decisions[2].value == 3);
 }
 
+TEST_CASE("policies built in code are checked as a config's are") {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(gossip::any_policy(gp::periodic{.every = 0, .stagger = true}), "policy 'periodic': every must be >= 1, got 0",
+                       gossip::config_error);
+  CHECK_THROWS_WITH_AS(gossip::any_policy(gp::drift{.threshold = nan}), "policy 'drift': threshold must be a finite number > 0, got nan",
+                       gossip::config_error);
+  CHECK_THROWS_AS(gossip::any_policy(gp::drift{.threshold = -0.1}), gossip::config_error);
+  CHECK_THROWS_WITH_AS(gossip::any_policy(gp::drift_lr{.c0 = 0}), "policy 'drift-lr': c0 must be a finite number > 0, got 0", gossip::config_error);
+  CHECK_THROWS_AS(gossip::any_policy(gp::drift_lr{.min_interval = 0}), gossip::config_error);
+  gp::consensus c;
+  c.threshold = nan;
+  CHECK_THROWS_WITH_AS(gossip::any_policy(c, "consensus"), "policy 'consensus': threshold must be a number in (0, 1000000], got nan", gossip::config_error);
+  c = gp::consensus{};
+  c.min_interval = 5;
+  c.max_interval = 2;
+  CHECK_THROWS_WITH_AS(gossip::any_policy(c, "consensus"), "policy 'consensus': max_interval (2) must be >= min_interval (5) or 0", gossip::config_error);
+  // The defaults pass.
+  CHECK_NOTHROW(gossip::any_policy(gp::periodic{}));
+  CHECK_NOTHROW(gossip::any_policy(gp::drift{}));
+  CHECK_NOTHROW(gossip::any_policy(gp::drift_lr{}));
+  CHECK_NOTHROW(gossip::any_policy(gp::consensus{}));
+}
+
 TEST_CASE("periodic: options") {
   CHECK(build<gp::periodic>(opts().set("every", std::int64_t{5})).every == 5);
   for (std::int64_t bad : {0, -3}) {

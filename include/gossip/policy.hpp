@@ -83,7 +83,12 @@ class any_policy {
 
   template <policy P>
     requires(!std::same_as<std::remove_cvref_t<P>, any_policy>)
-  any_policy(P p, std::string name = {}) : m_self(std::make_unique<model<P>>(std::move(p))), m_name(std::move(name)) {}
+  any_policy(P p, std::string name = {}) {
+    // Settings a config would refuse are refused from code too (check()).
+    if constexpr (requires(const P& q) { q.check(); }) p.check();
+    m_self = std::make_unique<model<P>>(std::move(p));
+    m_name = std::move(name);
+  }
 
   any_policy(const any_policy& o) : m_self(o.m_self ? o.m_self->clone() : nullptr), m_name(o.m_name) {}
   any_policy& operator=(const any_policy& o) {
