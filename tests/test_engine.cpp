@@ -90,6 +90,24 @@ TEST_CASE("push-sum over the engine: finish() reaches the exact average on an ex
   }
 }
 
+TEST_CASE("push-sum: finish(0) merges the last step's messages, so no mass is lost over loopback") {
+  const int world = 4;
+  loopback_fabric fabric(world);
+  std::vector<double> weights(world), mass(world);
+  run_ranks(world, [&](int r) {
+    std::vector<float> x(4, static_cast<float>(r));
+    model_view v;
+    v.add("x", x);
+    engine e(v, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "exponential"), fabric.endpoint(r));
+    for (int s = 0; s < 5; ++s) e.step();
+    e.finish(0);
+    weights[r] = e.weight();
+    mass[r] = e.weight() * x[0];
+  });
+  CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world).epsilon(1e-12));
+  CHECK(std::accumulate(mass.begin(), mass.end(), 0.0) == doctest::Approx(0 + 1 + 2 + 3).epsilon(1e-6));
+}
+
 TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer step of a push-sum sender in full") {
   // Every rank adds 1 to its model before each step, as an optimizer step
   // would, and gossips at every step. Merged at the next step, each share is

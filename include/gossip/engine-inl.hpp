@@ -878,10 +878,12 @@ inline void engine::finish(int rounds) {
     rounds = 2 * hops;
   }
   for (int r = 0; r < rounds; ++r) run_step({}, true);
-  // One more collect so the last round's messages are merged.
-  if (rounds > 0) {
+  // One more collect so the last step's messages are merged: a forced round's,
+  // or with no rounds the last training step's (a lockstep transport
+  // delivers nothing after this, and their push-sum mass would be lost).
+  if (m_step > 0) {
     handle_failures();
-    if (!m_settings.same_step_merge) merge_inbound(m_step);  // else the last forced round merged it
+    if (!m_settings.same_step_merge) merge_inbound(m_step);  // else the last step merged it
     m_transport.end_step(m_step);
   }
   flush();
