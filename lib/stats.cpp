@@ -87,7 +87,7 @@ std::string engine_stats::to_json(int indent) const {
   j["transport_dropped"] = transport_dropped;
   j["relative_drift"] = {{"last", relative_drift_last},
                          {"max", relative_drift_max},
-                         {"mean_at_send", sends ? relative_drift_at_send_sum / static_cast<double>(sends) : 0.0}};
+                         {"mean_at_send", relative_drift_at_send_count ? relative_drift_at_send_sum / static_cast<double>(relative_drift_at_send_count) : 0.0}};
   j["weight"] = weight;
   j["step_seconds"] = step_seconds;
   j["wait_seconds"] = wait_seconds;

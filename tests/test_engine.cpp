@@ -90,6 +90,25 @@ TEST_CASE("push-sum over the engine: finish() reaches the exact average on an ex
   }
 }
 
+TEST_CASE("stats: a model started at zero (x̂ = 0, relative drift infinite) leaves the drift's max and mean finite") {
+  loopback_fabric fabric(2);
+  run_ranks(2, [&](int r) {
+    std::vector<float> x(8, 0.0f);
+    model_view v;
+    v.add("x", x);
+    engine e(v, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+    for (int s = 0; s < 4; ++s) {
+      for (auto& a : x) a += 1.0f + static_cast<float>(r);
+      e.step();
+    }
+    const auto& st = e.stats();
+    CHECK(std::isfinite(st.relative_drift_max));
+    CHECK(st.relative_drift_at_send_count == st.sends - 1);  // the first send's drift, from x̂ = 0, is infinite
+    CHECK(st.to_json().find("null") == std::string::npos);
+    e.finish(0);
+  });
+}
+
 TEST_CASE("push-sum: finish(0) merges the last step's messages, so no mass is lost over loopback") {
   const int world = 4;
   loopback_fabric fabric(world);

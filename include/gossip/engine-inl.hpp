@@ -558,7 +558,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       m_last_send_time = t0;
       if (sent_to > 0) {
         ++m_stats.sends;
-        m_stats.relative_drift_at_send_sum += result.relative_drift;
+        m_stats.count_drift_at_send(result.relative_drift);
         m_stats.lr_at_send_sum += info.lr;
         m_stats.count_send_window(t);
         result.sent = true;
@@ -627,7 +627,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
         }
         bytes_raw = bytes;
         ++m_stats.sends;
-        m_stats.relative_drift_at_send_sum += result.relative_drift;
+        m_stats.count_drift_at_send(result.relative_drift);
         m_stats.lr_at_send_sum += info.lr;
         m_stats.count_send_window(t);
         result.sent = true;
@@ -653,7 +653,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   m_stats.bytes_raw += bytes_raw;
   m_stats.messages_sent += sent_to;
   m_stats.relative_drift_last = result.relative_drift;
-  m_stats.relative_drift_max = std::max(m_stats.relative_drift_max, result.relative_drift);
+  if (std::isfinite(result.relative_drift)) m_stats.relative_drift_max = std::max(m_stats.relative_drift_max, result.relative_drift);
   for (std::size_t i = 0; i < m_slots.size(); ++i) {
     auto& ts = m_stats.tensors[i];
     ts.last_diff_sq = m_tensor_drift[i].diff_sq;

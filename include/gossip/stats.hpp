@@ -1,6 +1,7 @@
 #pragma once
 /// Counters an engine keeps, a JSON report, and a bounded decision trace.
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -74,7 +75,12 @@ struct engine_stats {
   /// message; a codec's stream refuses the gap); loopback: posts to a peer
   /// that had left; switch: packets retransmitted.
   std::uint64_t transport_dropped = 0;
+  /// The relative drift ‖x − x̂‖/‖x̂‖: at the last step, its largest value and
+  /// its sum over the sends. A step whose x̂ was zero (a model started at 0)
+  /// has an infinite one: it stays out of max and of the sum, which counts
+  /// the sends it holds in relative_drift_at_send_count.
   double relative_drift_last = 0, relative_drift_max = 0, relative_drift_at_send_sum = 0;
+  std::uint64_t relative_drift_at_send_count = 0;
   double weight = 1;               ///< push-sum weight
   double step_seconds = 0;         ///< time inside engine.step(), waits included
   double wait_seconds = 0;         ///< of which waiting for peers (collect)
@@ -115,6 +121,13 @@ struct engine_stats {
   /// of any length fits without allocating on the step path.
   std::vector<std::uint32_t> sends_per_window;
   std::uint64_t send_window_steps = 16;
+
+  /// Adds a send's relative drift to the sum at send, when it is finite.
+  void count_drift_at_send(double relative) noexcept {
+    if (!std::isfinite(relative)) return;
+    relative_drift_at_send_sum += relative;
+    ++relative_drift_at_send_count;
+  }
 
   /// Counts a send at `step` into sends_per_window (capacity reserved by the engine).
   void count_send_window(std::uint64_t step) noexcept;
