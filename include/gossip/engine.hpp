@@ -201,7 +201,10 @@ class engine {
   /// and trace files if configured, and leaves the fabric. Idempotent.
   void finish(int rounds = -2);
 
-  /// Counters, refreshed from the transport.
+  /// Counters, refreshed from the transport. Like every member but the
+  /// constructor's, call it from the thread that steps: it updates the
+  /// counters in place, and the engine takes no lock. A monitor on another
+  /// thread gets a copy handed over by the training thread.
   const engine_stats& stats();
 
   double weight() const noexcept { return m_protocol.weight(); }
@@ -211,6 +214,10 @@ class engine {
   /// x̂: the model as peers last received it. For a device model whose
   /// transport takes device memory directly, this points to device memory.
   std::span<const float> snapshot() const noexcept { return {m_snapshot, m_elements}; }
+  /// The decisions recorded so far (as the trace file holds them). Recorded
+  /// only when `[engine] trace` names a file (engine_settings::trace_path):
+  /// otherwise empty, and the step spends nothing on it. At most
+  /// trace_capacity events.
   const std::vector<trace_event>& trace() const noexcept { return m_trace; }
   /// The consensus-distance estimate policies see (signal::consensus); NaN until a model arrived.
   double consensus() const noexcept { return m_consensus; }
