@@ -942,16 +942,10 @@ TEST_CASE("the switch-aggregate protocol refuses a codec when the engine is buil
   CHECK_THROWS_AS(engine(m.view, 0, 1, std::move(spec), fabric.endpoint(0)), config_error);
 }
 
-TEST_CASE("the default codec (auto) is none in-process and through the switch protocol") {
+TEST_CASE("the default codec (auto) is none in-process") {  // through the switch: test_switch_engine
   toy_model m({16}, 1);
-  {
-    loopback_fabric fabric(1);
-    engine e(m.view, 0, 1, spec_of(any_policy(policies::periodic{.every = 1}, "periodic")), fabric.endpoint(0));
-    CHECK(e.stats().codec == "none");
-  }
   loopback_fabric fabric(1);
-  engine e(m.view, 0, 1, spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "exponential", "switch-aggregate"),
-           fabric.endpoint(0));
+  engine e(m.view, 0, 1, spec_of(any_policy(policies::periodic{.every = 1}, "periodic")), fabric.endpoint(0));
   CHECK(e.stats().codec == "none");
 }
 

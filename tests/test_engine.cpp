@@ -109,6 +109,23 @@ TEST_CASE("stats: a model started at zero (x̂ = 0, relative drift infinite) lea
   });
 }
 
+TEST_CASE("loopback: an engine destroyed without finish() (an error unwound past it) is a dead peer, not a departed one") {
+  loopback_fabric fabric(2);
+  std::vector<int> dead_seen(2, -1);
+  run_ranks(2, [&](int r) {
+    std::vector<float> x(4, static_cast<float>(r));
+    model_view v;
+    v.add("x", x);
+    engine e(v, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+    for (int s = 0; s < 3; ++s) e.step();
+    if (r == 1) return;  // no finish(): as if step() had thrown
+    for (int s = 0; s < 3; ++s) e.step();
+    dead_seen[0] = static_cast<int>(e.stats().dead_peers.size());
+    e.finish(0);
+  });
+  CHECK(dead_seen[0] == 1);
+}
+
 TEST_CASE("push-sum: finish(0) merges the last step's messages, so no mass is lost over loopback") {
   const int world = 4;
   loopback_fabric fabric(world);

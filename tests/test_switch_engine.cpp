@@ -179,6 +179,7 @@ TEST_CASE("periodic policy through the switch: every step is an exact all-reduce
       view.add("w", x);
       gossip::engine e(view, r, world, cfg, gossip::make_switch_transport(cfg, r, world));
       CHECK(e.stats().transport == std::string("switch"));
+      CHECK(e.stats().codec == "none");  // the default (auto): the switch sums fp32
       auto res = e.step();  // sends x
       CHECK(res.sent);
       res = e.step();  // merges the mean: no local change, so x == mean exactly

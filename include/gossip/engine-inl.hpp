@@ -29,16 +29,6 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_settings.check_with(caps.name, caps.copies_on_post, fmt::format("engine (rank {})", rank));
   m_topology = topology_registry().make(spec.topology.name, spec.topology.opts, rank, world);
   m_protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
-  // A protocol that sums in the network needs the switch, and the switch sums
-  // nothing else: either way round the models would be merged as what they are not.
-  if (m_protocol.aggregated() && !caps.aggregates)
-    throw config_error(fmt::format("engine (rank {}): protocol '{}' sums in the network and needs transport 'switch', not '{}'; over "
-                                   "'{}' use push-sum, pairwise or stale-copy",
-                                   rank, spec.protocol.name, caps.name, caps.name));
-  if (!m_protocol.aggregated() && caps.aggregates)
-    throw config_error(fmt::format("engine (rank {}): transport '{}' sums what the ranks send and carries protocol 'switch-aggregate' "
-                                   "only, not '{}'",
-                                   rank, caps.name, spec.protocol.name));
   detail::refuse_outside_push_sum(m_settings, m_protocol.type() == protocol::kind::push_sum ? "push-sum" : std::string_view(spec.protocol.name),
                                   model.device() != nullptr, [&](const char*) { return fmt::format("engine (rank {})", rank); });
   // momentum = auto: quasi-global where ranks merge in lockstep — a transport
@@ -99,6 +89,16 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      "values and cannot sum compressed messages; set [codec] name = \"none\"",
                                      rank, m_codec.name(), m_protocol.name()));
   }
+  // (After the codec checks, which say more.) A protocol that sums in the network needs the switch, and the switch sums
+  // nothing else: either way round the models would be merged as what they are not.
+  if (m_protocol.aggregated() && !caps.aggregates)
+    throw config_error(fmt::format("engine (rank {}): protocol '{}' sums in the network and needs transport 'switch', not '{}'; over "
+                                   "'{}' use push-sum, pairwise or stale-copy",
+                                   rank, spec.protocol.name, caps.name, caps.name));
+  if (!m_protocol.aggregated() && caps.aggregates)
+    throw config_error(fmt::format("engine (rank {}): transport '{}' sums what the ranks send and carries protocol 'switch-aggregate' "
+                                   "only, not '{}'",
+                                   rank, caps.name, spec.protocol.name));
 
   const auto layout = model.layout();
   m_layout_fingerprint = fingerprint(layout);
@@ -253,7 +253,13 @@ inline void engine::start_shared_streams() {
 }
 
 inline engine::~engine() {
-  if (m_transport) m_transport.leave();
+  if (!m_transport) return;
+  // Without finish() this rank stops mid-run (an error unwound past it):
+  // its peers are told it failed, where the transport can say so.
+  if (m_finished)
+    m_transport.leave();
+  else
+    m_transport.abandon();
 }
 
 // A peer the transport found dead leaves the topology (so peers() never

@@ -203,6 +203,10 @@ class any_transport {
   bool busy(const std::byte* buf) const { return m_self->busy(buf); }
   void flush(std::chrono::duration<double> d) { m_self->flush(d); }
   void leave() { m_self->leave(); }
+  /// The engine goes without finish() (an error, or destroyed early): a
+  /// transport that can tell its peers that this rank failed, rather than
+  /// left, does (loopback); others leave() as they would.
+  void abandon() { m_self->abandon(); }
   transport_capabilities capabilities() const { return m_self->capabilities(); }
   std::size_t dead_peers(std::span<received> out) { return m_self->dead_peers(out); }
   transport_counters counters() const { return m_self->counters(); }
@@ -238,6 +242,7 @@ class any_transport {
     virtual bool busy(const std::byte*) const = 0;
     virtual void flush(std::chrono::duration<double>) = 0;
     virtual void leave() = 0;
+    virtual void abandon() = 0;
     virtual transport_capabilities capabilities() const = 0;
     virtual std::size_t dead_peers(std::span<received>) = 0;
     virtual transport_counters counters() const = 0;
@@ -258,6 +263,12 @@ class any_transport {
     bool busy(const std::byte* b) const override { return m_t.busy(b); }
     void flush(std::chrono::duration<double> d) override { m_t.flush(d); }
     void leave() override { m_t.leave(); }
+    void abandon() override {
+      if constexpr (requires { m_t.abandon(); })
+        m_t.abandon();
+      else
+        m_t.leave();
+    }
     transport_capabilities capabilities() const override { return m_t.capabilities(); }
     std::size_t dead_peers(std::span<received> o) override { return static_cast<std::size_t>(m_t.dead_peers(o)); }
     transport_counters counters() const override { return m_t.counters(); }

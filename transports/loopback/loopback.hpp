@@ -278,6 +278,14 @@ class loopback_transport {
     depart();
   }
 
+  /// The engine goes without finish() (an error, or destroyed early): its
+  /// peers count this rank failed, as fabric.kill() makes them, not departed.
+  void abandon() noexcept {
+    if (!m_shared) return;
+    self().killed.store(true);
+    depart();
+  }
+
   transport_capabilities capabilities() const noexcept {
     return {.deterministic = true, .copies_on_post = true, .emulates_network = m_shared->link.bandwidth_gbps > 0 || m_shared->link.latency_us > 0,
             .name = "loopback"};
