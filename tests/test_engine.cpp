@@ -109,6 +109,48 @@ TEST_CASE("stats: a model started at zero (x̂ = 0, relative drift infinite) lea
   });
 }
 
+TEST_CASE("a rank whose model turned NaN restores it and its momentum from a checkpoint and trains on (quasi-global momentum too)") {
+  for (bool with_momentum : {false, true}) {
+    CAPTURE(with_momentum);
+    loopback_fabric fabric(2);
+    std::vector<int> errors(2, 0);
+    std::vector<bool> finite(2, false);
+    run_ranks(2, [&](int r) {
+      std::vector<float> w(8, static_cast<float>(r)), v(8, 0.0f);
+      model_view m;
+      m.add("w", w);
+      if (with_momentum) m.momentum("w", v);
+      engine_spec spec;  // the default policy; momentum auto: quasi-global over loopback
+      spec.settings.timeout = std::chrono::duration<double>(10.0);
+      engine e(m, r, 2, std::move(spec), fabric.endpoint(r));
+      std::vector<float> ckw = w, ckv = v;
+      for (int t = 0; t < 20; ++t) {
+        for (std::size_t i = 0; i < w.size(); ++i) {
+          v[i] = 0.9f * v[i] + 0.01f * (r ? 1.0f : -1.0f);
+          w[i] -= 0.1f * v[i];
+        }
+        if (r == 0 && t == 5) w[0] = std::numeric_limits<float>::quiet_NaN();
+        try {
+          e.step({.lr = 0.1});
+          ckw = w;
+          ckv = v;
+        } catch (const gossip::error&) {
+          ++errors[static_cast<std::size_t>(r)];
+          w = ckw;
+          v = ckv;
+        }
+      }
+      finite[static_cast<std::size_t>(r)] = std::all_of(w.begin(), w.end(), [](float a) { return std::isfinite(a); }) &&
+                                            std::all_of(v.begin(), v.end(), [](float a) { return std::isfinite(a); });
+      e.finish(0);
+    });
+    CHECK(errors[0] == 1);  // the bad step only: the engine's own state did not keep the NaN
+    CHECK(errors[1] == 0);
+    CHECK(finite[0]);
+    CHECK(finite[1]);
+  }
+}
+
 TEST_CASE("loopback: an engine destroyed without finish() (an error unwound past it) is a dead peer, not a departed one") {
   loopback_fabric fabric(2);
   std::vector<int> dead_seen(2, -1);

@@ -324,6 +324,21 @@ inline void engine::throw_not_finite(std::uint64_t step) const {
                           m_rank, step, which));
 }
 
+// After a step found the model not finite, the caller restored the model
+// (and the optimizer's momentum) from before it, as the error says: the
+// engine's own x_{t−1} and quasi-global m̂, written by that step's pass from
+// the bad values, start again from what was restored, as when the engine was
+// built. A device model's backend keeps its own, and is not restored here.
+inline void engine::reseed_after_not_finite() {
+  m_reseed = false;
+  if (m_device) return;
+  if (!m_prev.empty())
+    for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
+  if (!m_mhat.empty())
+    for (std::size_t i = 0; i < m_slots.size(); ++i)
+      if (m_momentum[i]) std::memcpy(m_mhat.data() + m_slots[i].offset, m_momentum[i], m_slots[i].count * sizeof(float));
+}
+
 // Sources that send faster than this rank merges (an inbox slot frees only
 // when the engine merges, and the transport's thread lands the next message
 // only after that) fill the transport's backlog: past its end messages are
@@ -374,6 +389,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     bool& in;
     ~leave_step() { in = false; }
   } leave{m_in_step};
+  if (m_reseed) [[unlikely]]
+    reseed_after_not_finite();
   if (m_settings.numerator_steps) {
     // The optimizer step since the last one ran at the weight the rank has
     // now; z − x_{t−1} is that step unless a poll() merged in between. Below
@@ -508,8 +525,10 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   }
   // A model that is no longer finite would reach every peer with the next
   // exchange and spoil theirs: stop here, where the sums already say so.
-  if (!std::isfinite(diff + ref)) [[unlikely]]
+  if (!std::isfinite(diff + ref)) [[unlikely]] {
+    m_reseed = true;  // the pass wrote x_{t−1} and m̂ from the bad values
     throw_not_finite(t);
+  }
 
   // 3. decide
   signal sig;

@@ -238,6 +238,7 @@ class engine {
   void catch_up(std::uint64_t step, std::size_t& merged);
   static constexpr std::size_t backlog_high = 4, backlog_low = 1;  // catch_up's bounds, in messages of one source
   [[noreturn]] void throw_not_finite(std::uint64_t step) const;
+  void reseed_after_not_finite();
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release
@@ -330,6 +331,7 @@ class engine {
   float m_step_makeup = 0;         // numerator_steps: min(1/w − 1, 1) for this step's optimizer step, taken once
   double m_step_scale = 1;         // numerator_steps: 1 + that, for quasi-global momentum's displacement
   bool m_prev_fresh = true;        // x_{t−1} is z as the last step left it (no poll() merged since)
+  bool m_reseed = false;           // a step found the model not finite: x_{t−1} and m̂ start again from x and the momentum buffers
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
