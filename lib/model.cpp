@@ -1,5 +1,7 @@
 #include "gossip/model.hpp"
 
+#include <unistd.h>
+
 #include <bit>
 #include <cstring>
 
@@ -80,6 +82,11 @@ std::uint64_t fingerprint(std::span<const float> values) noexcept {
   h *= p1;
   h ^= h >> 32;
   return h ? h : 1;
+}
+
+std::uint64_t detail::physical_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
 }
 
 }  // namespace gossip

@@ -1,3 +1,5 @@
+#include <sys/mman.h>
+
 #include <doctest/doctest.h>
 
 #include <array>
@@ -107,6 +109,22 @@ TEST_CASE("stats: a model started at zero (x̂ = 0, relative drift infinite) lea
     CHECK(st.to_json().find("null") == std::string::npos);
     e.finish(0);
   });
+}
+
+TEST_CASE("a model too large for the machine's memory is refused before anything is allocated for it") {
+  const std::uint64_t physical = gossip::detail::physical_memory_bytes();
+  REQUIRE(physical > 0);
+  // Half the machine's memory in address space only (never touched): with the
+  // engine's send buffer and two receive slots it would need twice the machine.
+  const std::size_t n = static_cast<std::size_t>(physical / sizeof(float) / 2 + 1);
+  void* p = ::mmap(nullptr, n * sizeof(float), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  REQUIRE(p != MAP_FAILED);
+  model_view v;
+  v.add("w", std::span<float>(static_cast<float*>(p), n));
+  loopback_fabric fabric(2);
+  CHECK_THROWS_WITH_AS(engine(v, 0, 2, spec_of(any_policy(policies::never{}, "never"), "ring"), fabric.endpoint(0)),
+                       doctest::Contains("GiB of memory, so the process would be killed at some later step"), config_error);
+  ::munmap(p, n * sizeof(float));
 }
 
 TEST_CASE("a rank whose model turned NaN restores it and its momentum from a checkpoint and trains on (quasi-global momentum too)") {

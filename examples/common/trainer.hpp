@@ -416,7 +416,10 @@ inline int steps_per_epoch(const config& cfg, const train_settings& s, const std
   // Local SGD that never reaches its first average trains every worker alone:
   // a control that sends nothing (bench/traffic may ask for one), so said, not refused.
   if (s.average_every > run) {
-    const std::string ae = it != cfg.sections.end() && it->second.has("average_every") ? it->second.where("average_every") : cfg.source + " [train]";
+    // The config's value, or one the program chose (bench/traffic's local-SGD control), not the config's.
+    const bool from_config = it != cfg.sections.end() && it->second.has("average_every") && it->second.integer("average_every") == s.average_every;
+    const std::string ae = from_config ? it->second.where("average_every")
+                                       : fmt::format("[train] as the program set it (not {}'s)", cfg.source);
     fmt::print(stderr, "warning: {}: average_every = {} is longer than the whole run ({} epochs of {} steps = {} steps): the workers never "
                        "average\n", ae, s.average_every, s.epochs, steps, run);
   }

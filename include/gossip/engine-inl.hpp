@@ -128,6 +128,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // at zero: nobody holds anything of this rank yet, so its first send is the model.
   const int extra = m_protocol.sends_delta() ? 1 : 0;
   m_settings.send_buffers = buffers;
+  if (!model.device()) check_memory(buffers + extra);
   if (!model.device()) {  // a device model gets its buffers, x̂ and x_{t−1} from its backend, below
     m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers + extra) * m_stream_slots * m_message_bytes);
     if (m_codec.compresses()) {
@@ -224,6 +225,31 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_transport.attach(setup);
   if (m_model_fingerprint) start_shared_streams();
   m_start = m_last_send_time = std::chrono::steady_clock::now();
+}
+
+// What the engine is about to allocate for a host model, with the model
+// itself, is checked against the machine's memory: past it the kernel would
+// kill the process at some later step, without a word. (The transport's
+// own buffers come on top; this is a floor, never a false refusal.)
+inline void engine::check_memory(int send_buffers) const {
+  const std::uint64_t physical = detail::physical_memory_bytes();
+  if (physical == 0) return;
+  const double model = static_cast<double>(m_elements) * sizeof(float);
+  const double sources = static_cast<double>(m_topology.sources().size()), dests = static_cast<double>(m_topology.destinations().size());
+  const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
+  double held = static_cast<double>(send_buffers) * static_cast<double>(m_stream_slots) * static_cast<double>(m_message_bytes);
+  held += sources * 2 * static_cast<double>(m_message_bytes);  // the inbox: two slots per source
+  if (m_policy.wants_step_change() || qgm || m_settings.numerator_steps) held += model;  // x_{t−1}
+  if (qgm) held += model;                                                                 // m̂
+  if (m_codec.compresses()) held += model * (1 + dests + sources * (m_corrected_merge ? 2 : 1));  // x̂ of each stream
+  if (model + held <= static_cast<double>(physical)) return;
+  constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+  throw config_error(fmt::format("engine (rank {}): the model's {} values take {:.1f} GiB, and the engine would hold {:.1f} GiB more for them "
+                                 "(send buffers, receive slots for {} source(s){}): more than this machine's {:.1f} GiB of memory, so "
+                                 "the process would be killed at some later step; use a smaller model, a topology with fewer "
+                                 "sources, or fewer [engine] send_buffers",
+                                 m_rank, m_elements, model / gib, held / gib, m_topology.sources().size(),
+                                 m_codec.compresses() ? ", the codec's copies of each stream" : "", static_cast<double>(physical) / gib));
 }
 
 // Streams to and from peers that started from this rank's model (equal

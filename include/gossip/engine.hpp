@@ -239,6 +239,7 @@ class engine {
   static constexpr std::size_t backlog_high = 4, backlog_low = 1;  // catch_up's bounds, in messages of one source
   [[noreturn]] void throw_not_finite(std::uint64_t step) const;
   void reseed_after_not_finite();
+  void check_memory(int send_buffers) const;
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release

@@ -198,4 +198,9 @@ class model_view {
   std::shared_ptr<const device_backend> m_device;
 };
 
+namespace detail {
+/// Bytes of physical memory on this machine; 0 when the system does not say.
+std::uint64_t physical_memory_bytes() noexcept;
+}  // namespace detail
+
 }  // namespace gossip
