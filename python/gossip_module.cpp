@@ -16,6 +16,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -420,6 +422,7 @@ class py_engine {
     check_world(cfg, id);
     default_to_ucx(cfg, id);
     engine_spec spec = engine_spec::from(cfg);
+    m_timeout = spec.settings.timeout;
     waiting_call unlocked;  // the rendezvous and connecting wait for peers
     try {
       any_transport transport = make_transport(cfg, id, spec.settings.timeout);
@@ -441,12 +444,25 @@ class py_engine {
     }
     // [engine] momentum = auto keeps the buffers local over UCX: lr is then optional.
     m_has_momentum = m_has_momentum && m_engine->stats().momentum == "quasi-global";
+    // Local momentum: the engine never touches the buffers, so the optimizer
+    // may replace them (a checkpoint's load_state_dict) as it likes.
+    if (!m_has_momentum)
+      for (auto& t : m_tensors) t.momentum_address = 0;
   }
 
   py_engine(const py_engine&) = delete;
   py_engine& operator=(const py_engine&) = delete;
 
   ~py_engine() {
+    // In a process forked from the one that built it (os.fork(), a fork
+    // DataLoader worker that exits normally), the engine's transport is the
+    // parent's: tearing it down here would close the parent's connections.
+    // The child leaves it as it is.
+    if (forked()) {
+      (void)m_engine.release();
+      (void)new std::shared_ptr<bootstrap>(std::move(m_boot));
+      return;
+    }
     py::gil_scoped_release unlocked;  // leaving the fabric may wait (bounded) on peers
     release(false);
   }
@@ -455,10 +471,38 @@ class py_engine {
   // (they count this rank as failed) and frees the rendezvous, so that a
   // retry can build a new Engine; stats() and the properties still answer.
   void abandon() {
-    if (!m_engine || m_finished) return;
+    if (!m_engine || m_finished || forked()) return;
+    m_closing = true;  // a step() that starts now is refused
     py::gil_scoped_release unlocked;
+    // Another thread may be inside step() or finish() (a worker that trains
+    // while this one left its `with` block by an exception): the engine goes
+    // once that call has returned, which its own waits bound.
+    const auto deadline = std::chrono::steady_clock::now() + 2 * std::chrono::duration_cast<std::chrono::steady_clock::duration>(m_timeout) +
+                          std::chrono::seconds(1);
+    while (m_busy.exchange(true)) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw error(fmt::format("gossip.Engine: the `with` block ended by an exception, but another thread is still inside the engine "
+                                "after {:.0f} s; the engine was not released",
+                                std::chrono::duration<double>(2 * m_timeout).count() + 1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    m_busy_owner = std::this_thread::get_id();
     release(true);
     m_dropped = true;
+    m_busy_owner = std::thread::id{};
+    m_busy = false;
+  }
+
+  // __exit__ without an exception: finish(), and if that fails (a peer that
+  // never drained), leave as an exception would, so that a retry can build a
+  // new Engine; the error goes on.
+  void exit_normally() {
+    try {
+      finish(-2);
+    } catch (...) {
+      abandon();
+      throw;
+    }
   }
 
   step_result step(double lr, double loss) {
@@ -488,37 +532,45 @@ class py_engine {
       }
     }
     check_storage();
-    busy_guard guard(m_busy, "step");
+    busy_guard guard(m_busy, m_busy_owner, "step");
+    engine& held = running("step");  // again, now that no other thread can release it
+    (void)e;
     step_result r;
     {
       waiting_call unlocked;  // max_lead, busy send buffers, the receive backlog
-      r = e.step({.lr = lr, .loss = loss});
+      r = held.step({.lr = lr, .loss = loss});
     }
     for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) m_group_lr[g] = m_momentum_groups[g].second["lr"].cast<double>();
     return r;
   }
 
   std::size_t poll() {
-    engine& e = running("poll");
+    (void)running("poll");
     check_storage();
-    busy_guard guard(m_busy, "poll");
+    busy_guard guard(m_busy, m_busy_owner, "poll");
+    engine& e = running("poll");  // again, now that no other thread can release it
     waiting_call unlocked;
     return e.poll();
   }
 
   void finish(int rounds) {
     if (!m_engine || m_finished) return;  // idempotent: a model moved or reloaded after finish() is no longer ours to check
+    (void)live("finish");  // not in a forked child
     if (rounds < -2)
       throw py::value_error(fmt::format("gossip.Engine.finish: rounds={}; give rounds >= 0, -1 (automatic) or leave it out ([engine] "
                                         "finish_rounds)",
                                         rounds));
     check_storage();
-    busy_guard guard(m_busy, "finish");
+    busy_guard guard(m_busy, m_busy_owner, "finish");
+    if (!m_engine || m_finished || m_dropped) return;  // another thread finished or released it meanwhile
     waiting_call unlocked;  // final rounds, the drain handshake, the finish barrier
     m_engine->finish(rounds);
     // Rank 0 serves the rendezvous: it stays until every rank is through.
     // Not waiting for a rank that died: a peer of it that got through says so.
-    if (m_boot && !m_finished) m_boot->barrier(finish_barrier, m_engine->stats().dead_peers);
+    // Rank 0 found dead (it dropped its Engine, or its process died) serves no
+    // rendezvous any more: nobody is left to wait for, or to wait on.
+    const auto& dead = m_engine->stats().dead_peers;
+    if (m_boot && !m_finished && std::find(dead.begin(), dead.end(), 0) == dead.end()) m_boot->barrier(finish_barrier, dead);
     m_finished = true;
     // Every rank is through: nothing needs the rendezvous (rank 0's port) any
     // more, and a next Engine may be built while this one is still referenced.
@@ -529,33 +581,27 @@ class py_engine {
   // stats() and the properties answer with its last counters.
   py::object stats() {
     std::string json;
-    if (m_final) {
-      json = m_final->stats_json;
-    } else {
-      engine& e = live("stats");
-      busy_guard guard(m_busy, "stats");  // step() runs without the GIL: another thread may be inside it
-      json = e.stats().to_json(-1);
+    {
+      busy_guard guard(m_busy, m_busy_owner, "stats");  // step() runs without the GIL: another thread may be inside it
+      json = m_final ? m_final->stats_json : live("stats").stats().to_json(-1);
     }  // not held while json.loads runs Python code, which may hand the GIL to a thread about to step()
     return py::module_::import("json").attr("loads")(json);
   }
 
   double weight() {
+    busy_guard guard(m_busy, m_busy_owner, "weight");
     if (m_final) return m_final->weight;
-    engine& e = live("weight");
-    busy_guard guard(m_busy, "weight");
-    return e.weight();
+    return live("weight").weight();
   }
   std::uint64_t steps() {
+    busy_guard guard(m_busy, m_busy_owner, "steps");
     if (m_final) return m_final->steps;
-    engine& e = live("steps");
-    busy_guard guard(m_busy, "steps");
-    return e.steps();
+    return live("steps").steps();
   }
   double consensus() {
+    busy_guard guard(m_busy, m_busy_owner, "consensus");
     if (m_final) return m_final->consensus;
-    engine& e = live("consensus");
-    busy_guard guard(m_busy, "consensus");
-    return e.consensus();
+    return live("consensus").consensus();
   }
   int rank() const noexcept { return m_rank; }
   int world() const noexcept { return m_world; }
@@ -566,22 +612,41 @@ class py_engine {
   }
 
  private:
+  // One call at a time. The same thread found inside already is a signal
+  // handler (or a callback) that Python ran during one of the engine's waits.
   struct busy_guard {
     std::atomic<bool>& flag;
-    busy_guard(std::atomic<bool>& f, const char* what) : flag(f) {
-      if (flag.exchange(true))
+    std::atomic<std::thread::id>& owner;
+    busy_guard(std::atomic<bool>& f, std::atomic<std::thread::id>& o, const char* what) : flag(f), owner(o) {
+      if (flag.exchange(true)) {
+        if (owner.load() == std::this_thread::get_id())
+          throw error(fmt::format("gossip.Engine.{}: called while this same thread is inside the engine: from a signal handler (or a "
+                                  "callback) that Python ran during the engine's wait for its peers; set a flag there, and call the "
+                                  "engine once that call has returned",
+                                  what));
         throw error(fmt::format("gossip.Engine.{}: the engine is in use by another thread; call it from one thread", what));
+      }
+      owner = std::this_thread::get_id();
     }
-    ~busy_guard() { flag = false; }
+    ~busy_guard() {
+      owner = std::thread::id{};
+      flag = false;
+    }
   };
 
+  bool forked() const noexcept { return ::getpid() != m_pid; }
+
   engine& live(const char* what) {
+    if (forked())
+      throw error(fmt::format("gossip.Engine.{}: this process was forked from the one that built the Engine (pid {}), whose engine it "
+                              "is; build a new Engine here if this process trains",
+                              what, m_pid));
     if (!m_engine) throw error(fmt::format("gossip.Engine.{}: the engine was not constructed", what));
     return *m_engine;
   }
   // step() and poll() after finish(): the engine has left its peers.
   engine& running(const char* what) {
-    if (m_dropped)
+    if (m_dropped || m_closing)
       throw error(fmt::format("gossip.Engine.{}: the engine left its peers when its `with` block ended by an exception (build a new Engine)",
                               what));
     if (m_finished) throw error(fmt::format("gossip.Engine.{}: finish() was called; this rank has left its peers (build a new Engine)", what));
@@ -809,6 +874,10 @@ class py_engine {
   }
   std::unique_ptr<engine> m_engine;  // destroyed before the tensors it points at
   std::atomic<bool> m_busy{false};
+  pid_t m_pid = ::getpid();  // the process that built the engine
+  std::atomic<std::thread::id> m_busy_owner{};
+  std::atomic<bool> m_closing{false};  // abandon() has begun: no new step()
+  std::chrono::duration<double> m_timeout{60.0};
   std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
   std::vector<std::pair<std::size_t, py::object>> m_momentum_groups;  // (index, group) of the optimizer's groups with momentum
   std::vector<double> m_group_lr;  // each such group's lr when the last step() returned, or when the engine was built
@@ -902,14 +971,19 @@ PYBIND11_MODULE(gossip, m) {
 
   static py::exception<gossip::error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<gossip::config_error> config_error(m, "ConfigError", error.ptr());
-  static py::exception<gossip::timeout_error> timeout_error(m, "TimeoutError", error.ptr());
+  // Also a builtin TimeoutError, so that `except TimeoutError:` catches a peer that never came.
+  // (py::exception takes one base; the type is the module's for as long as the process runs.)
+  static PyObject* const timeout_error =
+      PyErr_NewException("gossip.TimeoutError", py::make_tuple(error, py::handle(PyExc_TimeoutError)).ptr(), nullptr);
+  if (!timeout_error) throw py::error_already_set();
+  m.attr("TimeoutError") = py::handle(timeout_error);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const gossip::config_error& e) {
       PyErr_SetString(config_error.ptr(), e.what());
     } catch (const gossip::timeout_error& e) {
-      PyErr_SetString(timeout_error.ptr(), e.what());
+      PyErr_SetString(timeout_error, e.what());
     } catch (const gossip::error& e) {
       PyErr_SetString(error.ptr(), e.what());
     }
@@ -963,7 +1037,7 @@ does not see it): call them after optimizer.step(), not between forward and back
       .def("__enter__", [](py::handle self) { gp::constructed(self); return self; })
       .def("__exit__", [](py::handle self, const py::object& type, const py::object&, const py::object&) {
         if (type.is_none())
-          gp::constructed(self).finish(-2);
+          gp::constructed(self).exit_normally();
         else
           gp::constructed(self).abandon();
       });

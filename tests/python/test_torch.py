@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -212,6 +213,22 @@ def test_a_rank_that_drops_its_engine_without_finish_holds_no_one(tmp_path):
     assert r0["stats"]["dead_peers"] == [1], out
     assert r0["seconds"] < 10, (r0["seconds"], out)  # the engine's timeout is 20 s
     assert "left before its drain handshake" in out, out
+
+
+def test_finish_after_rank_0_dropped_its_engine(tmp_path):
+    # Rank 0 serves the rendezvous; once it is found dead, rank 1's finish()
+    # has no barrier to pass.
+    status, out = torchrun(2, WORKER, "drop0", tmp_path, 10)
+    assert status == 0, out
+    r1 = torch.load(tmp_path / "rank1.pt")
+    assert r1["stats"]["dead_peers"] == [0], out
+
+
+def test_a_forked_child_leaves_the_engine_to_its_parent(tmp_path):
+    status, out = torchrun(2, WORKER, "fork", tmp_path, 0)
+    assert status == 0, out
+    for r in (0, 1):
+        assert torch.load(tmp_path / f"rank{r}.pt")["stats"]["dead_peers"] == [], out
 
 
 def test_finish_after_a_peer_died_does_not_wait_for_it(tmp_path):
@@ -583,6 +600,48 @@ def test_a_thread_reading_stats_never_fails_a_step(one_rank):
         stop.set()
         t.join()
     assert reads[0] > 0
+    eng.finish()
+
+
+def test_timeout_error_is_also_the_builtin_one():
+    assert issubclass(gossip.TimeoutError, TimeoutError) and issubclass(gossip.TimeoutError, gossip.Error)
+
+
+def test_a_with_block_left_by_an_exception_waits_for_a_thread_inside_step(one_rank):
+    import threading
+    errors = []
+    stop = threading.Event()
+
+    def train(eng):
+        while not stop.is_set():
+            try:
+                eng.step(lr=0.1)
+            except gossip.Error as e:
+                errors.append(str(e))
+                return
+
+    with pytest.raises(RuntimeError, match="the user's error"):
+        with gossip.Engine([("w", torch.ones(1_000_000))], config={"policy": {"name": "periodic", "every": 1}}) as eng:
+            t = threading.Thread(target=train, args=(eng,))
+            t.start()
+            time.sleep(0.3)
+            raise RuntimeError("the user's error")
+    stop.set()
+    t.join()
+    assert errors and "left its peers when its `with` block ended by an exception" in errors[0], errors
+
+
+def test_local_momentum_lets_the_optimizer_replace_its_buffers(one_rank):
+    # A checkpoint's load_state_dict: the engine never touches local buffers.
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    eng = gossip.Engine(model.named_parameters(), optimizer=opt, config={"engine": {"momentum": "local"}})
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    eng.step(lr=0.1)
+    opt.load_state_dict(opt.state_dict())
+    opt.step()
+    eng.step(lr=0.1)
     eng.finish()
 
 

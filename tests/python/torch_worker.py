@@ -125,21 +125,23 @@ def main():
         same = buffers == [opt.state[p]["momentum_buffer"].data_ptr() for p in model.parameters()]
         torch.save({"bias": model.bias.detach().clone(), "weight": eng.weight, "stats": eng.stats(), "same_buffers": same},
                    os.path.join(out_dir, f"rank{rank}.pt"))
-    elif mode in ("drop", "die"):
-        # Rank 1 leaves; rank 0 trains on and finishes. "drop": rank 1 drops its
-        # engine without finish(). "die": rank 1 exits without a word (no
+    elif mode in ("drop", "drop0", "die"):
+        # One rank leaves; the other trains on and finishes. "drop": rank 1
+        # drops its engine without finish(); "drop0": rank 0 does, which also
+        # ends the rendezvous it serves. "die": rank 1 exits without a word (no
         # finish(), no destructor); rank 0 finds it dead, and its finish() does
         # not wait for it.
+        leaver = 0 if mode == "drop0" else 1
         eng = gossip.Engine({"w": torch.full((8,), float(rank))},
-                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0 if mode == "drop" else 4.0}})
+                            config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 4.0 if mode == "die" else 20.0}})
         for _ in range(5):
             eng.step(lr=0.1)
-        if rank == 1 and mode == "drop":
+        if rank == leaver and mode != "die":
             time.sleep(0.5)
             del eng
             time.sleep(3)  # alive, but gone from the gossip
             return
-        if rank == 1:
+        if rank == leaver:
             deadline = time.monotonic() + 20
             while eng.stats()["messages_received"] == 0:  # rank 0 has connected to it
                 if time.monotonic() > deadline:
@@ -147,13 +149,36 @@ def main():
                 eng.poll()
                 time.sleep(0.01)
             os._exit(0)
-        if mode == "drop":
+        if mode != "die":
             time.sleep(1)
         t0 = time.monotonic()
         for _ in range(steps):
             eng.step(lr=0.1)
         eng.finish()
         torch.save({"stats": eng.stats(), "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "fork":
+        # Rank 0 forks a process that exits normally (its interpreter shuts
+        # down, and the Engine it inherited with it): the parent's engine,
+        # and rank 1's, must not notice.
+        eng = gossip.Engine({"w": torch.full((8,), float(rank))}, config={"policy": {"name": "periodic", "every": 1}})
+        for _ in range(5):
+            eng.step(lr=0.1)
+        if rank == 0:
+            child = os.fork()
+            if child == 0:
+                try:
+                    eng.step(lr=0.1)
+                    code = 3  # the parent's engine must be refused here
+                except gossip.Error as e:
+                    code = 0 if "forked from the one that built the Engine" in str(e) else 4
+                sys.exit(code)
+            _, status = os.waitpid(child, 0)
+            if status != 0:
+                sys.exit(f"the forked child ended with status {status}")
+        for _ in range(5):
+            eng.step(lr=0.1)
+        eng.finish()
+        torch.save({"stats": eng.stats()}, os.path.join(out_dir, f"rank{rank}.pt"))
     elif mode == "interrupt":
         # Rank 0's finish() waits on rank 1, which neither steps nor finishes;
         # a SIGINT (Ctrl-C) one second in must end that wait at once.
