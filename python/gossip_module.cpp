@@ -912,6 +912,12 @@ auto checked(R (py_engine::*f)(A...) const) {
   return [f](py::handle self, A... a) -> R { return (constructed(self).*f)(std::forward<A>(a)...); };
 }
 
+// A setting's default as the Python value a config dict takes for it (not
+// its TOML text: "auto", not '"auto"').
+py::object default_of(const option_value& v) {
+  return std::visit([](const auto& x) -> py::object { return py::cast(x); }, v);
+}
+
 template <class Registry>
 py::list describe(const Registry& r) {
   py::list out;
@@ -920,7 +926,7 @@ py::list describe(const Registry& r) {
     for (const auto& s : e.specs) {
       py::dict o;
       o["key"] = s.key;
-      o["default"] = to_string(s.default_value);
+      o["default"] = default_of(s.default_value);
       o["help"] = s.help;
       if (!s.env.empty()) o["env"] = s.env;
       opts.append(o);
@@ -1058,7 +1064,7 @@ does not see it): call them after optimizer.step(), not between forward and back
     for (const auto& s : gossip::engine_option_specs()) {
       py::dict o;
       o["key"] = s.key;
-      o["default"] = gossip::to_string(s.default_value);
+      o["default"] = gp::default_of(s.default_value);
       o["help"] = s.help;
       engine.append(o);
     }

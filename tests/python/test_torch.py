@@ -676,3 +676,8 @@ def test_policies_lists_components():
     assert "push-sum" in {p["name"] for p in c["protocol"]}
     assert {"none", "int8", "topk", "lowrank"} <= {k["name"] for k in c["codec"]}
     assert "timeout_s" in {o["key"] for o in c["engine"]}
+    # Defaults come as the values a config dict takes, so they can be copied into one.
+    assert {o["key"]: o["default"] for o in periodic["options"]} == {"every": 1, "stagger": False}
+    engine = {o["key"]: o["default"] for o in c["engine"]}
+    assert engine["momentum"] == "auto" and engine["timeout_s"] == 60.0
+    gossip.check_config({"engine": {k: engine[k] for k in ("momentum", "timeout_s", "max_lead")}}, world=1)
