@@ -209,6 +209,18 @@ std::string toml_value(const py::handle& v, const std::string& where, int depth 
     return s;
   }
   if (py::isinstance<py::str>(v)) return toml_string(dict_text(v, where));
+  // Numbers of other types (numpy's int64 and float32, a 0-d tensor): as the
+  // Python int or float they stand for.
+  for (const char* as : {"__index__", "__float__"})
+    if (py::hasattr(v, as) && !py::isinstance<py::list>(v) && !py::isinstance<py::tuple>(v)) {
+      py::object plain;
+      try {
+        plain = std::string_view(as) == "__index__" ? py::module_::import("operator").attr("index")(v) : py::module_::import("builtins").attr("float")(v);
+      } catch (const py::error_already_set&) {
+        continue;  // e.g. a tensor of more than one value
+      }
+      return toml_value(plain, where, depth);
+    }
   if (py::isinstance<py::list>(v) || py::isinstance<py::tuple>(v)) {
     // No setting takes more than a list of pairs (topology edges).
     if (depth >= 2)
@@ -722,9 +734,14 @@ class py_engine {
     py::dict group_of;  // param → its group's momentum
     std::optional<double> beta;
     std::size_t gi = 0;
+    py::set registered;
+    for (const auto& t : m_tensors) registered.add(t.tensor);
     for (const auto& group : optimizer.attr("param_groups")) {
       const double m = group_momentum(optimizer, group, gi);
-      if (m > 0) {
+      // Only groups that step registered tensors: the engine rebuilds no other buffers, so their lr and momentum are theirs alone.
+      bool ours = false;
+      for (const auto& p : group["params"]) ours = ours || registered.contains(p);
+      if (m > 0 && ours) {
         m_momentum_groups.emplace_back(gi, py::reinterpret_borrow<py::object>(group));
         m_group_lr.push_back(py::reinterpret_borrow<py::object>(group)["lr"].cast<double>());
         if (beta && *beta != m)

@@ -631,6 +631,26 @@ def test_a_with_block_left_by_an_exception_waits_for_a_thread_inside_step(one_ra
     assert errors and "left its peers when its `with` block ended by an exception" in errors[0], errors
 
 
+def test_config_dict_takes_numbers_of_numpy_and_torch(one_rank):
+    import numpy as np
+    gossip.check_config({"policy": {"name": "periodic", "every": np.int64(3)}, "engine": {"timeout_s": np.float32(5)}}, world=1)
+    gossip.check_config({"policy": {"name": "periodic", "every": torch.tensor(2)}}, world=1)
+    with pytest.raises(gossip.ConfigError, match=r"\['policy'\]\['every'\] is a Tensor"):
+        gossip.check_config({"policy": {"name": "periodic", "every": torch.ones(3)}}, world=1)
+
+
+def test_optimizer_groups_of_unregistered_parameters_are_theirs_alone(one_rank):
+    # Only the backbone is gossiped: the head's group may have its own lr and momentum.
+    backbone, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD([{"params": backbone.parameters(), "lr": 0.01},
+                           {"params": head.parameters(), "lr": 0.1, "momentum": 0.5}], momentum=0.9)
+    eng = gossip.Engine(backbone.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    head(backbone(torch.randn(8, 4))).square().mean().backward()
+    opt.step()
+    eng.step(lr=0.01)
+    eng.finish()
+
+
 def test_local_momentum_lets_the_optimizer_replace_its_buffers(one_rank):
     # A checkpoint's load_state_dict: the engine never touches local buffers.
     model = torch.nn.Linear(3, 2)
