@@ -230,7 +230,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
 // What the engine is about to allocate for a host model, with the model
 // itself, is checked against the machine's memory: past it the kernel would
 // kill the process at some later step, without a word. (The transport's
-// own buffers come on top; this is a floor, never a false refusal.)
+// own buffers come on top: what is counted is a floor of what the run needs.)
 inline void engine::check_memory(int send_buffers) const {
   const std::uint64_t physical = detail::physical_memory_bytes();
   if (physical == 0) return;
