@@ -293,7 +293,8 @@ int main(int argc, char** argv) {
         note("gossip-run: forwarding signal {} to {} rank(s) (send it again to kill them at once)\n", forwarded, running);
         stop_others(forwarded);
         stop_at = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
-      } else if (running > 0) {
+      }
+      if (seen >= 2 && running > 0) {  // also two that came before this loop looked
         note("gossip-run: signal {} again: sending SIGKILL to {} rank(s)\n", static_cast<int>(g_signal), running);
         stop_others(SIGKILL);
         stop_at = std::chrono::steady_clock::time_point::max();
