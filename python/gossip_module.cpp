@@ -518,7 +518,7 @@ class py_engine {
   }
 
   step_result step(double lr, double loss) {
-    engine& e = running("step");
+    (void)running("step");
     if (!(lr >= 0) || !std::isfinite(lr))
       throw py::value_error(fmt::format("gossip.Engine.step: lr={}; pass the learning rate the optimizer used at this step (finite, "
                                         ">= 0; 0 or leaving it out: not known)",
@@ -531,28 +531,39 @@ class py_engine {
     // A scheduler stepped between optimizer.step() and this call has moved the group to the next step's lr
     // already: the lr the group had when the last step() returned is the one the optimizer just used.
     if (m_has_momentum) {
-      const auto differs = [lr](double a) { return !(std::abs(a - lr) <= 1e-9 * std::abs(lr)); };
+      const auto differs = [](double a, double b) { return !(std::abs(a - b) <= 1e-9 * std::abs(b)); };
       for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) {
         const auto& [index, group] = m_momentum_groups[g];
         const double group_lr = group["lr"].cast<double>(), before = m_group_lr[g];
-        if (differs(group_lr) && differs(before))
+        if (differs(group_lr, lr) && differs(before, lr))
           throw py::value_error(fmt::format(
               "gossip.Engine.step: lr={} but optimizer param_groups[{}] has lr={} (and had lr={} when the last step() returned or the "
               "engine was built); pass the lr the optimizer used at this step (read before a scheduler's step()): quasi-global momentum "
               "rebuilds every buffer with it{}; or set [engine] momentum = \"local\"",
               lr, index, group_lr, before, m_momentum_groups.size() > 1 ? ", so the groups with momentum need one lr" : ""));
+        // The buffers are rebuilt with the β the engine was built with; a scheduler that moves the
+        // group's momentum (OneCycleLR and CyclicLR do by default) would train with another one.
+        const double group_m = group["momentum"].cast<double>(), m_before = m_group_momentum[g];
+        if (differs(group_m, m_beta) && differs(m_before, m_beta))
+          throw py::value_error(fmt::format(
+              "gossip.Engine.step: optimizer param_groups[{}] has momentum={} (and had momentum={} when the last step() returned) but "
+              "the engine rebuilds the momentum buffers with the momentum it was built with, {}; a scheduler that changes momentum "
+              "(OneCycleLR and CyclicLR do, unless cycle_momentum=False) needs [engine] momentum = \"local\"",
+              index, group_m, m_before, m_beta));
       }
     }
     check_storage();
     busy_guard guard(m_busy, m_busy_owner, "step");
     engine& held = running("step");  // again, now that no other thread can release it
-    (void)e;
     step_result r;
     {
       waiting_call unlocked;  // max_lead, busy send buffers, the receive backlog
       r = held.step({.lr = lr, .loss = loss});
     }
-    for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) m_group_lr[g] = m_momentum_groups[g].second["lr"].cast<double>();
+    for (std::size_t g = 0; g < m_momentum_groups.size(); ++g) {
+      m_group_lr[g] = m_momentum_groups[g].second["lr"].cast<double>();
+      m_group_momentum[g] = m_momentum_groups[g].second["momentum"].cast<double>();
+    }
     return r;
   }
 
@@ -744,6 +755,7 @@ class py_engine {
       if (m > 0 && ours) {
         m_momentum_groups.emplace_back(gi, py::reinterpret_borrow<py::object>(group));
         m_group_lr.push_back(py::reinterpret_borrow<py::object>(group)["lr"].cast<double>());
+        m_group_momentum.push_back(m);
         if (beta && *beta != m)
           throw py::value_error(fmt::format("gossip.Engine: optimizer param groups use momentum {} and {}; quasi-global momentum takes one "
                                             "β for all: use one momentum, or set [engine] momentum = \"local\"",
@@ -759,6 +771,7 @@ class py_engine {
           "gossip.Engine: optimizer= steps none of the registered tensors (an optimizer of another model, or tensors that are not its "
           "parameter objects, e.g. a state_dict's); register model.named_parameters() with that model's optimizer, or leave optimizer= out");
     if (!beta) return;  // plain SGD: no buffers
+    m_beta = *beta;
     try {
       cfg.follow_momentum(*beta, "the optimizer's momentum");
     } catch (const config_error& e) {
@@ -898,6 +911,8 @@ class py_engine {
   std::vector<std::pair<py::object, py::object>> m_new_buffers;  // (optimizer state entry, buffer) until the engine is built
   std::vector<std::pair<std::size_t, py::object>> m_momentum_groups;  // (index, group) of the optimizer's groups with momentum
   std::vector<double> m_group_lr;  // each such group's lr when the last step() returned, or when the engine was built
+  std::vector<double> m_group_momentum;  // and its momentum
+  double m_beta = 0;                     // the momentum the engine rebuilds the buffers with
   bool m_has_momentum = false, m_finished = false;
   int m_rank = 0, m_world = 1;
 };

@@ -531,6 +531,39 @@ def test_a_scheduler_stepped_before_the_engine_is_the_usual_order(one_rank):
     eng.finish()
 
 
+def test_a_scheduler_that_changes_momentum_is_refused(one_rank):
+    # OneCycleLR cycles SGD's momentum by default: the engine rebuilds the buffers with one β.
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20)
+    eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has momentum=0\.9\d* \(and had momentum=0\.9\d* when the last step\(\) "
+                       r"returned\) but the engine rebuilds the momentum buffers with the momentum it was built with, 0\.95.*"
+                       r"cycle_momentum=False\) needs \[engine\] momentum = \"local\""):
+        for _ in range(5):
+            m(torch.randn(8, 4)).square().mean().backward()
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            eng.step(lr=lr)
+    eng.finish()
+    # With cycle_momentum=False, or local momentum, it trains.
+    for cycle, momentum in ((False, "quasi-global"), (True, "local")):
+        m = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20, cycle_momentum=cycle)
+        with gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": momentum}}) as eng:
+            for _ in range(5):
+                m(torch.randn(8, 4)).square().mean().backward()
+                lr = opt.param_groups[0]["lr"]
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                eng.step(lr=lr)
+            eng.finish()
+
+
 def test_inputs_that_are_not_what_the_engine_takes_are_named(one_rank):
     with pytest.raises(TypeError, match=r"config= takes the path of a TOML file .* got a int"):
         gossip.Engine([("w", torch.zeros(4))], config=5)
