@@ -46,12 +46,18 @@ class adacomm {
   static constexpr std::string_view help =
       "AdaComm: period tau = ceil(sqrt(lr0·F/(lr·F0))·tau0), shrinking as the (smoothed) loss falls";
 
-  /// Throws gossip::error unless tau0 >= 1, tau_max >= tau0 and 0 <= smoothing < 1.
+  /// Throws gossip::config_error unless tau0 >= 1, tau_max >= tau0 and 0 <= smoothing < 1.
   explicit adacomm(std::uint64_t tau0 = 10, std::uint64_t tau_max = 100, double smoothing = 0.9)
       : m_tau0(tau0), m_tau_max(tau_max), m_smoothing(smoothing), m_period(tau0) {
-    GOSSIP_ASSERT(tau0 >= 1, "adacomm: tau0 must be >= 1, got {}", tau0);
-    GOSSIP_ASSERT(tau_max >= tau0, "adacomm: tau_max ({}) must be >= tau0 ({})", tau_max, tau0);
-    GOSSIP_ASSERT(smoothing >= 0 && smoothing < 1, "adacomm: smoothing must be in [0, 1), got {}", smoothing);
+    validate(setting_check("policy 'adacomm'"), tau0, tau_max, smoothing);
+  }
+
+  /// The settings' ranges, for code (the constructor) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, Int tau0, Int tau_max, double smoothing) {
+    c.at_least(tau0, 1, "tau0");
+    c(tau_max >= tau0, "tau_max", fmt::format("an integer >= tau0 ({})", tau0), tau_max, "tau0");
+    c(smoothing >= 0 && smoothing < 1, "smoothing", "a number in [0, 1)", smoothing);
   }
 
   decision decide(const signal& s) noexcept {
@@ -88,18 +94,9 @@ class adacomm {
   }
 
   static adacomm from_options(const options& o) {
-    const std::int64_t tau0 = o.integer("tau0");
-    if (tau0 < 1)
-      throw config_error(
-          fmt::format("{}: key 'tau0' of policy 'adacomm' must be an integer >= 1, got {}", o.where("tau0"), tau0));
-    const std::int64_t tau_max = o.integer("tau_max");
-    if (tau_max < tau0)
-      throw config_error(fmt::format("{}: key 'tau_max' of policy 'adacomm' must be an integer >= tau0 ({}), got {}",
-                                     o.where("tau_max", "tau0"), tau0, tau_max));
+    const std::int64_t tau0 = o.integer("tau0"), tau_max = o.integer("tau_max");
     const double smoothing = o.real("smoothing");
-    if (!(smoothing >= 0 && smoothing < 1))
-      throw config_error(fmt::format("{}: key 'smoothing' of policy 'adacomm' must be a number in [0, 1), got {}",
-                                     o.where("smoothing"), smoothing));
+    validate(setting_check("policy 'adacomm'", &o), tau0, tau_max, smoothing);
     return adacomm(static_cast<std::uint64_t>(tau0), static_cast<std::uint64_t>(tau_max), smoothing);
   }
 

@@ -43,7 +43,7 @@ class budget {
   static constexpr double min_threshold = 1e-12;
   static constexpr double max_threshold = 1e12;
 
-  /// Throws gossip::error unless 0 < fraction <= 1, initial_threshold > 0,
+  /// Throws gossip::config_error unless 0 < fraction <= 1, initial_threshold > 0,
   /// gain > 0 and min_interval >= 1.
   explicit budget(double fraction = 0.1, double initial_threshold = 0.01, double gain = 0.05,
                   std::uint64_t min_interval = 1)
@@ -51,11 +51,16 @@ class budget {
         m_gain(gain),
         m_min_interval(min_interval),
         m_threshold(std::clamp(initial_threshold, min_threshold, max_threshold)) {
-    GOSSIP_ASSERT(fraction > 0 && fraction <= 1, "budget: fraction must be in (0, 1], got {}", fraction);
-    GOSSIP_ASSERT(std::isfinite(initial_threshold) && initial_threshold > 0,
-                  "budget: initial_threshold must be a finite number > 0, got {}", initial_threshold);
-    GOSSIP_ASSERT(std::isfinite(gain) && gain > 0, "budget: gain must be a finite number > 0, got {}", gain);
-    GOSSIP_ASSERT(min_interval >= 1, "budget: min_interval must be >= 1, got {}", min_interval);
+    validate(setting_check("policy 'budget'"), fraction, initial_threshold, gain, min_interval);
+  }
+
+  /// The settings' ranges, for code (the constructor) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, double fraction, double initial_threshold, double gain, Int min_interval) {
+    c(fraction > 0 && fraction <= 1, "fraction", "a number in (0, 1]", fraction);
+    c(std::isfinite(initial_threshold) && initial_threshold > 0, "initial_threshold", "a finite number > 0", initial_threshold);
+    c(std::isfinite(gain) && gain > 0, "gain", "a finite number > 0", gain);
+    c.at_least(min_interval, 1, "min_interval");
   }
 
   decision decide(const signal& s) const noexcept {
@@ -92,22 +97,9 @@ class budget {
   }
 
   static budget from_options(const options& o) {
-    const double fraction = o.real("fraction");
-    if (!(fraction > 0 && fraction <= 1))
-      throw config_error(fmt::format("{}: key 'fraction' of policy 'budget' must be a number in (0, 1], got {}",
-                                     o.where("fraction"), fraction));
-    const double initial = o.real("initial_threshold");
-    if (!(std::isfinite(initial) && initial > 0))
-      throw config_error(fmt::format(
-          "{}: key 'initial_threshold' of policy 'budget' must be a finite number > 0, got {}", o.where("initial_threshold"), initial));
-    const double gain = o.real("gain");
-    if (!(std::isfinite(gain) && gain > 0))
-      throw config_error(
-          fmt::format("{}: key 'gain' of policy 'budget' must be a finite number > 0, got {}", o.where("gain"), gain));
+    const double fraction = o.real("fraction"), initial = o.real("initial_threshold"), gain = o.real("gain");
     const std::int64_t min_interval = o.integer("min_interval");
-    if (min_interval < 1)
-      throw config_error(fmt::format("{}: key 'min_interval' of policy 'budget' must be an integer >= 1, got {}",
-                                     o.where("min_interval"), min_interval));
+    validate(setting_check("policy 'budget'", &o), fraction, initial, gain, min_interval);
     return budget(fraction, initial, gain, static_cast<std::uint64_t>(min_interval));
   }
 

@@ -102,15 +102,20 @@ class consensus {
   /// Shared schedule: the steps between the last two rounds (0 before a round).
   std::uint64_t round_interval() const noexcept { return m_round_interval; }
 
+  /// The settings' ranges, for code (check()) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, double threshold, double lr_exponent, double balance, Int min_interval, Int max_interval) {
+    c(std::isfinite(threshold) && threshold > 0 && threshold <= 1e6, "threshold", "a number in (0, 1000000]", threshold);
+    c(std::isfinite(lr_exponent) && lr_exponent >= 0 && lr_exponent <= 2, "lr_exponent", "a number in [0, 2]", lr_exponent);
+    c(std::isfinite(balance) && balance >= 0 && balance <= 4, "balance", "a number in [0, 4]", balance);
+    c.at_least(min_interval, 1, "min_interval");
+    c.at_least(max_interval, 0, "max_interval", " (0 = no limit)");
+    c(max_interval == 0 || max_interval >= min_interval, "max_interval", fmt::format("0 or an integer >= min_interval ({})", min_interval),
+      max_interval, "min_interval");
+  }
   /// A policy built in code is checked as a config's is (any_policy calls this).
   void check() const {
-    for (const auto& [key, v, lo, hi, open_lo] : {std::tuple{"threshold", threshold, 0.0, 1e6, true}, std::tuple{"lr_exponent", lr_exponent, 0.0, 2.0, false},
-                                                  std::tuple{"balance", balance, 0.0, 4.0, false}})
-      if (!std::isfinite(v) || (open_lo ? !(v > lo) : !(v >= lo)) || v > hi)
-        throw config_error(fmt::format("policy 'consensus': {} must be a number in {}{}, {}], got {}", key, open_lo ? "(" : "[", lo, hi, v));
-    if (min_interval < 1) throw config_error("policy 'consensus': min_interval must be >= 1, got 0");
-    if (max_interval > 0 && max_interval < min_interval)
-      throw config_error(fmt::format("policy 'consensus': max_interval ({}) must be >= min_interval ({}) or 0", max_interval, min_interval));
+    validate(setting_check("policy 'consensus'"), threshold, lr_exponent, balance, min_interval, max_interval);
   }
 
   static std::vector<option_spec> specs() {
@@ -125,26 +130,11 @@ class consensus {
 
   static consensus from_options(const options& o) {
     consensus p;
-    auto real_in = [&](const char* key, double lo, double hi, bool open_lo) {
-      const double v = o.real(key);
-      if (!std::isfinite(v) || (open_lo ? !(v > lo) : !(v >= lo)) || v > hi)
-        throw config_error(fmt::format("{}: key '{}' of policy 'consensus' must be a number in {}{}, {}], got {}", o.where(key), key,
-                                       open_lo ? "(" : "[", lo, hi, v));
-      return v;
-    };
-    p.threshold = real_in("threshold", 0, 1e6, true);
-    p.lr_exponent = real_in("lr_exponent", 0, 2, false);
-    p.balance = real_in("balance", 0, 4, false);
-    const std::int64_t min_interval = o.integer("min_interval");
-    if (min_interval < 1)
-      throw config_error(fmt::format("{}: key 'min_interval' of policy 'consensus' must be an integer >= 1, got {}", o.where("min_interval"), min_interval));
-    const std::int64_t max_interval = o.integer("max_interval");
-    if (max_interval < 0)
-      throw config_error(
-          fmt::format("{}: key 'max_interval' of policy 'consensus' must be an integer >= 0 (0 = no limit), got {}", o.where("max_interval"), max_interval));
-    if (max_interval > 0 && max_interval < min_interval)
-      throw config_error(fmt::format("{}: key 'max_interval' of policy 'consensus' ({}) must be >= min_interval ({}) or 0", o.where("max_interval", "min_interval"),
-                                     max_interval, min_interval));
+    p.threshold = o.real("threshold");
+    p.lr_exponent = o.real("lr_exponent");
+    p.balance = o.real("balance");
+    const std::int64_t min_interval = o.integer("min_interval"), max_interval = o.integer("max_interval");
+    validate(setting_check("policy 'consensus'", &o), p.threshold, p.lr_exponent, p.balance, min_interval, max_interval);
     p.min_interval = static_cast<std::uint64_t>(min_interval);
     p.max_interval = static_cast<std::uint64_t>(max_interval);
     return p;

@@ -43,11 +43,14 @@ struct drift {
     return decision::skip(reason::below_threshold, value, threshold);
   }
 
-  /// A policy built in code is checked as a config's is (any_policy calls this).
-  void check() const {
-    if (!(std::isfinite(threshold) && threshold > 0))
-      throw config_error(fmt::format("policy 'drift': threshold must be a finite number > 0, got {}", threshold));
+  /// The settings' ranges, for code (check()) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, double threshold, Int max_interval) {
+    c(std::isfinite(threshold) && threshold > 0, "threshold", "a finite number > 0", threshold);
+    c.at_least(max_interval, 0, "max_interval", " (0 = no limit)");
   }
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const { validate(setting_check("policy 'drift'"), threshold, max_interval); }
 
   static std::vector<option_spec> specs() {
     return {
@@ -59,14 +62,8 @@ struct drift {
 
   static drift from_options(const options& o) {
     const double threshold = o.real("threshold");
-    if (!(std::isfinite(threshold) && threshold > 0))
-      throw config_error(fmt::format("{}: key 'threshold' of policy 'drift' must be a finite number > 0, got {}",
-                                     o.where("threshold"), threshold));
     const std::int64_t max_interval = o.integer("max_interval");
-    if (max_interval < 0)
-      throw config_error(fmt::format(
-          "{}: key 'max_interval' of policy 'drift' must be an integer >= 0 (0 = no limit), got {}", o.where("max_interval"),
-          max_interval));
+    validate(setting_check("policy 'drift'", &o), threshold, max_interval);
     return drift{.threshold = threshold,
                  .relative = o.boolean("relative"),
                  .max_interval = static_cast<std::uint64_t>(max_interval)};

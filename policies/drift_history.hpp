@@ -49,11 +49,17 @@ class drift_history {
   static constexpr bool wants_step_change = true;
   static constexpr std::size_t max_window = 256;
 
-  /// Throws gossip::error unless xi > 0 and 1 <= window <= max_window.
+  /// Throws gossip::config_error unless xi > 0 and 1 <= window <= max_window.
   explicit drift_history(double xi = 1.0, std::size_t window = 10) : m_xi(xi), m_window(window) {
-    GOSSIP_ASSERT(std::isfinite(xi) && xi > 0, "drift_history: xi must be a finite number > 0, got {}", xi);
-    GOSSIP_ASSERT(window >= 1 && window <= max_window, "drift_history: window must be in [1, {}], got {}", max_window,
-                  window);
+    validate(setting_check("policy 'drift-history'"), xi, window);
+  }
+
+  /// The settings' ranges, for code (the constructor) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, double xi, Int window) {
+    c(std::isfinite(xi) && xi > 0, "xi", "a finite number > 0", xi);
+    c(std::cmp_greater_equal(window, 1) && std::cmp_less_equal(window, max_window), "window", fmt::format("an integer in [1, {}]", max_window),
+      window);
   }
 
   decision decide(const signal& s) noexcept {
@@ -92,13 +98,8 @@ class drift_history {
 
   static drift_history from_options(const options& o) {
     const double xi = o.real("xi");
-    if (!(std::isfinite(xi) && xi > 0))
-      throw config_error(
-          fmt::format("{}: key 'xi' of policy 'drift-history' must be a finite number > 0, got {}", o.where("xi"), xi));
     const std::int64_t window = o.integer("window");
-    if (window < 1 || window > static_cast<std::int64_t>(max_window))
-      throw config_error(fmt::format("{}: key 'window' of policy 'drift-history' must be an integer in [1, {}], got {}",
-                                     o.where("window"), max_window, window));
+    validate(setting_check("policy 'drift-history'", &o), xi, window);
     return drift_history(xi, static_cast<std::size_t>(window));
   }
 

@@ -33,13 +33,16 @@ struct drift_lr {
   double epsilon = 0.0;  ///< c_t grows as (1 + step)^epsilon; 0 keeps it constant
   std::uint64_t min_interval = 1;
 
-  /// A policy built in code is checked as a config's is (any_policy calls this).
-  void check() const {
-    if (!(std::isfinite(c0) && c0 > 0)) throw config_error(fmt::format("policy 'drift-lr': c0 must be a finite number > 0, got {}", c0));
-    if (!(std::isfinite(epsilon) && epsilon >= 0))
-      throw config_error(fmt::format("policy 'drift-lr': epsilon must be a finite number >= 0, got {}", epsilon));
-    if (min_interval < 1) throw config_error("policy 'drift-lr': min_interval must be >= 1, got 0");
+  /// The settings' ranges, for code (check()) and configs (from_options()).
+  template <class Int>
+  static void validate(const setting_check& c, double c0, double epsilon, Int min_interval) {
+    c(std::isfinite(c0) && c0 > 0, "c0", "a finite number > 0", c0);
+    // SPARQ needs c_t non-decreasing; a falling threshold is a different rule.
+    c(std::isfinite(epsilon) && epsilon >= 0, "epsilon", "a finite number >= 0", epsilon);
+    c.at_least(min_interval, 1, "min_interval");
   }
+  /// A policy built in code is checked as a config's is (any_policy calls this).
+  void check() const { validate(setting_check("policy 'drift-lr'"), c0, epsilon, min_interval); }
 
   /// c_t·η_t² at this step.
   double threshold_at(const signal& s) const noexcept {
@@ -65,19 +68,9 @@ struct drift_lr {
   }
 
   static drift_lr from_options(const options& o) {
-    const double c0 = o.real("c0");
-    if (!(std::isfinite(c0) && c0 > 0))
-      throw config_error(
-          fmt::format("{}: key 'c0' of policy 'drift-lr' must be a finite number > 0, got {}", o.where("c0"), c0));
-    // SPARQ needs c_t non-decreasing; a falling threshold is a different rule.
-    const double epsilon = o.real("epsilon");
-    if (!(std::isfinite(epsilon) && epsilon >= 0))
-      throw config_error(
-          fmt::format("{}: key 'epsilon' of policy 'drift-lr' must be a finite number >= 0, got {}", o.where("epsilon"), epsilon));
+    const double c0 = o.real("c0"), epsilon = o.real("epsilon");
     const std::int64_t min_interval = o.integer("min_interval");
-    if (min_interval < 1)
-      throw config_error(fmt::format("{}: key 'min_interval' of policy 'drift-lr' must be an integer >= 1, got {}",
-                                     o.where("min_interval"), min_interval));
+    validate(setting_check("policy 'drift-lr'", &o), c0, epsilon, min_interval);
     return drift_lr{.c0 = c0, .epsilon = epsilon, .min_interval = static_cast<std::uint64_t>(min_interval)};
   }
 };

@@ -46,9 +46,7 @@ struct periodic {
   constexpr std::uint64_t fixed_period() const noexcept { return every; }
 
   /// A policy built in code is checked as a config's is (any_policy calls this).
-  void check() const {
-    if (every < 1) throw config_error("policy 'periodic': every must be >= 1, got 0");
-  }
+  void check() const { setting_check("policy 'periodic'").at_least(every, 1, "every"); }
 
   static std::vector<option_spec> specs() {
     return {{"every", std::int64_t{1}, "send on every `every`-th step (integer >= 1; 1 = every step)"},
@@ -57,9 +55,7 @@ struct periodic {
 
   static periodic from_options(const options& o) {
     const std::int64_t every = o.integer("every");
-    if (every < 1)
-      throw config_error(fmt::format("{}: key 'every' of policy 'periodic' must be an integer >= 1, got {}", o.where("every"),
-                                     every));
+    setting_check("policy 'periodic'", &o).at_least(every, 1, "every");
     return periodic{.every = static_cast<std::uint64_t>(every), .stagger = o.boolean("stagger")};
   }
 };

@@ -152,7 +152,7 @@ TEST_CASE("periodic: every = 3 fires on the 3rd, 6th, ... step whatever the drif
 
 TEST_CASE("policies built in code are checked as a config's are") {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  CHECK_THROWS_WITH_AS(gossip::any_policy(gp::periodic{.every = 0, .stagger = true}), "policy 'periodic': every must be >= 1, got 0",
+  CHECK_THROWS_WITH_AS(gossip::any_policy(gp::periodic{.every = 0, .stagger = true}), "policy 'periodic': every must be an integer >= 1, got 0",
                        gossip::config_error);
   CHECK_THROWS_WITH_AS(gossip::any_policy(gp::drift{.threshold = nan}), "policy 'drift': threshold must be a finite number > 0, got nan",
                        gossip::config_error);
@@ -165,7 +165,11 @@ TEST_CASE("policies built in code are checked as a config's are") {
   c = gp::consensus{};
   c.min_interval = 5;
   c.max_interval = 2;
-  CHECK_THROWS_WITH_AS(gossip::any_policy(c, "consensus"), "policy 'consensus': max_interval (2) must be >= min_interval (5) or 0", gossip::config_error);
+  CHECK_THROWS_WITH_AS(gossip::any_policy(c, "consensus"), "policy 'consensus': max_interval must be 0 or an integer >= min_interval (5), got 2", gossip::config_error);
+  // The policies with constructors state their ranges once too.
+  CHECK_THROWS_WITH_AS(gp::adacomm(20, 19), "policy 'adacomm': tau_max must be an integer >= tau0 (20), got 19", gossip::config_error);
+  CHECK_THROWS_WITH_AS(gp::budget(0.5, 0.01, 0.05, 0), "policy 'budget': min_interval must be an integer >= 1, got 0", gossip::config_error);
+  CHECK_THROWS_WITH_AS(gp::drift_history(1.0, 0), "policy 'drift-history': window must be an integer in [1, 256], got 0", gossip::config_error);
   // The defaults pass.
   CHECK_NOTHROW(gossip::any_policy(gp::periodic{}));
   CHECK_NOTHROW(gossip::any_policy(gp::drift{}));
@@ -546,7 +550,7 @@ TEST_CASE("consensus: options") {
   CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("lr_exponent", 3.0)); }), "[0, 2]"));
   CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("balance", -1.0)); }), "'balance'"));
   CHECK(contains(config_error_of([] { build<gp::consensus>(opts().set("min_interval", std::int64_t{5}).set("max_interval", std::int64_t{2})); }),
-                 "must be >= min_interval"));
+                 "key 'max_interval' of policy 'consensus' must be 0 or an integer >= min_interval (5), got 2"));
 }
 
 // ---------------------------------------------------------------- drift-history

@@ -4,11 +4,13 @@
 /// Each component (policy, topology, protocol, transport) declares one table of
 /// option_spec {key, default, help}. The config parser, the `gossip-info` tool
 /// and `--help` texts all read that one table, so a setting is declared once.
+#include <concepts>
 #include <cstdint>
 #include <map>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -86,6 +88,50 @@ class options {
   std::string m_where = "options";
   std::map<std::string, option_value> m_values;
   std::map<std::string, std::string, std::less<>> m_origins;  ///< keys set from elsewhere than m_where
+};
+
+/// States a component's setting ranges once, for a component built in code
+/// and for one read from a config. With the config's options the error names
+/// where the key was set, else the component alone:
+///
+///     template <class Int>
+///     static void validate(const setting_check& c, double threshold, Int max_interval) {
+///       c(std::isfinite(threshold) && threshold > 0, "threshold", "a finite number > 0", threshold);
+///       c.at_least(max_interval, 0, "max_interval", " (0 = no limit)");
+///     }
+///
+/// "run.toml [policy]: key 'threshold' of policy 'drift' must be a finite
+/// number > 0, got 0" from a config, "policy 'drift': threshold must be …"
+/// from code. Counts are signed when read from a config (a negative one is
+/// refused before it is converted) and unsigned in code; at_least takes both.
+class setting_check {
+ public:
+  /// `component` as messages name it, e.g. "policy 'drift'".
+  explicit setting_check(std::string component, const options* from = nullptr) : m_component(std::move(component)), m_from(from) {}
+
+  /// Refuses `value` of `key` unless `ok`; `range` is what it must be. `other`
+  /// names a second key the range depends on (named with where it was set).
+  template <class T>
+  void operator()(bool ok, std::string_view key, std::string_view range, const T& value, std::string_view other = {}) const {
+    if (!ok) fail(key, other, range, fmt::format("{}", value));
+  }
+
+  /// An integer >= lo (`note` follows the range, e.g. " (0 = no limit)").
+  template <std::integral I>
+  void at_least(I value, std::int64_t lo, std::string_view key, std::string_view note = {}) const {
+    if (std::cmp_less(value, lo)) fail(key, {}, fmt::format("an integer >= {}{}", lo, note), fmt::format("{}", value));
+  }
+
+ private:
+  [[noreturn]] void fail(std::string_view key, std::string_view other, std::string_view range, const std::string& got) const {
+    if (m_from)
+      throw config_error(fmt::format("{}: key '{}' of {} must be {}, got {}", other.empty() ? m_from->where(key) : m_from->where(key, other),
+                                     key, m_component, range, got));
+    throw config_error(fmt::format("{}: {} must be {}, got {}", m_component, key, range, got));
+  }
+
+  std::string m_component;
+  const options* m_from;
 };
 
 }  // namespace gossip
