@@ -204,14 +204,29 @@ void config::apply_override(std::string_view assignment, std::string_view origin
   const auto dot = text.find('.');
   if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
     throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
-  const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1), value = text.substr(eq + 1);
+  // Spaces around the key and the value, as a TOML file has them ("policy.threshold = 0.2"), are not part of either.
+  const auto trimmed = [](std::string_view s) {
+    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+    return b == std::string_view::npos ? std::string() : std::string(s.substr(b, e - b + 1));
+  };
+  const std::string section = trimmed(text.substr(0, dot)), key = trimmed(text.substr(dot + 1, eq - dot - 1)), value = trimmed(text.substr(eq + 1));
+  if (section.empty() || key.empty())
+    throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
   const std::string where = origin.empty() ? fmt::format("--set {}", text) : std::string(origin);
   if (const auto known = known_sections(); std::find(known.begin(), known.end(), section) == known.end())
     throw config_error(fmt::format("{}: {}", where, unknown_section(*this, section)));
   toml::table parsed;
   try {
     parsed = toml::parse("v = " + value, where);
-  } catch (const toml::parse_error&) {
+  } catch (const toml::parse_error& e) {
+    // A number TOML does not take (1e400, .5, an integer past 64 bits), or an
+    // array or table left open, is a mistake in the value, not a word.
+    char* end = nullptr;
+    if (!value.empty()) (void)std::strtod(value.c_str(), &end);
+    const bool number = end && *end == '\0';
+    if (number || value.starts_with('[') || value.starts_with('{'))
+      throw config_error(fmt::format("{}: the value is not valid TOML ({}){}", where, e.description(),
+                                     number ? "; a TOML integer fits 64 bits, a float a double, with a digit on both sides of its point" : ""));
     // A bare word is taken as a string, so policy.name=drift works without
     // quotes; as written (a TOML literal string), so that a backslash in a
     // path stays a backslash.
@@ -236,6 +251,9 @@ void config::apply_override(std::string_view assignment, std::string_view origin
     auto str = v.as_string();
     if (!str) throw config_error(fmt::format("{}: a component name must be a string", where));
     if (str->get() != comp->name) {
+      // The same key twice on the command line: neither silently wins.
+      if (!comp->opts.where().starts_with(fmt::format("{} [{}]", source, section)))
+        throw config_error(fmt::format("{}: {}.name was set already by {}; give it once", where, section, comp->opts.where()));
       // The file's settings for the old component go with it; a key set by
       // --set stays, whatever the order of the --set options, and the new
       // component takes it or refuses it by name when the config is resolved
@@ -252,7 +270,10 @@ void config::apply_override(std::string_view assignment, std::string_view origin
   }
   options& target = comp ? comp->opts : section == "engine" ? engine
                   : sections.try_emplace(section, options(fmt::format("{} [{}]", source, section))).first->second;
-  target.set(key, to_value(v, where, key), where);
+  option_value parsed_value = to_value(v, where, key);
+  if (target.has(key) && target.where(key) != target.where() && target.values().at(key) != parsed_value)
+    throw config_error(fmt::format("{}: {}.{} was set already by {}; give it once", where, section, key, target.where(key)));
+  target.set(key, std::move(parsed_value), where);
 }
 
 options config::section(std::string_view name, std::span<const option_spec> specs) const {

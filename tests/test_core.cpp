@@ -212,48 +212,56 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   // A --set key stays, whatever the order of the --set options: the new
   // component takes it, or refuses it by name, as it would the other order;
   // the old component's keys from the file go.
-  cfg.apply_override("policy.every=5");
-  cfg.apply_override("policy.name=drift");
-  CHECK(cfg.policy.opts.has("every"));
-  CHECK_THROWS_WITH_AS(engine_spec::from(cfg), doctest::Contains("--set policy.every=5: unknown key 'every' for policy 'drift'"), config_error);
+  auto order = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n", "run.toml");
+  order.apply_override("policy.every=5");
+  order.apply_override("policy.name=periodic");
+  CHECK(order.policy.opts.has("every"));
+  CHECK_NOTHROW((void)engine_spec::from(order));
   auto other_order = config::parse("[policy]\nname = \"drift\"\n", "run.toml");
-  other_order.apply_override("policy.name=drift");
+  other_order.apply_override("policy.name=drift");  // the file's name again: no switch
   other_order.apply_override("policy.every=5");
   CHECK_THROWS_WITH_AS(engine_spec::from(other_order), doctest::Contains("--set policy.every=5: unknown key 'every' for policy 'drift'"),
                        config_error);
-  cfg.apply_override("policy.name=periodic");
-  cfg.apply_override("policy.threshold=0.5");
-  cfg.apply_override("policy.name=drift");
-  CHECK_THROWS_WITH_AS(engine_spec::from(cfg), doctest::Contains("unknown key 'every' for policy 'drift'"), config_error);
-  cfg.apply_override("policy.name=periodic");
-  cfg.apply_override("policy.max_interval=7");
-  cfg.apply_override("policy.name=drift");
-  CHECK(cfg.policy.opts.real("threshold") == 0.5);  // kept on the way through periodic
-  CHECK(cfg.policy.opts.integer("max_interval") == 7);
-  CHECK(cfg.policy.opts.where("max_interval") == "--set policy.max_interval=7");
   auto file = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\nmax_interval = 9\n", "run.toml");
   file.apply_override("policy.threshold=0.2");
   file.apply_override("policy.name=drift-lr");  // the file's max_interval goes with drift; drift-lr refuses the --set threshold
   CHECK_FALSE(file.policy.opts.has("max_interval"));
   CHECK_THROWS_WITH_AS(engine_spec::from(file), doctest::Contains("--set policy.threshold=0.2: unknown key 'threshold' for policy 'drift-lr'"),
                        config_error);
-  file.apply_override("policy.name=drift");
-  file.apply_override("policy.threshold=0.2");
-  file.apply_override("policy.name=consensus");  // consensus has a threshold: the --set value stays
-  CHECK(file.policy.opts.real("threshold") == 0.2);
-  file.apply_override("policy.name=bogus");
-  CHECK_THROWS_WITH_AS(engine_spec::from(file), doctest::Contains("--set policy.name=bogus: unknown policy 'bogus'"), config_error);
+  auto kept = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n", "run.toml");
+  kept.apply_override("policy.threshold=0.2");
+  kept.apply_override("policy.name=consensus");  // consensus has a threshold: the --set value stays
+  CHECK(kept.policy.opts.real("threshold") == 0.2);
+  auto bogus = config::parse("", "run.toml");
+  bogus.apply_override("policy.name=bogus");
+  CHECK_THROWS_WITH_AS(engine_spec::from(bogus), doctest::Contains("--set policy.name=bogus: unknown policy 'bogus'"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override(" .threshold=0.1"), doctest::Contains("expected section.key=value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=3"), doctest::Contains("a component name must be a string"), config_error);
   // One value per --set: a second line would set a key nobody named (and nothing would read it).
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.every=3\nname = \"drift\""), doctest::Contains("must be a single TOML value"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid\"\nx = \"y"), doctest::Contains("the value is not valid TOML"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("train.partition=iid'\nx = 'y"), doctest::Contains("the value is not valid TOML"), config_error);
+  // A number or an array TOML does not take is a mistake in the value, not a word.
+  for (const char* bad : {"policy.threshold=1e400", "policy.threshold=.5", "train.epochs=99999999999999999999", "train.hidden=[8", "engine.stats={a"})
+    CHECK_THROWS_WITH_AS(cfg.apply_override(bad), doctest::Contains("the value is not valid TOML ("), config_error);
+  cfg.apply_override("train.address=10.77.0.1");  // not a number: a word
+  CHECK(cfg.sections.at("train").string("address") == "10.77.0.1");
   // A bare word is taken as written: a backslash stays one.
   cfg.apply_override("train.data_dir=/data/a\\nb");
   CHECK(cfg.sections.at("train").string("data_dir") == "/data/a\\nb");
-  CHECK(cfg.policy.name == "drift");
-  CHECK(cfg.policy.opts.integer("every") == 5);  // the refused override changed nothing
+  CHECK(cfg.policy.name == "periodic");
+  CHECK_FALSE(cfg.policy.opts.has("every"));  // the refused override changed nothing
+  // Spaces around the key and the value, as in a file, are not part of them.
+  cfg.apply_override(" train.seed = 4 ");
+  CHECK(cfg.sections.at("train").integer("seed") == 4);
+  // The same key twice with different values: neither silently wins; the same value again is no conflict.
+  cfg.apply_override("train.seed=4");
+  CHECK_THROWS_WITH_AS(cfg.apply_override("train.seed=5"), "--set train.seed=5: train.seed was set already by --set train.seed=4; give it once",
+                       config_error);
+  CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=drift"),
+                       "--set policy.name=drift: policy.name was set already by --set policy.name=periodic; give it once", config_error);
+  CHECK(cfg.policy.name == "periodic");
 }
 
 TEST_CASE("settings every rank must share: the refusal names the first that differs") {
@@ -337,7 +345,7 @@ TEST_CASE("--set: unknown sections and keys name the override") {
   auto range = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[engine]\ntimeout_s = 5\n", "run.toml");
   range.apply_override("policy.threshold=-1");
   CHECK_THROWS_WITH_AS(engine_spec::from(range), doctest::Contains("--set policy.threshold=-1: key 'threshold' of policy 'drift'"), config_error);
-  range.apply_override("policy.threshold=0.1");
+  range = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[engine]\ntimeout_s = 5\n", "run.toml");
   range.apply_override("engine.timeout_s=-1");
   CHECK_THROWS_WITH_AS(engine_spec::from(range), "--set engine.timeout_s=-1: key 'timeout_s' must be > 0 and at most 31536000 seconds (a year), got -1", config_error);
   auto engine_cfg = config::parse("[engine]\ntimeout_s = 5\n", "run.toml");

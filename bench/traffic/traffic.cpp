@@ -77,21 +77,29 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   std::filesystem::remove(report);
   std::string cmd = fmt::format("{} -n {} --config {} -- {}", shell_quoted(GOSSIP_RUN_PATH), s.workers, shell_quoted(config_path),
                                 shell_quoted(GOSSIP_FASHION_MNIST_PATH));
-  auto set = [&](const std::string& kv) { cmd += " --set " + shell_quoted(kv); };
-  // The run's policy is given whole below (the adaptive run's carries the
-  // --set policy keys already); a control's must not inherit them.
+  // This run's own settings; the command's --set options go first, less the
+  // keys set here (the example refuses a key given twice). The run's policy
+  // is given whole (the adaptive run's carries the --set policy keys
+  // already); a control's must not inherit them.
+  std::vector<std::string> own = {"policy.name=" + policy.name};
+  for (const auto& [k, v] : policy.opts.values()) own.push_back(fmt::format("policy.{}={}", k, to_string(v)));
+  own.push_back(fmt::format("train.seed={}", s.seed));
+  own.push_back(fmt::format("train.epochs={}", s.epochs));
+  own.push_back(fmt::format("train.train_limit={}", s.train_limit));
+  own.push_back(fmt::format("train.average_every={}", s.average_every));
+  own.push_back(fmt::format("train.average_rounds={}", s.average_rounds));
+  own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
+  own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
+  if (!momentum.empty()) own.push_back("engine.momentum=\"" + momentum + "\"");
+  const auto key_of = [](std::string_view kv) {
+    std::string k(kv.substr(0, kv.find('=')));
+    std::erase_if(k, [](char c) { return c == ' ' || c == '\t'; });
+    return k;
+  };
   for (const auto& o : overrides)
-    if (!o.starts_with("policy.")) set(o);
-  set("policy.name=" + policy.name);
-  for (const auto& [k, v] : policy.opts.values()) set(fmt::format("policy.{}={}", k, to_string(v)));
-  set(fmt::format("train.seed={}", s.seed));
-  set(fmt::format("train.epochs={}", s.epochs));
-  set(fmt::format("train.train_limit={}", s.train_limit));
-  set(fmt::format("train.average_every={}", s.average_every));
-  set(fmt::format("train.average_rounds={}", s.average_rounds));
-  set(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
-  set(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
-  if (!momentum.empty()) set("engine.momentum=\"" + momentum + "\"");
+    if (!o.starts_with("policy.") && std::none_of(own.begin(), own.end(), [&](const std::string& kv) { return key_of(kv) == key_of(o); }))
+      cmd += " --set " + shell_quoted(o);
+  for (const auto& kv : own) cmd += " --set " + shell_quoted(kv);
   cmd += fmt::format(" --json {} > {} 2>&1", shell_quoted(report), shell_quoted(out_dir + "/run.log"));
   if (std::system(cmd.c_str()) != 0 || !std::filesystem::exists(report))
     throw error(fmt::format("a run over processes failed; its output is in {}/run.log (command: {})", out_dir, cmd));
@@ -225,6 +233,8 @@ int main(int argc, char** argv) {
     // build them: a bad key is refused now, not after the controls that run first.
     examples::check_components(base, settings);
     gossip::bench::prepare_out_dir(out_dir);
+    for (const char* file : {"traffic.json", "traffic.png", "traffic-diagnosis.png"})
+      gossip::bench::check_out_file((std::filesystem::path(out_dir) / file).string(), "--out");
     const auto data = examples::datasets::load(settings);
 
     std::string partition_label(data::to_string(settings.partition));
