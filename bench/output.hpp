@@ -46,12 +46,26 @@ inline void check_out_file(const std::string& path, std::string_view flag) {
     throw config_error(fmt::format("{} {}: {} is not a writable directory", flag, path, parent.string()));
 }
 
-/// Writes `text` to `path`; an error naming the path when it could not.
+/// Writes `text` to `path`; an error naming the path when it could not. The
+/// text goes to a temporary file beside it, renamed over `path` once whole:
+/// a full disk never leaves a truncated file nor loses an earlier result.
 inline void write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
+  const std::string partial = fmt::format("{}.partial-{}", path, ::getpid());
+  std::ofstream out(partial);
   out << text << '\n';
   out.close();
-  if (!out) throw error(fmt::format("cannot write {} ({})", path, std::strerror(errno)));
+  if (!out) {
+    const int saved = errno;
+    std::error_code ec;
+    std::filesystem::remove(partial, ec);
+    throw error(fmt::format("cannot write {} ({})", path, std::strerror(saved)));
+  }
+  if (std::rename(partial.c_str(), path.c_str()) != 0) {
+    const int saved = errno;
+    std::error_code ec;
+    std::filesystem::remove(partial, ec);
+    throw error(fmt::format("cannot write {} ({})", path, std::strerror(saved)));
+  }
 }
 
 /// A bench's last word on what went wrong (call inside a catch block): one

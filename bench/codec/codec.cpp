@@ -160,7 +160,10 @@ int run(const std::vector<double>& sizes_mib, int repeats, const std::string& ou
                                              "rows that divide every size, or leave lowrank out of --codecs",
                                              rows, static_cast<std::size_t>(values), mib));
   }
-  if (!out_dir.empty()) gossip::bench::prepare_out_dir(out_dir);
+  if (!out_dir.empty()) {
+    gossip::bench::prepare_out_dir(out_dir);
+    gossip::bench::check_out_file((std::filesystem::path(out_dir) / "codec.json").string(), "--out");
+  }
 
   struct codec_case {
     std::string name;

@@ -226,9 +226,7 @@ int main(int argc, char** argv) {
       for (const auto& r : runs)
         j["runs"].push_back({{"where", r.where}, {"cache", r.cache}, {"elements", r.elements}, {"drift_gbps", r.drift_gbps}, {"copy_gbps", r.copy_gbps},
                              {"ratio", r.ratio}, {"repeats", r.repeats}});
-      std::ofstream out(json_path);
-      out << j.dump(2) << '\n';
-      if (!out) throw error(fmt::format("bench/drift: cannot write '{}'; pass --json with a writable path", json_path));
+      bench::write_file(json_path, j.dump(2));
     }
   } catch (const std::exception&) {  // gossip::error and anything else (out of memory among them)
     return gossip::bench::report_error("the largest size needs a few copies of the model; lower --max-mib");

@@ -30,6 +30,8 @@
 
 #include <random>
 
+#include "../cli.hpp"
+#include "../output.hpp"
 #include "client.hpp"
 #include "tests/harness.hpp"
 
@@ -53,6 +55,7 @@ struct run_options {
 void enter(const run_options& o, int w);
 
 int run(const run_options& o) {
+  if (!o.out.empty()) gossip::bench::check_out_file(o.out, "--out");
   std::vector<std::size_t> sizes;
   for (const auto& s : o.sizes) sizes.push_back(gossip::harness::parse_size(s, 4));
   const int n = o.workers;
@@ -130,7 +133,7 @@ int run(const run_options& o) {
     fmt::print("{:<12} {:>3} {:>10} {:>10.4f} {:>14.3e} {:>10} {:>8}\n", o.mode, n, sizes[si], sec, elems / sec, rt, ok ? "yes" : "NO");
     std::fflush(stdout);
   }
-  if (!o.out.empty()) std::ofstream(o.out) << j.dump(2) << '\n';
+  if (!o.out.empty()) gossip::bench::write_file(o.out, j.dump(2));
   for (const auto& r : j["runs"])
     if (!r["correct"].get<bool>()) return 1;
   return 0;
@@ -249,14 +252,25 @@ int fuzz(const run_options& o, int count, std::uint16_t elements_hint) {
 int report(const std::vector<std::string>& inputs, const std::string& out) {
   nlohmann::json all;
   all["runs"] = nlohmann::json::array();
+  if (!out.empty()) gossip::bench::check_out_file(out, "--out");
   for (const auto& p : inputs) {
     std::ifstream f(p);
     if (!f) {
       fmt::print(stderr, "switch_bench report: cannot read {}\n", p);
       return 1;
     }
-    const auto j = nlohmann::json::parse(f);
-    for (const auto& r : j["runs"]) all["runs"].push_back(r);
+    // What `run` writes: {"runs": [{"mode", "workers", "bytes", "seconds", "elements_per_s", "retransmits", "correct"}, …]}.
+    const auto j = nlohmann::json::parse(f, nullptr, false);
+    if (j.is_discarded() || !j.is_object() || !j.contains("runs") || !j["runs"].is_array())
+      throw gossip::error(fmt::format("{}: not the JSON that `switch_bench run --out` writes (an object with a \"runs\" array)", p));
+    for (const auto& r : j["runs"]) {
+      static constexpr const char* numbers[] = {"workers", "bytes", "seconds", "elements_per_s", "retransmits"};
+      const bool typed = r.is_object() && r.contains("mode") && r["mode"].is_string() && r.contains("correct") && r["correct"].is_boolean() &&
+                         std::all_of(std::begin(numbers), std::end(numbers), [&](const char* k) { return r.contains(k) && r[k].is_number(); });
+      if (!typed)
+        throw gossip::error(fmt::format("{}: a run without mode, workers, bytes, seconds, elements_per_s, retransmits and correct: {}", p, r.dump()));
+      all["runs"].push_back(r);
+    }
   }
   std::map<std::pair<int, std::uint64_t>, std::map<std::string, double>> rate;
   bool all_correct = true;
@@ -287,17 +301,19 @@ int report(const std::vector<std::string>& inputs, const std::string& out) {
       ++count_udp;
     }
   }
-  all["summary"] = {{"speedup_vs_host", count ? std::exp(log_sum / count) : 0.0},
+  // null: no size had both runs to compare.
+  all["summary"] = {{"speedup_vs_host", count ? nlohmann::json(std::exp(log_sum / count)) : nlohmann::json(nullptr)},
                     {"speedup_vs_host_by_run", by_size},
-                    {"switch_udp_speedup_vs_host", count_udp ? std::exp(log_sum_udp / count_udp) : 0.0},
+                    {"switch_udp_speedup_vs_host", count_udp ? nlohmann::json(std::exp(log_sum_udp / count_udp)) : nlohmann::json(nullptr)},
                     {"switch_udp_speedup_vs_host_by_run", by_size_udp},
                     {"all_correct", all_correct}};
-  fmt::print("\nspeedup_vs_host (geometric mean of gossip-switch / host-udp elements/s): {:.3f}\n", all["summary"]["speedup_vs_host"].get<double>());
-  fmt::print("switch_udp_speedup_vs_host (kernel process in the switch's position / host-udp): {:.3f}\n",
-             all["summary"]["switch_udp_speedup_vs_host"].get<double>());
+  const auto shown = [](const nlohmann::json& v) { return v.is_null() ? std::string("- (no size has both runs)") : fmt::format("{:.3f}", v.get<double>()); };
+  fmt::print("\nspeedup_vs_host (geometric mean of gossip-switch / host-udp elements/s): {}\n", shown(all["summary"]["speedup_vs_host"]));
+  fmt::print("switch_udp_speedup_vs_host (kernel process in the switch's position / host-udp): {}\n",
+             shown(all["summary"]["switch_udp_speedup_vs_host"]));
   fmt::print("all results correct: {}\n", all_correct ? "yes" : "NO");
   if (!out.empty()) {
-    std::ofstream(out) << all.dump(2) << '\n';
+    gossip::bench::write_file(out, all.dump(2));
     fmt::print("wrote {}\n", out);
   }
   return all_correct ? 0 : 1;
@@ -321,8 +337,8 @@ int main(int argc, char** argv) {
   r->add_option("--reps", o.reps, "timed repetitions per size (after one warm-up)")->check(CLI::Range(1, 1000));
   r->add_option("--netns-prefix", o.netns_prefix, "worker i enters network namespace <prefix><i>");
   r->add_option("--cpus", o.cpus, "pin worker i to cpus[i % len]");
-  r->add_option("--timeout", o.timeout, "seconds before an all-reduce gives up");
-  r->add_option("--rto-ms", o.rto_ms, "first retransmission timeout");
+  r->add_option("--timeout", o.timeout, "seconds before an all-reduce gives up")->check(gossip::bench::finite_range(0.001, 86400));
+  r->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::bench::finite_range(0.01, 60000));
   r->add_option("-o,--out", o.out, "JSON output");
   std::vector<std::string> inputs;
   std::string out;
@@ -341,8 +357,8 @@ int main(int argc, char** argv) {
     sc->add_option("--chunk", o.chunk, "float32 values per packet");
     sc->add_option("--window", o.window, "packets in flight");
     sc->add_option("--netns-prefix", o.netns_prefix, "worker i enters network namespace <prefix><i>");
-    sc->add_option("--timeout", o.timeout, "seconds before giving up");
-    sc->add_option("--rto-ms", o.rto_ms, "first retransmission timeout");
+    sc->add_option("--timeout", o.timeout, "seconds before giving up")->check(gossip::bench::finite_range(0.001, 86400));
+    sc->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::bench::finite_range(0.01, 60000));
   }
   ac->add_option("--elements", async_elements, "model size (the group's elements)");
   ac->add_option("--pushes", pushes, "deltas per worker");

@@ -73,9 +73,31 @@ std::uint64_t messages_for(const settings& s, std::size_t bytes) {
   return std::clamp<std::uint64_t>(s.bytes_per_run / bytes, s.min_messages, s.max_messages);
 }
 
+// UCX_TLS names UCX 1.13 knows (transports and their aliases). A name not
+// among them is a typo, an error; a known one this machine lacks is a SKIP.
+void check_tls_names(const std::string& tls) {
+  static constexpr std::string_view known[] = {
+      "all",     "sm",       "shm",      "mm",       "posix",    "sysv",     "xpmem",   "knem",     "cma",       "self",
+      "tcp",     "ib",       "rc",       "rc_v",     "rc_x",     "rc_verbs", "rc_mlx5", "ud",       "ud_v",      "ud_x",
+      "ud_verbs", "ud_mlx5", "dc",       "dc_x",     "dc_mlx5",  "cuda",     "cuda_copy", "cuda_ipc", "gdr_copy", "rocm",
+      "rocm_copy", "rocm_ipc", "rocm_gdr", "ugni",   "ugni_rdma", "ugni_udt", "ugni_smsg"};
+  std::string_view rest = tls;
+  if (rest.starts_with('^')) rest.remove_prefix(1);  // "^name": every transport but those
+  if (rest.empty()) throw gossip::config_error(fmt::format("--tls '{}': empty; give UCX_TLS values such as posix,self or tcp", tls));
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    std::string_view name = rest.substr(0, comma);
+    if (name.ends_with(":aux")) name.remove_suffix(4);
+    if (std::find(std::begin(known), std::end(known), name) == std::end(known))
+      throw gossip::config_error(fmt::format("--tls {}: '{}' is not a UCX transport name (e.g. posix, self, tcp, sm, cma, all)", tls, name));
+    rest = comma == std::string_view::npos ? std::string_view() : rest.substr(comma + 1);
+  }
+}
+
 int run(settings& s) {
   const auto started = clock_type::now();
   const double load_before = load_average();
+  for (const auto& tls : s.tls) check_tls_names(tls);
   for (const auto& tls : s.tls)
     if (const std::string why = probe_ucx(tls); !why.empty()) {
       fmt::print(stderr, "SKIP: UCX cannot create a context and worker with UCX_TLS={}: {}\n", tls, why);
@@ -297,7 +319,10 @@ int main(int argc, char** argv) {
         }
     }
     if (s.min_messages > s.max_messages) throw error("bench/transport: --min-messages is larger than --max-messages");
-    if (!s.out.empty()) gossip::bench::prepare_out_dir(s.out);
+    if (!s.out.empty()) {
+      gossip::bench::prepare_out_dir(s.out);
+      gossip::bench::check_out_file((std::filesystem::path(s.out) / "transport.json").string(), "--out");
+    }
     return run(s);
   } catch (const std::exception& e) {
     fmt::print(stderr, "{}\n", e.what());
