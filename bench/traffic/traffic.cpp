@@ -87,9 +87,11 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   own.push_back(fmt::format("train.epochs={}", s.epochs));
   own.push_back(fmt::format("train.train_limit={}", s.train_limit));
   own.push_back(fmt::format("train.average_every={}", s.average_every));
-  own.push_back(fmt::format("train.average_rounds={}", s.average_rounds));
-  own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
-  own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
+  if (s.average_every > 0) {  // local SGD's settings (the example refuses them for a run without it)
+    own.push_back(fmt::format("train.average_rounds={}", s.average_rounds));
+    own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
+    own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
+  }
   if (!momentum.empty()) own.push_back("engine.momentum=\"" + momentum + "\"");
   const auto key_of = [](std::string_view kv) {
     std::string k(kv.substr(0, kv.find('=')));
@@ -165,16 +167,6 @@ int main(int argc, char** argv) {
     const int n_seeds = seeds ? seeds : static_cast<int>(bench_seeds);
     const auto quick_epochs = in_range(bench, "quick_epochs", 1, 10000);
     const auto quick_limit = in_range(bench, "quick_train_limit", 0, std::int64_t{1} << 30);
-    auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
-    if (quick) {
-      // --quick runs [bench] quick_epochs: train.epochs given on the command line would be dropped without a word.
-      if (const auto it = base.sections.find("train");
-          it != base.sections.end() && it->second.has("epochs") && it->second.where("epochs").starts_with("--set"))
-        throw config_error(fmt::format("{}: --quick runs [bench] quick_epochs instead; give --set bench.quick_epochs=N (or leave out --quick)",
-                                       it->second.where("epochs")));
-      settings.epochs = static_cast<int>(quick_epochs);
-      if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
-    }
     // Each run sets these itself (0 / automatic for the gossip runs, [baseline]
     // for the local-SGD and DiLoCo controls): a value given for them would be
     // dropped without a word.
@@ -185,6 +177,16 @@ int main(int argc, char** argv) {
                                          "and DiLoCo controls take their period from the adaptive run's bytes, and [baseline] rounds, "
                                          "outer_lr and outer_momentum); leave it out",
                                          it->second.where(key), key));
+    auto settings = examples::train_settings::from(base.section("train", examples::train_option_specs()));
+    if (quick) {
+      // --quick runs [bench] quick_epochs: train.epochs given on the command line would be dropped without a word.
+      if (const auto it = base.sections.find("train");
+          it != base.sections.end() && it->second.has("epochs") && it->second.where("epochs").starts_with("--set"))
+        throw config_error(fmt::format("{}: --quick runs [bench] quick_epochs instead; give --set bench.quick_epochs=N (or leave out --quick)",
+                                       it->second.where("epochs")));
+      settings.epochs = static_cast<int>(quick_epochs);
+      if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
+    }
     if (settings.workers < 2) {
       const auto it = base.sections.find("train");
       throw config_error(fmt::format("{}: bench/traffic compares how workers gossip, which takes at least 2 of them; got {}",

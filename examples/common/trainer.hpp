@@ -142,14 +142,27 @@ struct train_settings {
     if (s.average_rounds == 0) throw config_error(fmt::format("{}: key 'average_rounds' must be >= 1, or -1 for automatic", o.where("average_rounds")));
     s.outer_lr = o.real("outer_lr");
     s.outer_momentum = o.real("outer_momentum");
-    if (!(s.outer_lr > 0) || !std::isfinite(s.outer_lr)) throw config_error(fmt::format("{}: key 'outer_lr' must be > 0, got {}", o.where("outer_lr"), s.outer_lr));
-    if (!(s.outer_momentum >= 0 && s.outer_momentum < 1))
-      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1), got {}", o.where("outer_momentum"), s.outer_momentum));
+    if (!(s.outer_lr > 0) || !std::isfinite(as_float(s.outer_lr)) || !(s.outer_lr >= std::numeric_limits<float>::min()))
+      throw config_error(fmt::format("{}: key 'outer_lr' must be a number > 0 that a float holds (1.2e-38 to 3.4e38), got {}", o.where("outer_lr"),
+                                     s.outer_lr));
+    if (!(s.outer_momentum >= 0 && as_float(s.outer_momentum) < 1))
+      throw config_error(fmt::format("{}: key 'outer_momentum' must be in [0, 1) as a float (at most 0.99999994), got {}", o.where("outer_momentum"),
+                                     s.outer_momentum));
     if (o.integer("seed") < 0) throw config_error(fmt::format("{}: key 'seed' must be an integer >= 0, got {}", o.where("seed"), o.integer("seed")));
     s.seed = static_cast<std::uint64_t>(o.integer("seed"));
     s.train_limit = static_cast<std::size_t>(positive("train_limit", 0, 1 << 30));
     s.data_dir = o.string("data_dir");
     s.probe_every = positive("probe_every", 0, 1 << 30);
+    // A key given on the command line for a mode that does not read it would
+    // change nothing (a config file may hold them all, to switch modes with --set).
+    const auto unused = [&](const char* key, bool used, std::string_view needs) {
+      if (!used && o.where(key) != o.where())
+        throw config_error(fmt::format("{}: [train] {} applies only with {}; it would change nothing here: leave it out, or set that too", o.where(key),
+                                       key, needs));
+    };
+    unused("classes_per_worker", s.partition == data::partition_kind::by_label, "partition = \"by_label\"");
+    unused("dirichlet_alpha", s.partition == data::partition_kind::dirichlet, "partition = \"dirichlet\"");
+    for (const char* key : {"average_rounds", "outer_lr", "outer_momentum"}) unused(key, s.average_every > 0, "average_every > 0 (local SGD)");
     return s;
   }
 
@@ -240,6 +253,25 @@ inline nlohmann::json to_json(const std::vector<timeline_point>& timeline) {
 /// A factory may also refuse settings it cannot train with: check(cfg, s),
 /// called once before any worker starts, throws config_error.
 struct mlp_factory {
+  /// Refuses, before anything is allocated, a model that the workers of this
+  /// process could not hold: each keeps its parameters, gradients and
+  /// velocity, and its engine at least two send buffers and two receive
+  /// slots, seven copies in all (threads over loopback: every worker here).
+  void check(const config& cfg, const train_settings& s) const {
+    double values = 0, in = 784;  // Fashion-MNIST's 28x28 pixels
+    for (const int h : s.hidden) values += (in + 1) * h, in = h;
+    values += (in + 1) * 10;
+    const int here = cfg.transport.name == "ucx" ? 1 : s.workers;
+    const double bytes = values * sizeof(float) * 7 * here;
+    const std::uint64_t physical = gossip::detail::physical_memory_bytes();
+    constexpr double gib = 1024.0 * 1024.0 * 1024.0;
+    if (physical != 0 && bytes > static_cast<double>(physical))
+      throw config_error(fmt::format("[train] hidden = [{}] makes a model of {:.3g} values; {} worker(s) in this process would hold at least "
+                                     "{:.1f} GiB for it (parameters, gradients, velocity and the engine's buffers: seven copies each), more "
+                                     "than this machine's {:.1f} GiB; use narrower hidden layers{}",
+                                     fmt::join(s.hidden, ", "), values, here, bytes / gib, static_cast<double>(physical) / gib,
+                                     here > 1 ? " or fewer workers" : ""));
+  }
   mlp operator()(const train_settings& s, const datasets& data) const {
     mlp net(mlp_config{.inputs = static_cast<int>(data.train.features()), .hidden = s.hidden, .classes = 10, .max_batch = s.batch});
     net.init(s.seed);  // a common initial model on every worker
