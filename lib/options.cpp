@@ -78,8 +78,9 @@ namespace {
 option_value parse_env(const option_spec& s, const char* text) {
   const std::string t(text);
   const auto bad = [&] {
-    return config_error(fmt::format("environment variable {}={} (for key '{}'): expected a {}", s.env, t, s.key,
-                                    option_type_name(s.default_value)));
+    const std::string_view type = option_type_name(s.default_value);
+    return config_error(fmt::format("environment variable {}={} (for key '{}'): expected {} {}", s.env, t, s.key,
+                                    std::string_view("aeiou").find(type[0]) != std::string_view::npos ? "an" : "a", type));
   };
   try {
     switch (s.default_value.index()) {

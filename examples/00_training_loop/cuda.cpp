@@ -11,6 +11,10 @@
 #include <gossip/gossip.hpp>
 
 int main(int argc, char** argv) try {
+  if (argc > 2 || (argc == 2 && argv[1][0] == '-')) {
+    fmt::print(stderr, "usage: {} [config.toml]\n", argv[0]);
+    return 2;
+  }
   if (!gossip::cuda::available()) {
     fmt::print("no usable GPU: {}\n", gossip::cuda::unavailable_reason());
     return 1;

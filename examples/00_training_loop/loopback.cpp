@@ -8,6 +8,10 @@
 #include <gossip/gossip.hpp>
 
 int main(int argc, char** argv) try {
+  if (argc > 2 || (argc == 2 && argv[1][0] == '-')) {
+    fmt::print(stderr, "usage: {} [config.toml]\n", argv[0]);
+    return 2;
+  }
   const int world = 2, steps = 300;
   // [policy], [topology], … from a file, or all defaults (or fill gossip::engine_spec in code);
   // its components and keys are checked here, before the workers start.

@@ -10,17 +10,22 @@
 #include <gossip/transports/ucx/ucx.hpp>
 
 int main(int argc, char** argv) try {
+  if (argc > 2 || (argc == 2 && argv[1][0] == '-')) {
+    fmt::print(stderr, "usage: {} [config.toml]\n", argv[0]);
+    return 2;
+  }
   const int steps = 300;
   // The file given as argument, else gossip-run --config's (GOSSIP_CONFIG), else the defaults.
-  const auto cfg = argc > 1 ? gossip::config::load(argv[1]) : gossip::config::from_env();
+  const auto spec = gossip::engine_spec::from(argc > 1 ? gossip::config::load(argv[1]) : gossip::config::from_env());
   // Rank 0 serves the rendezvous at GOSSIP_MASTER_ADDR:GOSSIP_MASTER_PORT; it must outlive the others' use of it.
-  auto boot = std::make_shared<gossip::bootstrap>(gossip::bootstrap::from_env());
+  // Its waits are bounded by [engine] timeout_s.
+  auto boot = std::make_shared<gossip::bootstrap>(gossip::bootstrap::from_env(spec.settings.timeout));
   const int rank = boot->rank(), world = boot->world();
 
   std::vector<float> w(16, 0.0f), b(1, 0.0f);
   gossip::model_view model;
   model.add("w", w).add("b", b);
-  gossip::engine eng(model, rank, world, cfg, gossip::ucx_transport(boot));
+  gossip::engine eng(model, rank, world, spec, gossip::ucx_transport(boot));
 
   std::mt19937 rng(rank);
   std::normal_distribution<float> normal;

@@ -144,6 +144,8 @@ struct engine_settings {
   /// same_step_merge needs lockstep ranks, and numerator_steps excludes
   /// in_flight_makeup and same_step_merge. `who` starts the error.
   void check_with(std::string_view transport, bool lockstep, std::string_view who) const;
+  /// The key that numerator_steps = true conflicts with, or null.
+  const char* numerator_conflict() const noexcept;
   /// The stats and trace paths for rank `rank` of `world`: each needs {rank}
   /// when several ranks write, and a writable folder; the two must differ.
   void check_outputs(int rank, int world) const;

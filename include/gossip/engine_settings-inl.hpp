@@ -99,7 +99,15 @@ inline engine_settings engine_settings::from(const options& o) {
   using merge = engine_settings::merge_momentum;
   s.momentum_merge = choice("momentum_merge", std::array<std::pair<std::string_view, merge>, 3>{
                                                   {{"auto", merge::automatic}, {"full", merge::full}, {"spread", merge::spread}}});
+  // Named with where each key was set; check_with() refuses the same for settings filled in code.
+  if (const char* other = s.numerator_conflict())
+    throw config_error(fmt::format("{}: [engine] numerator_steps = true counts every optimizer step in full already; set {} to false",
+                                   o.where("numerator_steps", other), other));
   return s;
+}
+
+inline const char* engine_settings::numerator_conflict() const noexcept {
+  return !numerator_steps ? nullptr : in_flight_makeup ? "in_flight_makeup" : same_step_merge ? "same_step_merge" : nullptr;
 }
 
 inline void engine_settings::check_with(std::string_view transport, bool lockstep, std::string_view who) const {
@@ -107,9 +115,9 @@ inline void engine_settings::check_with(std::string_view transport, bool lockste
     throw config_error(fmt::format("{}: [engine] same_step_merge = true needs a transport whose ranks run in lockstep (loopback); "
                                    "transport '{}' merges messages as they arrive, with no step to merge them in: set it to false",
                                    who, transport));
-  if (numerator_steps && (in_flight_makeup || same_step_merge))
+  if (const char* other = numerator_conflict())
     throw config_error(fmt::format("{}: [engine] numerator_steps = true counts every optimizer step in full already; set {} to false", who,
-                                   in_flight_makeup ? "in_flight_makeup" : "same_step_merge"));
+                                   other));
 }
 
 inline void engine_settings::check_outputs(int rank, int world) const {
