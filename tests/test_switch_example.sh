@@ -32,6 +32,7 @@ HIDDEN=64
 ELEMENTS=$((784 * HIDDEN + HIDDEN + HIDDEN * 10 + 10))
 GROUPS_ARGS=(--group "id=1,mode=sync,members=$WORKERS,slots=128" --group "id=2,mode=async,members=$WORKERS,elements=$ELEMENTS")
 TAG=${GSW_TAG:-6}
+[[ $TAG =~ ^(0|[1-9][0-9]{0,2})$ && $TAG -le 255 ]] || { echo "FAIL: GSW_TAG must be 0..255 (namespaces gsw<TAG>-*), not '$TAG'"; exit 1; }
 TMP=$(mktemp -d /tmp/gsw-example.XXXXXX)
 SW=
 NETNS=0

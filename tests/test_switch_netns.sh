@@ -19,6 +19,7 @@ for exe in gossip-switch switch_bench; do
   [[ -x $B/$exe ]] || { echo "SKIP: $B/$exe not built"; exit 77; }
 done
 TAG=${GSW_TAG:-3}
+gsw_tag_ok "$TAG" || exit 1
 TMP=$(mktemp -d /tmp/gsw-test.XXXXXX)
 SW=
 cleanup() {

@@ -5,7 +5,8 @@ For each case (partition and worker count) and seed it trains four times with
 the example's config: the default policy, a fixed period that sends no more
 bytes than the default did (every ceil(steps / sends) steps), periodic every
 step, and no communication. It prints a table of mean ± σ over seeds and
-writes OUT/cuda.json.
+writes OUT/cuda.json. --set goes to every run, policy.* keys to the default
+run only (the others set their own policy).
 
     bench/cuda/run.py --exe build/lib/cuda/fashion_mnist_cuda [--seeds 3] [--out DIR]
 
@@ -59,18 +60,32 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cases", default="iid4,label8", help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="passed to every run (repeatable)")
+                    help="passed to every run, policy.* to the default run only (repeatable)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
     ap.add_argument("--out", default=".", help="directory for cuda.json")
     a = ap.parse_args()
     if not os.access(a.exe, os.X_OK):
         sys.exit(f"bench/cuda: {a.exe} is not an executable; build with CUDA (meson setup -Dcuda=enabled) or pass --exe")
-    cases = [c for c in a.cases.split(",") if c]
+    cases = [c.strip() for c in a.cases.split(",") if c.strip()]
+    if not cases:
+        sys.exit(f"bench/cuda: --cases '{a.cases}' names no case; choose among {', '.join(CASES)}")
     for c in cases:
         if c not in CASES:
             sys.exit(f"bench/cuda: unknown case '{c}' in --cases; choose among {', '.join(CASES)}")
     if a.seeds < 1:
         sys.exit("bench/cuda: --seeds must be >= 1")
+    # --out: a directory this run can create or write, checked before any training.
+    if not a.out:
+        sys.exit("bench/cuda: --out needs a directory, not ''")
+    probe = a.out
+    while not os.path.exists(probe):
+        probe = os.path.dirname(os.path.abspath(probe))
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        sys.exit(f"bench/cuda: --out {a.out}: is a file, not a directory")
+    if not os.access(probe, os.W_OK):
+        sys.exit(f"bench/cuda: --out {a.out}: {probe} is not writable")
+    # The control runs set their own policy: policy.* keys shape the default run only.
+    control_sets = [s for s in a.sets if not s.startswith("policy.")]
 
     runs, summary = [], {}
     for case in cases:
@@ -85,7 +100,7 @@ def main():
                     ("never", None, ["--policy", "never"])]
             for role, r, extra in plan:
                 if r is None:
-                    r = run(a.exe, a.config, seed, base + extra, a.sets, a.timeout)
+                    r = run(a.exe, a.config, seed, base + extra, control_sets, a.timeout)
                 r.update(case=case, seed=seed, role=role, args=base + extra)
                 if role == "equal_bytes":
                     r["every"] = every
@@ -119,10 +134,19 @@ def main():
         print(f"{case:7s} default − equal bytes {s['equal_traffic_accuracy_delta_pt']:+.2f} ± {s['equal_traffic_delta_sigma_pt']:.2f} pt; "
               f"− periodic-1 {s['accuracy_delta_pt']:+.2f} ± {s['accuracy_delta_sigma_pt']:.2f} pt at "
               f"{100 * s['traffic_reduction']:.1f} % fewer bytes, {s['time_ratio_periodic1_over_default']:.2f}x less training time")
-    os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "cuda.json")
-    with open(path, "w") as f:
-        json.dump({"device": device, "seeds": a.seeds, "config": a.config, "set": a.sets, "summary": summary, "runs": runs}, f, indent=1)
+    # Written in full beside it, then renamed over it: a failed write leaves an earlier cuda.json as it was.
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(a.out, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump({"device": device, "seeds": a.seeds, "config": a.config, "set": a.sets, "summary": summary, "runs": runs}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        sys.exit(f"bench/cuda: cannot write {path}: {e.strerror or e}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     print(f"wrote {path}")
 
 

@@ -62,7 +62,7 @@ while [[ $# -gt 0 ]]; do
     --seeds|--out|--only|--rto-max-ms|--max-lead) [[ $# -ge 2 ]] || { echo "bench/faults: $1 needs a value" >&2; exit 2; } ;;&
     --seeds) SEEDS=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    --only) ONLY=$2; [[ -n ${ONLY//[ ,]/} ]] || { echo "bench/faults: --only names no scenario (known: $SCENARIOS)" >&2; exit 2; }; shift 2 ;;
+    --only) ONLY=$2; [[ -n ${ONLY//[[:space:],]/} ]] || { echo "bench/faults: --only names no scenario (known: $SCENARIOS)" >&2; exit 2; }; shift 2 ;;
     --rto-max-ms) RTO_MAX_MS=$2; shift 2 ;;
     --max-lead) MAX_LEAD=$2; shift 2 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
@@ -71,8 +71,10 @@ done
 [[ $MAX_LEAD =~ ^[0-9]{1,7}$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps in 0..9999999 (0: off)" >&2; exit 2; }
 [[ -z $SEEDS || ( $SEEDS =~ ^[1-9][0-9]{0,2}$ && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
 [[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]+$ && $RTO_MAX_MS -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
-for s in ${ONLY//,/ }; do
-  [[ ,$SCENARIOS, == *,$s,* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }
+ONLY=${ONLY//[[:space:]]/,}  # "a, b" and "a b" name a and b, as "a,b" does
+IFS=, read -ra only_names <<<"$ONLY"
+for s in "${only_names[@]}"; do
+  [[ -z $s || ,$SCENARIOS, == *,"$s",* ]] || { echo "bench/faults: --only: unknown scenario '$s' (known: $SCENARIOS)" >&2; exit 2; }
 done
 want() { [[ -z $ONLY || ,$ONLY, == *,$1,* ]]; }  # NAME...: is any of them selected?
 wants() { local n; for n in "$@"; do want "$n" && return 0; done; return 1; }
@@ -83,6 +85,11 @@ SWITCH=$BUILD/transports/switch/gossip-switch-udp
 for f in "$RUN" "$EXE"; do
   [[ -x $f ]] || { echo "bench/faults: $f is missing; build it (ninja -C $BUILD tools/gossip-run examples/fashion_mnist)" >&2; exit 1; }
 done
+# --out: a directory this run can create or write (checked now, not when the JSON is written at the end).
+[[ -n $OUT ]] || { echo "bench/faults: --out needs a directory, not ''" >&2; exit 2; }
+probe=$OUT; while [[ ! -e $probe ]]; do probe=$(dirname "$probe"); done
+if [[ -e $OUT && ! -d $OUT ]]; then echo "bench/faults: --out $OUT: is a file, not a directory" >&2; exit 2
+elif [[ ! -w $probe ]]; then echo "bench/faults: --out $OUT: $probe is not writable" >&2; exit 2; fi
 mkdir -p "$OUT"
 TMP=$(mktemp -d /tmp/gossip-faults.XXXXXX)
 NS_PREFIX=gfault$$
@@ -326,7 +333,7 @@ else
 fi
 declare -A AT
 for ((SEED = 1; SEED <= SEEDS; SEED++)); do
-  if wants kill-1-of-4 sigstop-20s loss-10pct; then
+  if wants kill-1-of-4 sigstop-20s || { ((NETNS_OK)) && want loss-10pct; }; then
     echo "  seed $SEED: fault-free 4 ranks..."
     run_case "base4-s$SEED" 4 none 0
     AT[4]=$(awk -v w="$(cat "$TMP/base4-s$SEED.train_s")" 'BEGIN{printf "%.1f", 0.3*w}')
@@ -479,7 +486,16 @@ doc = dict(quick=quick, seeds=seeds, loss_tcp_rto_max_ms=rto_max_ms, max_lead=ma
            ok_rule="every seed: no hang, every rank not killed finishes and exits 0, lost mass reported (> 0 where ranks were killed); "
                    "and |mean paired Δ| <= 1 pt + 2 σ/√seeds",
            baseline=baseline, scenarios=rows)
-json.dump(doc, open(out, "w"), indent=2)
+# Written in full beside it, then renamed over it: a failed write leaves an earlier faults.json as it was.
+tmp_out = f"{out}.{os.getpid()}.tmp"
+try:
+    with open(tmp_out, "w") as f:
+        json.dump(doc, f, indent=2)
+    os.replace(tmp_out, out)
+except OSError as e:
+    sys.exit(f"bench/faults: cannot write {out}: {e.strerror or e}")
+finally:
+    if os.path.exists(tmp_out): os.unlink(tmp_out)
 fmt = "{:<15} {:>5} {:>9} {:>5} {:>15} {:>8} {:>8}  {}"
 print(fmt.format("scenario", "ok", "finished", "hung", "Δacc pt (σ)", "lost w", "detect s", "message"))
 for r in rows:

@@ -30,10 +30,28 @@ while [[ $# -gt 0 ]]; do
 done
 B=$BUILD/transports/switch
 source "$SRC/transports/switch/netns.sh"
+# Checked before anything is made or removed: the tag names the namespaces (gsw<TAG>-*) the cleanup removes.
+TAG=${GSW_TAG:-4}
+gsw_tag_ok "$TAG" 2>/dev/null || { echo "bench/switch: GSW_TAG must be a number in 0..255 (namespaces gsw<TAG>-*), not '$TAG'" >&2; exit 2; }
+# --sizes as switch_bench reads them: digits with an optional K, M or G, a positive multiple of 4 bytes, at most 16G.
+read -r -a SIZE_LIST <<<"$SIZES"
+((${#SIZE_LIST[@]})) || { echo "bench/switch: --sizes names no size; give byte counts, e.g. --sizes \"4K 64K 1M\"" >&2; exit 2; }
+for s in "${SIZE_LIST[@]}"; do
+  ok=0
+  if [[ $s =~ ^([0-9]{1,15})([KMG]?)$ ]]; then
+    v=$((10#${BASH_REMATCH[1]})); m=1
+    case ${BASH_REMATCH[2]} in K) m=1024 ;; M) m=$((1 << 20)) ;; G) m=$((1 << 30)) ;; esac
+    (( v <= (1 << 34) / m && v * m >= 4 && v * m % 4 == 0 )) && ok=1
+  fi
+  ((ok)) || { echo "bench/switch: --sizes: '$s' is not a size the bench takes: a byte count, digits with an optional K, M or G (e.g. 64K, 16M), a positive multiple of 4 up to 16G" >&2; exit 2; }
+done
+for exe in switch_bench gossip-switch gossip-switch-udp; do
+  [[ -x $B/$exe ]] || { echo "bench/switch: $B/$exe is not built (DPDK found? ninja -C $BUILD transports/switch/$exe)" >&2; exit 1; }
+done
 set +e; gsw_can_run; rc=$?; set -e
 [[ $rc == 0 ]] || exit "$rc"
-TAG=${GSW_TAG:-4}
 mkdir -p "$OUT"
+[[ -w $OUT ]] || { echo "bench/switch: --out $OUT is not writable" >&2; exit 2; }
 TMP=$(mktemp -d /tmp/gsw-bench.XXXXXX)
 PID=
 cleanup() {
@@ -49,7 +67,7 @@ wait_ready() {  # $1 log, $2 pattern
   echo "aggregator did not start:"; cat "$1"; exit 1
 }
 stop() { kill -INT "$PID"; for _ in $(seq 50); do kill -0 "$PID" 2>/dev/null || break; sleep 0.1; done; wait "$PID" 2>/dev/null || true; PID=; }
-run() { "$B/switch_bench" run --workers "$N" --sizes $SIZES --reps "$REPS" --window "$WINDOW" --cpus 0 --timeout 120 "$@"; }
+run() { "$B/switch_bench" run --workers "$N" --sizes "${SIZE_LIST[@]}" --reps "$REPS" --window "$WINDOW" --cpus 0 --timeout 120 "$@"; }
 
 echo "== switch-dpdk ($N workers)"
 gsw_up "$N" dpdk "$TAG"

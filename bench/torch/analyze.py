@@ -2,6 +2,7 @@
 # point of every run, on the Fashion-MNIST test set; writes torch.json and
 # torch.png and prints the table.
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -61,6 +62,10 @@ def main():
             if len(files) != 4:
                 sys.exit(f"bench/torch: {m} seed {s}: {len(files)} rank files, expected 4")
             ranks = [torch.load(f) for f in files]
+            for f, r in zip(files, ranks):
+                if r["steps"] < 1:
+                    sys.exit(f"bench/torch: {m} seed {s}: {f} trained {r['steps']} steps: its shard holds fewer samples than "
+                             "one batch of 32 (give --train-limit 128 or more, 0: all)")
             points = []
             for k in range(len(ranks[0]["snaps"])):
                 sn = [r["snaps"][k] for r in ranks]
@@ -167,8 +172,18 @@ def main():
         "runs": {m: {str(s): r for s, r in v.items()} for m, v in runs.items()},
     }
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "torch.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    # Written in full beside it, then renamed over it: a failed write leaves an earlier torch.json as it was.
+    path = os.path.join(a.out, "torch.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:
+        sys.exit(f"bench/torch: cannot write {path}: {e.strerror or e}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)  # gone once renamed
 
     def fmt(x, spec, unit=""):
         if x is None or x["mean"] is None:

@@ -29,6 +29,10 @@ expect 2 "--momentum takes" "$BUILD" --momentum global
 expect 2 "usage|run.sh" "$BUILD" --out
 expect 2 "--set takes section.key=value" "$BUILD" --set codec
 expect 2 "--set takes section.key=value" "$BUILD" --set "codec.name=int 8"
+expect 2 "--set train.epochs=5: \[train\] keys are not used here.*--epochs, --train-limit" "$BUILD" --set train.epochs=5
+expect 2 "each of 4 workers has only 31 samples, fewer than one batch of 32" "$BUILD" --train-limit 127
+expect 2 "shards of 64 and 63 samples make 2 and 1 batches" "$BUILD" --train-limit 255
+expect 2 "Fashion-MNIST has 60000 training images" "$BUILD" --train-limit 60001
 expect 1 "Python module is missing" /nonexistent --check-args
 if compgen -G "$BUILD/python/gossip*.so" >/dev/null; then
   expect 0 "quick — 4 ranks.*1 seed.*250 Mbit/s" "$BUILD" --quick --rate 250 --check-args --out /tmp/unused
@@ -36,5 +40,6 @@ if compgen -G "$BUILD/python/gossip*.so" >/dev/null; then
   expect 1 "unknown codec 'bogus'" "$BUILD" --check-args --set codec.name=bogus
   expect 1 "the default run's gossip config: .*unknown key 'evry' for policy 'periodic'" "$BUILD" --check-args --set policy.name=periodic --set policy.evry=2
   expect 1 "--out /etc/passwd: is a file" "$BUILD" --check-args --out /etc/passwd
+  expect 0 "train_limit 128, " "$BUILD" --check-args --train-limit 128 --out /tmp/unused
 fi
 exit $fail

@@ -41,7 +41,8 @@
 # does) with [engine] momentum = auto (the default: local over UCX) or
 # quasi-global, or keep the optimizer to themselves (local). --set adds a
 # config key to both gossip runs (policy.* to the default run only), e.g.
-# --set codec.name=int8; the JSON records them. --check-args validates
+# --set codec.name=int8; the JSON records them (train.* is refused: the
+# flags above set the training). --check-args validates
 # the arguments and the build, prints the plan and exits (no root needed).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
@@ -69,6 +70,7 @@ while [[ $# -gt 0 ]]; do
     --epochs) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench/torch: --epochs takes an integer in 1..9999" >&2; exit 2; }; EPOCHS_SET=$2; shift 2 ;;
     --momentum) [[ $# -ge 2 && $2 =~ ^(auto|quasi-global|local)$ ]] || { echo "bench/torch: --momentum takes auto, quasi-global or local" >&2; exit 2; }; MOMENTUM=$2; shift 2 ;;
     --set) [[ $# -ge 2 && $2 =~ ^[a-z_]+[.][a-z_][a-z0-9_]*=[^[:space:]]+$ ]] || { echo "bench/torch: --set takes section.key=value (e.g. codec.name=int8), not '${2:-}'" >&2; exit 2; }
+      [[ $2 != train.* ]] || { echo "bench/torch: --set $2: [train] keys are not used here; the bench sets training with its own flags: --epochs, --train-limit, --quick (batch 32 and lr 0.05 are fixed)" >&2; exit 2; }
       SETS+=(--set "$2"); shift 2 ;;
     --check-args) CHECK=1; shift ;;
     -h|--help) usage 0 ;;
@@ -77,7 +79,19 @@ while [[ $# -gt 0 ]]; do
 done
 PY=/usr/bin/python3  # Debian's interpreter: python3-torch is built for it
 if ((QUICK)); then LIMIT=12000; EPOCHS=2; : "${SEEDS:=1}"; else LIMIT=0; EPOCHS=2; : "${SEEDS:=3}"; fi
-LIMIT=${LIMIT_SET:-$LIMIT}; EPOCHS=${EPOCHS_SET:-$EPOCHS}
+LIMIT=$((10#${LIMIT_SET:-$LIMIT})); EPOCHS=${EPOCHS_SET:-$EPOCHS}
+# --train-limit: at most the 60000 training images, and every rank (a shard of
+# LIMIT/4 samples, rounded up or down) the same number of batches of 32, at least one.
+if ((LIMIT > 60000)); then
+  echo "bench/torch: --train-limit $LIMIT: Fashion-MNIST has 60000 training images; give at most 60000 (0: all)" >&2; exit 2
+elif ((LIMIT)); then
+  lo=$((LIMIT / 4)) hi=$(((LIMIT + 3) / 4))
+  if ((lo < 32)); then
+    echo "bench/torch: --train-limit $LIMIT: each of 4 workers has only $lo samples, fewer than one batch of 32; give 128 or more (0: all)" >&2; exit 2
+  elif ((lo / 32 != hi / 32)); then
+    echo "bench/torch: --train-limit $LIMIT: the 4 workers' shards of $hi and $lo samples make $((hi / 32)) and $((lo / 32)) batches of 32, but every rank must take the same number of steps; give a multiple of 4 (e.g. $((4 * lo)))" >&2; exit 2
+  fi
+fi
 DATA=/usr/share/datasets/fashion-mnist
 MODULE=$(compgen -G "$BUILD/python/gossip*.so" | head -n1 || true)
 problems=()

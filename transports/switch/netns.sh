@@ -22,10 +22,17 @@ gsw_names() {  # TAG → prefix and subnet
   GSW_IP="${GSW_NET}.1"
 }
 
+# A TAG is a number in 0..255 (an address byte, and part of every name).
+gsw_tag_ok() {
+  [[ $1 =~ ^(0|[1-9][0-9]{0,2})$ && $1 -le 255 ]] || { echo "netns.sh: TAG must be 0..255, not '$1'" >&2; return 2; }
+}
+
 gsw_down() {
+  gsw_tag_ok "${1:-0}" || return 2
   gsw_names "${1:-0}"
   local ns
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E "^${GSW_P}-(sw|w[0-9]+)$" || true); do
+  # Names compared as text: gsw<TAG>-sw and gsw<TAG>-w<digits> only.
+  for ns in $(ip netns list 2>/dev/null | awk -v p="${GSW_P}-" 'index($1, p) == 1 { r = substr($1, length(p) + 1); if (r == "sw" || r ~ /^w[0-9]+$/) print $1 }' || true); do
     ip netns del "$ns" 2>/dev/null || true
   done
 }
@@ -33,7 +40,7 @@ gsw_down() {
 gsw_up() {
   local n=$1 mode=$2
   # Checked before anything is made: addresses are 10.77.TAG.(10 + i).
-  [[ ${3:-0} =~ ^[0-9]+$ && ${3:-0} -le 255 ]] || { echo "netns.sh: TAG must be 0..255, not '${3:-0}'" >&2; return 2; }
+  gsw_tag_ok "${3:-0}" || return 2
   [[ $n =~ ^[0-9]+$ && $n -ge 1 && $n -le 245 ]] || { echo "netns.sh: N must be 1..245 workers, not '$n'" >&2; return 2; }
   [[ $mode == dpdk || $mode == kernel ]] || { echo "netns.sh: the layout is dpdk or kernel, not '$mode'" >&2; return 2; }
   gsw_names "${3:-0}"
@@ -89,7 +96,7 @@ if [[ ${BASH_SOURCE[0]} == "$0" ]]; then
   case "${1:-}" in
     up)  # a step that fails takes down what the earlier ones made (the arguments are checked first)
       gsw_tag=${4:-0}
-      [[ $gsw_tag =~ ^[0-9]+$ && $gsw_tag -le 255 ]] || { echo "netns.sh: TAG must be 0..255, not '$gsw_tag'" >&2; exit 2; }
+      gsw_tag_ok "$gsw_tag" || exit 2
       [[ ${2:?N} =~ ^[0-9]+$ && $2 -ge 1 && $2 -le 245 ]] || { echo "netns.sh: N must be 1..245 workers, not '$2'" >&2; exit 2; }
       [[ ${3:?dpdk|kernel} == dpdk || $3 == kernel ]] || { echo "netns.sh: the layout is dpdk or kernel, not '$3'" >&2; exit 2; }
       set -E
