@@ -108,3 +108,116 @@ TEST_CASE("two engines average two libtorch modules in place") {
   for (auto& net : nets)
     for (const auto& p : net.parameters()) DOCTEST_CHECK(p.mean().item<float>() == doctest::Approx(1.5).epsilon(1e-3));
 }
+
+TEST_CASE("a tensor given new storage after registration is refused by name, before the engine reads it") {
+  gossip::config cfg;
+  cfg.policy.name = "periodic";
+  {  // set_data (module->to() and torch::load do the same) between the view and the engine
+    two_layers net;
+    auto view = gossip::torch_model(net);
+    {
+      const torch::NoGradGuard no_grad;
+      net.fc2->bias.set_data(torch::zeros({2}));
+    }
+    gossip::loopback_fabric fabric(1);
+    DOCTEST_CHECK_THROWS_WITH_AS(gossip::engine(view, 0, 1, cfg, fabric.endpoint(0)),
+                                 doctest::Contains("parameter 'fc2.bias' has new storage since the view was built"), gossip::config_error);
+  }
+  {  // after the engine: refused at the next step
+    two_layers net;
+    gossip::loopback_fabric fabric(1);
+    gossip::engine eng(gossip::torch_model(net), 0, 1, cfg, fabric.endpoint(0));
+    eng.step({.lr = 0.1});
+    {
+      const torch::NoGradGuard no_grad;
+      net.fc1->weight.set_(torch::zeros({3, 4}));  // as torch::load(module, …) does
+    }
+    DOCTEST_CHECK_THROWS_WITH_AS(eng.step({.lr = 0.1}), doctest::Contains("parameter 'fc1.weight' has new storage"), gossip::config_error);
+  }
+  {  // a sparse parameter is named
+    struct sparse : torch::nn::Module {
+      sparse() { register_parameter("w", torch::eye(3).to_sparse()); }
+    } net;
+    DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_model(net), doctest::Contains("parameter 'w' is not dense"), gossip::config_error);
+  }
+}
+
+TEST_CASE("torch_momentum registers what the optimizer steps, with one β the engine checks") {
+  gossip::config cfg;
+  cfg.policy.name = "periodic";
+  cfg.engine.set("momentum", std::string("quasi-global"));
+  {  // a frozen first layer: only fc2's buffers
+    two_layers net;
+    torch::optim::SGD opt(net.fc2->parameters(), torch::optim::SGDOptions(0.1).momentum(0.5));
+    auto view = gossip::torch_model(net);
+    gossip::torch_momentum(view, net, opt);
+    DOCTEST_CHECK(view[0].momentum == nullptr);
+    DOCTEST_CHECK(view[2].momentum != nullptr);
+    DOCTEST_CHECK(opt.state().size() == 2);
+    DOCTEST_CHECK(view.momentum_beta() == 0.5);
+    // [engine] momentum_beta (0.9 by default) differs from the optimizer's 0.5: refused; following it works.
+    gossip::loopback_fabric fabric(1);
+    DOCTEST_CHECK_THROWS_WITH_AS(gossip::engine(view, 0, 1, cfg, fabric.endpoint(0)),
+                                 doctest::Contains("the optimizer's momentum is 0.5 but [engine] momentum_beta is 0.9"), gossip::config_error);
+    auto followed = cfg;
+    followed.follow_momentum(0.5, "the optimizer's momentum");
+    gossip::loopback_fabric again(1);
+    gossip::engine eng(view, 0, 1, followed, again.endpoint(0));
+    eng.step({.lr = 0.1});
+    // The optimizer's state replaced (torch::load(opt, …)): refused at the next step.
+    opt.state().clear();
+    DOCTEST_CHECK_THROWS_WITH_AS(eng.step({.lr = 0.1}), doctest::Contains("the optimizer replaced the momentum buffer of parameter 'fc2.weight'"),
+                                 gossip::config_error);
+  }
+  two_layers net;
+  auto view = gossip::torch_model(net);
+  torch::optim::SGD plain(net.parameters(), torch::optim::SGDOptions(0.1));
+  gossip::torch_momentum(view, net, plain);  // no momentum: nothing to register
+  DOCTEST_CHECK(view[0].momentum == nullptr);
+  DOCTEST_CHECK_FALSE(view.momentum_beta());
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(net.fc1->parameters(), std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+  groups.emplace_back(net.fc2->parameters(), std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.01).momentum(0.9)));
+  torch::optim::SGD two_lr(groups, torch::optim::SGDOptions(0.1));
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, two_lr), doctest::Contains("use lr 0.1 and 0.01"), gossip::config_error);
+  two_layers other;
+  torch::optim::SGD foreign(other.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, foreign), doctest::Contains("steps none of the module's parameters"),
+                               gossip::config_error);
+  torch::optim::SGD first(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  gossip::torch_momentum(view, net, first);
+  torch::optim::SGD second(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, second), doctest::Contains("has a momentum buffer already"), gossip::error);
+}
+
+TEST_CASE("add_buffers averages BatchNorm's running statistics with the parameters") {
+  struct with_bn : torch::nn::Module {
+    with_bn() : bn(register_module("bn", torch::nn::BatchNorm1d(3))) {}
+    torch::nn::BatchNorm1d bn;
+  };
+  const int world = 2;
+  gossip::loopback_fabric fabric(world);
+  gossip::config cfg;
+  cfg.policy.name = "periodic";
+  std::vector<with_bn> nets(world);
+  {
+    const torch::NoGradGuard no_grad;
+    for (int r = 0; r < world; ++r) nets[static_cast<std::size_t>(r)].bn->running_mean.fill_(static_cast<float>(r));  // 0 and 1
+  }
+  auto view = gossip::torch_model(nets[0]);
+  gossip::add_buffers(view, nets[0]);
+  DOCTEST_REQUIRE(view.size() == 4);  // weight, bias, running_mean, running_var (num_batches_tracked is int64: local)
+  DOCTEST_CHECK(view[2].name == "bn.running_mean");
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      auto& net = nets[static_cast<std::size_t>(r)];
+      auto v = gossip::torch_model(net);
+      gossip::add_buffers(v, net);
+      gossip::engine eng(v, r, world, cfg, fabric.endpoint(r));
+      for (int t = 0; t < 20; ++t) eng.step({.lr = 0.1});
+      eng.finish();
+    });
+  for (auto& t : threads) t.join();
+  for (auto& net : nets) DOCTEST_CHECK(net.bn->running_mean.mean().item<float>() == doctest::Approx(0.5).epsilon(1e-3));
+}

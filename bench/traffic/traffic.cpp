@@ -87,11 +87,10 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   own.push_back(fmt::format("train.epochs={}", s.epochs));
   own.push_back(fmt::format("train.train_limit={}", s.train_limit));
   own.push_back(fmt::format("train.average_every={}", s.average_every));
-  if (s.average_every > 0) {  // local SGD's settings (the example refuses them for a run without it)
-    own.push_back(fmt::format("train.average_rounds={}", s.average_rounds));
-    own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
-    own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
-  }
+  // local SGD's rounds (the example refuses them for a run without it)
+  if (s.average_every > 0) own.push_back(fmt::format("train.average_rounds={}", s.average_rounds));
+  own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
+  own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
   if (!momentum.empty()) own.push_back("engine.momentum=\"" + momentum + "\"");
   const auto key_of = [](std::string_view kv) {
     std::string k(kv.substr(0, kv.find('=')));

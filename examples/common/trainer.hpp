@@ -65,8 +65,10 @@ inline const std::vector<option_spec>& train_option_specs() {
       {"average_every", std::int64_t{0},
        "0: the [policy] decides after every step; H >= 1: local SGD instead, average_rounds gossip rounds after every H steps"},
       {"average_rounds", std::int64_t{-1}, "gossip rounds at each local-SGD averaging point (-1: ceil(log2 workers), at least 1)"},
-      {"outer_lr", 1.0, "outer learning rate at each averaging point (DiLoCo: 0.7; 1 with outer_momentum 0: plain averaging)"},
-      {"outer_momentum", 0.0, "outer Nesterov momentum at each averaging point (DiLoCo: 0.9)"},
+      {"outer_lr", 1.0,
+       "outer learning rate at each averaging point, or with average_every = 0 after each step that merged (DiLoCo: 0.7; 1 with "
+       "outer_momentum 0: plain averaging)"},
+      {"outer_momentum", 0.0, "outer Nesterov momentum at the same points (DiLoCo: 0.9)"},
       {"seed", std::int64_t{1}, "seed for initialisation, partition and batch order"},
       {"train_limit", std::int64_t{0}, "use only the first N training samples (0: all 60000)"},
       {"data_dir", std::string(), "Fashion-MNIST directory (default: $GOSSIP_FASHION_MNIST_DIR or the Debian package's)"},
@@ -162,7 +164,7 @@ struct train_settings {
     };
     unused("classes_per_worker", s.partition == data::partition_kind::by_label, "partition = \"by_label\"");
     unused("dirichlet_alpha", s.partition == data::partition_kind::dirichlet, "partition = \"dirichlet\"");
-    for (const char* key : {"average_rounds", "outer_lr", "outer_momentum"}) unused(key, s.average_every > 0, "average_every > 0 (local SGD)");
+    unused("average_rounds", s.average_every > 0, "average_every > 0 (local SGD)");
     return s;
   }
 
@@ -535,9 +537,18 @@ inline link_emulation check_transport(const config& cfg) {
 inline void check_components(const config& cfg, const train_settings& s) {
   const engine_spec spec = detail::engine_spec_for(cfg, s);
   (void)detail::check_transport(cfg);
-  // The switch transport checks its own topology ('switch', which it registers).
+  // The switch transport checks its own topology ('switch', which it registers), its protocol and its keys' ranges
+  // (building it opens nothing).
+#if defined(GOSSIP_HAVE_SWITCH)
+  if (cfg.transport.name == "switch") (void)make_switch_transport(cfg, 0, s.workers);
+#endif
   if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, 0, s.workers);
-  (void)protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  const auto protocol = protocol_registry().make(spec.protocol.name, spec.protocol.opts);
+  // What the engines would refuse when the workers start.
+  const std::string where = cfg.protocol.opts.where("name");
+  gossip::detail::check_protocol_carrier(spec.protocol.name, protocol.aggregated(), cfg.transport.name, cfg.transport.name == "switch", where);
+  spec.settings.check_with(cfg.transport.name, cfg.transport.name == "loopback", cfg.engine.where("same_step_merge"));
+  spec.settings.check_outputs(0, s.workers);
 }
 
 /// Trains with the gossip settings of `cfg` (policy, topology, protocol,

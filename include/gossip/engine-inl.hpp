@@ -19,6 +19,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     throw config_error(fmt::format("engine: rank {} is outside the world of {} ranks", rank, world));
   if (!m_policy) throw config_error(fmt::format("engine (rank {}): no policy was given", rank));
   if (!m_transport) throw config_error(fmt::format("engine (rank {}): no transport was given", rank));
+  m_guards = model.guards();
+  check_guards();
   if (model.size() == 0) throw config_error(fmt::format("engine (rank {}): the model has no tensors", rank));
   if (model.elements() == 0)
     throw config_error(fmt::format("engine (rank {}): the model's {} tensor(s) hold no values (registered before they were sized?)", rank,
@@ -75,6 +77,13 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      model.device()->name()));
     m_slots.push_back({static_cast<float*>(t.data), t.count, m_elements});
     m_momentum.push_back(quasi_global ? t.momentum : nullptr);
+    // The buffers are rebuilt with momentum_beta: an optimizer stepping with another β would train with neither.
+    if (quasi_global && t.momentum && model.momentum_beta() &&
+        std::abs(*model.momentum_beta() - m_settings.momentum_beta) > 1e-6 * *model.momentum_beta())
+      throw config_error(fmt::format("engine (rank {}): the optimizer's momentum is {} but [engine] momentum_beta is {}; quasi-global "
+                                     "momentum rebuilds its buffers with momentum_beta: set it to {} (config::follow_momentum does), or "
+                                     "set [engine] momentum = \"local\"",
+                                     rank, *model.momentum_beta(), m_settings.momentum_beta, *model.momentum_beta()));
     m_tensor_names.push_back(t.name);
     m_rows.push_back(t.rows);
     m_elements += t.count;
@@ -89,16 +98,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                      "values and cannot sum compressed messages; set [codec] name = \"none\"",
                                      rank, m_codec.name(), m_protocol.name()));
   }
-  // (After the codec checks, which say more.) A protocol that sums in the network needs the switch, and the switch sums
-  // nothing else: either way round the models would be merged as what they are not.
-  if (m_protocol.aggregated() && !caps.aggregates)
-    throw config_error(fmt::format("engine (rank {}): protocol '{}' sums in the network and needs transport 'switch', not '{}'; over "
-                                   "'{}' use push-sum, pairwise or stale-copy",
-                                   rank, spec.protocol.name, caps.name, caps.name));
-  if (!m_protocol.aggregated() && caps.aggregates)
-    throw config_error(fmt::format("engine (rank {}): transport '{}' sums what the ranks send and carries protocol 'switch-aggregate' "
-                                   "only, not '{}'",
-                                   rank, caps.name, spec.protocol.name));
+  // (After the codec checks, which say more.)
+  detail::check_protocol_carrier(spec.protocol.name, m_protocol.aggregated(), caps.name, caps.aggregates, fmt::format("engine (rank {})", rank));
 
   const auto layout = model.layout();
   m_layout_fingerprint = fingerprint(layout);
@@ -391,6 +392,7 @@ inline void engine::catch_up(std::uint64_t step, std::size_t& merged) {
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
     throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (train on with new engines on a new transport: over loopback a new loopback_fabric)", m_rank));
+  check_guards();
   // Quasi-global momentum rebuilds the optimizer's buffers from the step's
   // displacement divided by lr: without it the buffers would silently stay local.
   if ((!m_mhat.empty() || m_device_qgm) && !(std::isfinite(info.lr) && info.lr > 0)) [[unlikely]]
@@ -911,6 +913,7 @@ inline bool engine::buffer_busy(int i) noexcept {
 
 inline std::size_t engine::poll() {
   if (m_finished || m_copies_on_post) return 0;  // lockstep transports deliver at step boundaries only
+  check_guards();
   handle_failures();
   return merge_inbound(m_step);
 }
@@ -922,6 +925,7 @@ inline void engine::flush() {
 
 inline void engine::finish(int rounds) {
   if (m_finished) return;
+  check_guards();
   if (rounds == -2) rounds = m_settings.finish_rounds;
   if (rounds < 0) {
     int hops = 0;

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -242,6 +243,10 @@ class engine {
   [[noreturn]] void throw_not_finite(std::uint64_t step) const;
   void reseed_after_not_finite();
   void check_memory(int send_buffers) const;
+  // model_view::guard()s: a registration gone stale throws before the model is touched.
+  void check_guards() const {
+    for (const auto& g : m_guards) g();
+  }
   std::size_t merge_inbound(std::uint64_t t);
   bool await_buffer(int i);
   void wait_for_buffer(int i);  // bounded, merging what arrives meanwhile  // collect, merge, count, release
@@ -329,6 +334,7 @@ class engine {
   // (signal::shared_schedule), and each reply carries the group's mean drift².
   bool m_shared_schedule = false;
   double m_group_drift_sq = std::numeric_limits<double>::quiet_NaN();
+  std::vector<std::function<void()>> m_guards;  // model_view::guards()
   std::uint64_t m_step = 0;
   bool m_in_step = false;          // inside run_step (merge_age's base: m_step there, m_step − 1 between steps)
   float m_step_makeup = 0;         // numerator_steps: min(1/w − 1, 1) for this step's optimizer step, taken once

@@ -136,6 +136,19 @@ inline void engine_settings::check() const {
 }
 
 namespace detail {
+/// A protocol that sums in the network needs a transport that aggregates (the
+/// switch), and that transport sums nothing else: either way round the models
+/// would be merged as what they are not.
+inline void check_protocol_carrier(std::string_view protocol, bool aggregated, std::string_view transport, bool aggregates, std::string_view who) {
+  if (aggregated && !aggregates)
+    throw config_error(fmt::format("{}: protocol '{}' sums in the network and needs transport 'switch', not '{}'; over '{}' use push-sum, "
+                                   "pairwise or stale-copy",
+                                   who, protocol, transport, transport));
+  if (!aggregated && aggregates)
+    throw config_error(fmt::format("{}: transport '{}' sums what the ranks send and carries protocol 'switch-aggregate' only, not '{}'", who,
+                                   transport, protocol));
+}
+
 /// numerator_steps and in_flight_makeup correct a push-sum sender's share in
 /// flight, on host models; under another protocol, or for a model in device
 /// memory, they would be ignored, so they are refused. `where(key)` names

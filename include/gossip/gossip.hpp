@@ -18,6 +18,7 @@
 #include "gossip/transport.hpp"
 #include "gossip/policies/adacomm.hpp"
 #include "gossip/policies/budget.hpp"
+#include "gossip/policies/consensus.hpp"
 #include "gossip/policies/drift.hpp"
 #include "gossip/policies/drift_history.hpp"
 #include "gossip/policies/drift_lr.hpp"

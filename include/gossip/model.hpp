@@ -9,6 +9,7 @@
 /// refuse to exchange if they differ, naming the first differing tensor.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -133,9 +134,34 @@ class model_view {
         throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with the momentum buffer of tensor '{}'; give "
                                 "each tensor the optimizer's own buffer",
                                 name, u.name));
+    if (t.momentum && t.momentum != buffer.data())
+      throw error(fmt::format("model_view: tensor '{}' has a momentum buffer already; register one optimizer's buffer per tensor", name));
     t.momentum = buffer.data();
     return *this;
   }
+
+  /// The optimizer's momentum factor β, for an adapter that read it (e.g.
+  /// torch_momentum): an engine that makes the buffers quasi-global refuses a
+  /// [engine] momentum_beta that differs, since it rebuilds them with that one.
+  model_view& momentum_beta(double beta) {
+    if (!(beta > 0 && beta < 1)) throw error(fmt::format("model_view: momentum_beta must be in (0, 1), got {}", beta));
+    m_momentum_beta = beta;
+    return *this;
+  }
+  std::optional<double> momentum_beta() const noexcept { return m_momentum_beta; }
+
+  /// A check the engine runs before it touches the model: when it is built and
+  /// at the start of every step(), poll() and finish(). For a framework whose
+  /// tensors can get new storage after registration (the libtorch adapter:
+  /// torch::load, module->to(), set_data), so that it throws, naming the
+  /// tensor, instead of the engine reading memory that was freed. What the
+  /// check captures lives as long as the engine.
+  model_view& guard(std::function<void()> check) {
+    if (!check) throw error("model_view: guard() needs a callable");
+    m_guards.push_back(std::move(check));
+    return *this;
+  }
+  const std::vector<std::function<void()>>& guards() const noexcept { return m_guards; }
 
   /// Declares tensor `name` a row-major rows × cols matrix (a weight, or a
   /// convolution kernel as out_channels × the rest), so that codecs that
@@ -196,6 +222,8 @@ class model_view {
 
   std::vector<tensor_view> m_tensors;
   std::shared_ptr<const device_backend> m_device;
+  std::optional<double> m_momentum_beta;
+  std::vector<std::function<void()>> m_guards;
 };
 
 namespace detail {

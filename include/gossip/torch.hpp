@@ -5,14 +5,26 @@
 ///     auto net = std::make_shared<my_net>();
 ///     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
 ///     gossip::model_view view = gossip::torch_model(*net);
+///     gossip::add_buffers(view, *net);         // optional: BatchNorm's running statistics too
 ///     gossip::torch_momentum(view, *net, opt);  // optional: quasi-global momentum
+///     cfg.follow_momentum(0.9, "the optimizer's momentum");  // [engine] momentum_beta, which the engine checks
 ///     gossip::engine eng(view, rank, world, cfg, transport);
 ///     ...; opt.step(); eng.step({.lr = lr, .loss = loss});
 ///
-/// Parameters must be contiguous float32 CPU tensors and keep their storage
-/// (update them in place, as the optimizers do). Only built where libtorch is
-/// found (meson option `torch`); the rest of libgossip does not include it.
+/// Parameters must be dense, contiguous float32 CPU tensors and keep their
+/// storage (update them in place, as the optimizers do). Load checkpoints
+/// (torch::load) and convert the module (module->to()) before torch_model():
+/// the engine checks at every step that each tensor still has the storage it
+/// registered, and refuses one that was given new storage, naming it (it
+/// keeps the old storage alive until then, so nothing reads freed memory).
+/// The module's tensors, and the optimizer given to torch_momentum, must
+/// outlive the engine. Only built where libtorch is found (meson option
+/// `torch`); the rest of libgossip does not include it.
+#include <cmath>
+#include <memory>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -29,17 +41,51 @@ namespace gossip {
 namespace detail {
 inline void check_torch_tensor(const std::string& what, const torch::Tensor& t) {
   if (!t.defined()) throw config_error(fmt::format("torch_model: {} is undefined", what));
+  if (t.layout() != torch::kStrided)
+    throw config_error(fmt::format("torch_model: {} is not dense (layout {}); the engine exchanges dense tensors (tensor.to_dense())", what,
+                                   std::string(c10::toString(t.layout()))));
+  if (!t.device().is_cpu())
+    throw config_error(fmt::format("torch_model: {} is on {}; this adapter takes CPU tensors (a model in GPU memory goes through a device "
+                                   "backend: gossip/cuda.hpp)",
+                                   what, t.device().str()));
   if (t.scalar_type() != torch::kFloat32)
     throw config_error(fmt::format("torch_model: {} is {}; the engine exchanges float32 tensors (module->to(torch::kFloat32))", what,
                                    std::string(c10::toString(t.scalar_type()))));
-  if (!t.device().is_cpu())
-    throw config_error(fmt::format("torch_model: {} is on {}; this adapter takes CPU tensors", what, t.device().str()));
   if (!t.is_contiguous())
-    throw config_error(fmt::format("torch_model: {} is not contiguous; the engine reads a tensor's storage as one block", what));
+    throw config_error(fmt::format("torch_model: {} is not contiguous; the engine reads a tensor's storage as one block: make it contiguous "
+                                   "before building the optimizer (p.set_data(p.contiguous()); channels-last modules: "
+                                   "module->to(torch::MemoryFormat::Contiguous))",
+                                   what));
 }
-}  // namespace detail
 
-namespace detail {
+/// A tensor as the view registered it. Holding the tensor and its storage
+/// keeps that memory alive while an engine may touch it.
+struct torch_registration {
+  std::string what;
+  torch::Tensor tensor;
+  c10::Storage storage;
+  const void* data;
+  std::int64_t numel;
+};
+
+inline torch_registration registered(std::string what, const torch::Tensor& t) {
+  return {std::move(what), t, t.storage(), t.data_ptr(), t.numel()};
+}
+
+/// The view's guard (model_view::guard) over `kept`: a tensor given new storage
+/// (torch::load, module->to(), set_data) or resized since it was registered is refused.
+inline void guard_registrations(model_view& view, std::vector<torch_registration> kept) {
+  if (kept.empty()) return;
+  view.guard([kept = std::make_shared<const std::vector<torch_registration>>(std::move(kept))] {
+    for (const auto& r : *kept)
+      if (r.tensor.data_ptr() != r.data || r.tensor.numel() != r.numel)
+        throw config_error(fmt::format("torch_model: {} has new storage since the view was built (torch::load, module->to() and "
+                                       "set_data() give it one); load and convert the module before torch_model(), or build a new "
+                                       "view and engine",
+                                       r.what));
+  });
+}
+
 /// named_parameters() without repeats: a module registered twice (a shared
 /// layer) lists its parameters under each name, as Python's
 /// named_parameters(remove_duplicate=True) does not; the first name is kept.
@@ -56,6 +102,7 @@ inline std::vector<std::pair<std::string, torch::Tensor>> unique_parameters(cons
 /// names them, after `prefix`; a parameter shared by two submodules once,
 /// under its first name) to `view`.
 inline model_view& add_parameters(model_view& view, const torch::nn::Module& module, const std::string& prefix = "") {
+  std::vector<detail::torch_registration> kept;
   for (const auto& item : detail::unique_parameters(module)) {
     const auto& t = item.second;
     const std::string name = prefix + item.first;
@@ -63,7 +110,29 @@ inline model_view& add_parameters(model_view& view, const torch::nn::Module& mod
     view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
     // A weight (dim ≥ 2) is a matrix of size(0) rows, for codecs that factor them.
     if (t.dim() >= 2 && t.numel() > 0) view.matrix(name, static_cast<std::size_t>(t.size(0)), static_cast<std::size_t>(t.numel() / t.size(0)));
+    kept.push_back(detail::registered(fmt::format("parameter '{}'", name), t));
   }
+  detail::guard_registrations(view, std::move(kept));
+  return view;
+}
+
+/// Adds the module's float32 buffers (BatchNorm's running_mean and
+/// running_var; integer ones such as num_batches_tracked stay local), named
+/// as named_buffers() names them after `prefix`, so that they are averaged
+/// with the parameters: without them every rank evaluates the averaged
+/// weights with running statistics of its own data.
+inline model_view& add_buffers(model_view& view, const torch::nn::Module& module, const std::string& prefix = "") {
+  std::vector<detail::torch_registration> kept;
+  std::unordered_set<const void*> seen;
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    const auto& t = item.value();
+    if (!t.defined() || t.scalar_type() != torch::kFloat32 || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    const std::string name = prefix + item.key();
+    detail::check_torch_tensor(fmt::format("buffer '{}'", name), t);
+    view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
+    kept.push_back(detail::registered(fmt::format("buffer '{}'", name), t));
+  }
+  detail::guard_registrations(view, std::move(kept));
   return view;
 }
 
@@ -75,21 +144,51 @@ inline model_view torch_model(const torch::nn::Module& module) {
 }
 
 /// Registers the heavy-ball momentum buffers of `opt` (an SGD with momentum,
-/// not Nesterov) for the parameters of `module` in `view` (added with the same
-/// `prefix`), creating them as zeros now — the first step is then the same
-/// (β·0 + g) and their address stays fixed. Set [engine] momentum_beta to the
-/// optimizer's momentum.
+/// not Nesterov, no dampening) for the parameters of `module` in `view`
+/// (added with the same `prefix`) that `opt` steps with momentum > 0,
+/// creating them as zeros now — the first step is then the same (β·0 + g) and
+/// their address stays fixed. Quasi-global momentum rebuilds every buffer with
+/// one β and the step's one lr, so the groups with momentum must share both.
+/// Records β in the view: an engine that makes the buffers quasi-global
+/// refuses an [engine] momentum_beta that differs (config::follow_momentum
+/// sets it). An optimizer with no momentum registers nothing. `opt` must
+/// outlive the engine: a buffer it replaced (torch::load(opt, …)) is refused
+/// at the next step, naming the parameter.
 inline model_view& torch_momentum(model_view& view, const torch::nn::Module& module, torch::optim::SGD& opt, const std::string& prefix = "") {
+  std::unordered_map<const void*, std::string> name_of;
+  for (const auto& item : detail::unique_parameters(module)) name_of.emplace(item.second.unsafeGetTensorImpl(), prefix + item.first);
+  std::optional<double> beta, lr;
+  std::vector<torch::Tensor> stepped;  // the module's parameters the optimizer steps with momentum
+  std::size_t index = 0;
   for (const auto& group : opt.param_groups()) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
     if (o.nesterov())
       throw config_error("torch_momentum: the optimizer uses Nesterov momentum; quasi-global momentum is heavy-ball (nesterov(false))");
     if (o.momentum() > 0 && o.dampening() != 0)
       throw config_error(fmt::format("torch_momentum: the optimizer has dampening {}; quasi-global momentum needs 0", o.dampening()));
+    if (o.momentum() > 0) {
+      if (beta && *beta != o.momentum())
+        throw config_error(fmt::format("torch_momentum: the optimizer's param groups use momentum {} and {} (group {}); quasi-global "
+                                       "momentum rebuilds every buffer with one β: use one, or keep momentum local",
+                                       *beta, o.momentum(), index));
+      if (lr && *lr != o.lr())
+        throw config_error(fmt::format("torch_momentum: the optimizer's param groups with momentum use lr {} and {} (group {}); "
+                                       "quasi-global momentum rebuilds every buffer with the step's one lr: use one, or keep momentum local",
+                                       *lr, o.lr(), index));
+      beta = o.momentum(), lr = o.lr();
+      for (const auto& p : group.params())
+        if (name_of.count(p.unsafeGetTensorImpl())) stepped.push_back(p);
+    }
+    ++index;
   }
+  if (!beta) return view;  // plain SGD: no buffers
+  if (stepped.empty())
+    throw config_error("torch_momentum: the optimizer steps none of the module's parameters (an optimizer of another module?); give the "
+                       "optimizer that trains this module");
   auto& state = opt.state();
-  for (const auto& item : detail::unique_parameters(module)) {
-    const auto& p = item.second;
+  std::vector<std::pair<std::string, const void*>> keys;  // (state key, the buffer registered)
+  std::vector<detail::torch_registration> kept;
+  for (const auto& p : stepped) {
     const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());  // how torch::optim::SGD keys its state
     auto it = state.find(key);
     if (it == state.end()) {
@@ -98,10 +197,26 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
       it = state.emplace(key, std::move(s)).first;
     }
     auto& buffer = static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
-    const std::string name = prefix + item.first;
-    detail::check_torch_tensor(fmt::format("the momentum buffer of parameter '{}'", name), buffer);
+    const std::string& name = name_of.at(p.unsafeGetTensorImpl());
+    const std::string what = fmt::format("the momentum buffer of parameter '{}'", name);
+    detail::check_torch_tensor(what, buffer);
     view.momentum(name, {buffer.data_ptr<float>(), static_cast<std::size_t>(buffer.numel())});
+    keys.emplace_back(key, buffer.data_ptr());
+    kept.push_back(detail::registered(what, buffer));
   }
+  view.momentum_beta(*beta);
+  // A buffer the optimizer replaced (torch::load(opt, …)) would leave the engine rebuilding one nobody reads.
+  view.guard([&opt, keys = std::move(keys), kept = std::make_shared<const std::vector<detail::torch_registration>>(std::move(kept))] {
+    auto& now = opt.state();
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const auto it = now.find(keys[i].first);
+      const auto* s = it == now.end() ? nullptr : dynamic_cast<const torch::optim::SGDParamState*>(it->second.get());
+      if (!s || !s->momentum_buffer().defined() || s->momentum_buffer().data_ptr() != keys[i].second)
+        throw config_error(fmt::format("torch_momentum: the optimizer replaced {} (torch::load(opt, …) does); load the optimizer before "
+                                       "torch_momentum(), or build a new view and engine",
+                                       (*kept)[i].what));
+    }
+  });
   return view;
 }
 
