@@ -221,8 +221,9 @@ void config::apply_override(std::string_view assignment, std::string_view origin
   } catch (const toml::parse_error& e) {
     // A number TOML does not take (1e400, .5, an integer past 64 bits), or an
     // array or table left open, is a mistake in the value, not a word.
+    // Digits, signs, points, exponents and TOML's underscores only (strtod would take words such as "infinity" too).
     char* end = nullptr;
-    if (!value.empty()) (void)std::strtod(value.c_str(), &end);
+    if (!value.empty() && value.find_first_not_of("0123456789+-._eE") == std::string::npos) (void)std::strtod(value.c_str(), &end);
     const bool number = end && *end == '\0';
     if (number || value.starts_with('[') || value.starts_with('{'))
       throw config_error(fmt::format("{}: the value is not valid TOML ({}){}", where, e.description(),
@@ -271,7 +272,16 @@ void config::apply_override(std::string_view assignment, std::string_view origin
   options& target = comp ? comp->opts : section == "engine" ? engine
                   : sections.try_emplace(section, options(fmt::format("{} [{}]", source, section))).first->second;
   option_value parsed_value = to_value(v, where, key);
-  if (target.has(key) && target.where(key) != target.where() && target.values().at(key) != parsed_value)
+  // 1 and 1.0 are one value.
+  const auto same = [](const option_value& a, const option_value& b) {
+    const auto number = [](const option_value& x) -> std::optional<double> {
+      if (const auto* i = std::get_if<std::int64_t>(&x)) return static_cast<double>(*i);
+      if (const auto* d = std::get_if<double>(&x)) return *d;
+      return std::nullopt;
+    };
+    return a == b || (number(a) && number(b) && *number(a) == *number(b));
+  };
+  if (target.has(key) && target.where(key) != target.where() && !same(target.values().at(key), parsed_value))
     throw config_error(fmt::format("{}: {}.{} was set already by {}; give it once", where, section, key, target.where(key)));
   target.set(key, std::move(parsed_value), where);
 }

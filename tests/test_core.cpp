@@ -247,6 +247,8 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
     CHECK_THROWS_WITH_AS(cfg.apply_override(bad), doctest::Contains("the value is not valid TOML ("), config_error);
   cfg.apply_override("train.address=10.77.0.1");  // not a number: a word
   CHECK(cfg.sections.at("train").string("address") == "10.77.0.1");
+  cfg.apply_override("train.word=infinity");  // nor is this, though strtod reads it
+  CHECK(cfg.sections.at("train").string("word") == "infinity");
   // A bare word is taken as written: a backslash stays one.
   cfg.apply_override("train.data_dir=/data/a\\nb");
   CHECK(cfg.sections.at("train").string("data_dir") == "/data/a\\nb");
@@ -259,6 +261,8 @@ TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   cfg.apply_override("train.seed=4");
   CHECK_THROWS_WITH_AS(cfg.apply_override("train.seed=5"), "--set train.seed=5: train.seed was set already by --set train.seed=4; give it once",
                        config_error);
+  cfg.apply_override("train.seed=4.0");  // the same number
+  CHECK_THROWS_AS(cfg.apply_override("train.seed=4.5"), config_error);
   CHECK_THROWS_WITH_AS(cfg.apply_override("policy.name=drift"),
                        "--set policy.name=drift: policy.name was set already by --set policy.name=periodic; give it once", config_error);
   CHECK(cfg.policy.name == "periodic");

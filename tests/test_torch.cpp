@@ -180,6 +180,17 @@ TEST_CASE("torch_momentum registers what the optimizer steps, with one β the en
   groups.emplace_back(net.fc2->parameters(), std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.01).momentum(0.9)));
   torch::optim::SGD two_lr(groups, torch::optim::SGDOptions(0.1));
   DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, two_lr), doctest::Contains("use lr 0.1 and 0.01"), gossip::config_error);
+  {  // a group of another module's parameters is the optimizer's own business: its lr and momentum are not looked at
+    two_layers extra;
+    std::vector<torch::optim::OptimizerParamGroup> mixed;
+    mixed.emplace_back(net.parameters(), std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.1).momentum(0.9)));
+    mixed.emplace_back(extra.parameters(), std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.01).momentum(0.5)));
+    torch::optim::SGD both(mixed, torch::optim::SGDOptions(0.1));
+    auto v = gossip::torch_model(net);
+    DOCTEST_CHECK_NOTHROW(gossip::torch_momentum(v, net, both));
+    DOCTEST_CHECK(v.momentum_beta() == 0.9);
+    DOCTEST_CHECK(both.state().size() == 4);  // the module's four; the other group's buffers are the optimizer's to create
+  }
   two_layers other;
   torch::optim::SGD foreign(other.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, foreign), doctest::Contains("steps none of the module's parameters"),

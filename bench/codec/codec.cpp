@@ -116,7 +116,7 @@ int main(int argc, char** argv) {
   app.add_option("--ratio", ratio, "topk/randomk ratio")->check(gossip::bench::finite_range(1e-6, 1.0));
   app.add_option("--rank", rank, "lowrank rank")->check(CLI::Range(1, 256));
   app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(CLI::Range(1, 1 << 20));
-  app.add_option("--out", out_dir, "write DIR/codec.json");
+  app.add_option("--out", out_dir, "write DIR/codec.json (empty: no file)")->capture_default_str();
   std::string isa = "best";
   app.add_option("--isa", isa, "instruction set of the fp16, int8 and topk kernels: best (this CPU's), avx512, avx2, scalar, or all "
                                "(each this CPU has, fp16/int8/topk only below the best, in one run)")

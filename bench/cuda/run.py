@@ -6,7 +6,8 @@ the example's config: the default policy, a fixed period that sends no more
 bytes than the default did (every ceil(steps / sends) steps), periodic every
 step, and no communication. It prints a table of mean ± σ over seeds and
 writes OUT/cuda.json. --set goes to every run, policy.* keys to the default
-run only (the others set their own policy).
+run only (the others set their own policy), and train.classes_per_worker or
+train.dirichlet_alpha to the cases of their partition only.
 
     bench/cuda/run.py --exe build/lib/cuda/fashion_mnist_cuda [--seeds 3] [--out DIR]
 
@@ -27,6 +28,17 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOT = os.path.dirname(os.path.dirname(HERE))
 CASES = {"iid4": ["--partition", "iid", "-n", "4"], "label8": ["--partition", "by_label", "-n", "8"]}
+# [train] keys of one partition: given to the cases of that partition only (the example refuses them for another).
+PARTITION_KEYS = {"train.classes_per_worker": "by_label", "train.dirichlet_alpha": "dirichlet"}
+
+
+def key_of(assignment):
+    return assignment.split("=", 1)[0].strip()
+
+
+def sets_for(case, sets):
+    partition = CASES[case][CASES[case].index("--partition") + 1]
+    return [s for s in sets if PARTITION_KEYS.get(key_of(s), partition) == partition]
 KEYS = ("accuracy", "local_accuracy_mean", "bytes_sent", "messages", "sends", "steps", "train_seconds", "device")
 
 
@@ -85,14 +97,14 @@ def main():
     if not os.access(probe, os.W_OK):
         sys.exit(f"bench/cuda: --out {a.out}: {probe} is not writable")
     # The control runs set their own policy: policy.* keys shape the default run only.
-    control_sets = [s for s in a.sets if not s.startswith("policy.")]
+    control_sets = [s for s in a.sets if not key_of(s).startswith("policy.")]
 
     runs, summary = [], {}
     for case in cases:
         rows = {"default": [], "equal_bytes": [], "periodic-1": [], "never": []}
         for seed in range(1, a.seeds + 1):
             base = CASES[case]
-            d = run(a.exe, a.config, seed, base, a.sets, a.timeout)
+            d = run(a.exe, a.config, seed, base, sets_for(case, a.sets), a.timeout)
             every = max(1, math.ceil(d["steps"] / max(d["sends"], 1)))
             plan = [("default", d, []),
                     ("equal_bytes", None, ["--policy", "periodic", "--set", f"policy.every={every}"]),
@@ -100,7 +112,7 @@ def main():
                     ("never", None, ["--policy", "never"])]
             for role, r, extra in plan:
                 if r is None:
-                    r = run(a.exe, a.config, seed, base + extra, control_sets, a.timeout)
+                    r = run(a.exe, a.config, seed, base + extra, sets_for(case, control_sets), a.timeout)
                 r.update(case=case, seed=seed, role=role, args=base + extra)
                 if role == "equal_bytes":
                     r["every"] = every

@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
   double max_mib = 256, min_kib = 64, seconds = 0.3;
   bool quick = false, host_only = false, device_only = false;
   std::size_t cold_from_mib = 16;
-  app.add_option("--json", json_path, "write the runs here (empty: no file)");
+  app.add_option("--json", json_path, "write the runs here (empty: no file)")->capture_default_str();
   app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(gossip::bench::finite_range(0.0625, 4096.0));
   app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(gossip::bench::finite_range(4.0, 1048576.0));
   auto* seconds_opt = app.add_option("--seconds", seconds, "time spent per method and size")->check(gossip::bench::finite_range(0.01, 60.0));

@@ -264,11 +264,15 @@ int report(const std::vector<std::string>& inputs, const std::string& out) {
     if (j.is_discarded() || !j.is_object() || !j.contains("runs") || !j["runs"].is_array())
       throw gossip::error(fmt::format("{}: not the JSON that `switch_bench run --out` writes (an object with a \"runs\" array)", p));
     for (const auto& r : j["runs"]) {
-      static constexpr const char* numbers[] = {"workers", "bytes", "seconds", "elements_per_s", "retransmits"};
+      static constexpr const char* counts[] = {"workers", "bytes", "retransmits"};
+      static constexpr const char* numbers[] = {"seconds", "elements_per_s"};
       const bool typed = r.is_object() && r.contains("mode") && r["mode"].is_string() && r.contains("correct") && r["correct"].is_boolean() &&
+                         std::all_of(std::begin(counts), std::end(counts), [&](const char* k) { return r.contains(k) && r[k].is_number_unsigned(); }) &&
                          std::all_of(std::begin(numbers), std::end(numbers), [&](const char* k) { return r.contains(k) && r[k].is_number(); });
       if (!typed)
-        throw gossip::error(fmt::format("{}: a run without mode, workers, bytes, seconds, elements_per_s, retransmits and correct: {}", p, r.dump()));
+        throw gossip::error(fmt::format("{}: a run without mode, workers, bytes, seconds, elements_per_s, retransmits (counts: integers "
+                                        ">= 0) and correct: {}",
+                                        p, r.dump()));
       all["runs"].push_back(r);
     }
   }

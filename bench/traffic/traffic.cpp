@@ -98,7 +98,7 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
     return k;
   };
   for (const auto& o : overrides)
-    if (!o.starts_with("policy.") && std::none_of(own.begin(), own.end(), [&](const std::string& kv) { return key_of(kv) == key_of(o); }))
+    if (!key_of(o).starts_with("policy.") && std::none_of(own.begin(), own.end(), [&](const std::string& kv) { return key_of(kv) == key_of(o); }))
       cmd += " --set " + shell_quoted(o);
   for (const auto& kv : own) cmd += " --set " + shell_quoted(kv);
   cmd += fmt::format(" --json {} > {} 2>&1", shell_quoted(report), shell_quoted(out_dir + "/run.log"));
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
   int seeds = 0;
   app.add_option("-c,--config", config_path, "bench config: [policy] is the adaptive policy; [train], [transport], [bench], [baseline]")
       ->check(CLI::ExistingFile);
-  app.add_option("-o,--out", out_dir, "directory for traffic.json and traffic.png");
+  app.add_option("-o,--out", out_dir, "directory for traffic.json and traffic.png (created if missing)")->capture_default_str();
   app.add_flag("--quick", quick, "fewer epochs (the [bench] quick_* settings): a few minutes on 2 cores");
   app.add_option("--seeds", seeds, "override [bench] seeds")->check(CLI::Range(1, 100));
   std::vector<std::string> overrides;

@@ -111,7 +111,8 @@ double perftest(const settings& s, const std::string& exe, const std::string& tl
       client_args.insert(client_args.end(), {"-c", std::to_string(s.cpus[0])});
     }
     const pid_t server = spawn(exe, server_args, tls, -1, error_handling);
-    const auto up_by = clock_type::now() + std::chrono::seconds(10);
+    const double listen_s = std::min(10.0, s.timeout_s);  // --timeout bounds this wait too
+    const auto up_by = clock_type::now() + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(listen_s));
     bool server_gone = false;
     while (!listening(port) && clock_type::now() < up_by) {
       int status = 0;
@@ -123,6 +124,11 @@ double perftest(const settings& s, const std::string& exe, const std::string& tl
     }
     if (server_gone) {
       last_output = fmt::format("(the ucx_perftest server exited before it listened on port {})", port);
+      continue;
+    }
+    if (!listening(port)) {
+      harness::reap(server, clock_type::now());  // killed (by PID) and reaped
+      last_output = fmt::format("(the ucx_perftest server did not listen on port {} within {} s)", port, listen_s);
       continue;
     }
     int out[2];

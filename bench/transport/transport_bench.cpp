@@ -239,9 +239,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> sizes{"64K", "256K", "1M", "4M", "16M", "64M"}, step_sizes;
   std::string check;
   double mib_per_run = 256;
-  app.add_option("--out", s.out, "directory for transport.json");
+  app.add_option("--out", s.out, "directory for transport.json")->capture_default_str();
   app.add_option("--tls", s.tls, "UCX_TLS settings to compare (each runs both sides)");
-  app.add_option("--sizes", sizes, "payload sizes (K, M suffixes)");
+  app.add_option("--sizes", sizes, "payload sizes in bytes, multiples of 64 (K, M, G suffixes)")->capture_default_str();
   app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->check(CLI::Range(1, 50));
   app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(gossip::bench::finite_range(0.0625, 65536.0));
   app.add_option("--min-messages", s.min_messages, "fewest timed messages per run")->check(CLI::Range(1, 1000000));
@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
   app.add_option("--wait", s.wait, "how the bench's own loops wait: backoff (as gossip's waits: spin, yield, then 20 us sleeps), yield, sleep or spin")
       ->check(CLI::IsMember({"backoff", "yield", "sleep", "spin"}))
       ->capture_default_str();
-  app.add_option("--step-elements", step_sizes, "model sizes (floats, K/M suffixes) for the step cost; default 1M 16M");
+  app.add_option("--step-elements", step_sizes, "model sizes in floats, multiples of 64 (K, M, G suffixes) for the step cost; default 1M 16M");
   app.add_option("--steps", s.steps, "timed steps per model size")->check(CLI::Range(3, 100000));
   app.add_option("--perftest", s.perftest, "ucx_perftest executable; none: gossip side only");
   bool no_eh = false;
@@ -280,12 +280,23 @@ int main(int argc, char** argv) {
       if (app.count("--steps") == 0) s.steps = 5;
       if (step_sizes.empty()) step_sizes = {"64K"};
     }
-    for (const auto& z : sizes) s.sizes.push_back(harness::parse_size(z, 64));
+    // Errors name the option; a size counts bytes, a step size floats.
+    const auto parsed = [](const std::string& option, const std::string& z, const char* unit) {
+      try {
+        return harness::parse_size(z, 64);
+      } catch (const std::invalid_argument& e) {
+        std::string why = e.what();
+        if (const auto b = why.find(" bytes"); b != std::string::npos) why.replace(b, 6, std::string(" ") + unit);
+        if (const auto c = why.find("a byte count"); c != std::string::npos) why.replace(c, 12, std::string("a count of ") + unit);
+        throw std::invalid_argument(option + ": " + why);
+      }
+    };
+    for (const auto& z : sizes) s.sizes.push_back(parsed("--sizes", z, "bytes"));
     if (!step_sizes.empty()) {
       s.step_elements.clear();
       for (const auto& z : step_sizes) {
         // A count of floats, not bytes: each rank holds the model, its x̂ and the step's copies.
-        s.step_elements.push_back(harness::parse_size(z, 64));
+        s.step_elements.push_back(parsed("--step-elements", z, "floats"));
         if (s.step_elements.back() > (std::size_t{1} << 30))
           throw std::invalid_argument("--step-elements " + z + ": more than 1G floats (4 GiB a model, held several times by each rank)");
       }

@@ -20,9 +20,11 @@
 /// The module's tensors, and the optimizer given to torch_momentum, must
 /// outlive the engine. Only built where libtorch is found (meson option
 /// `torch`); the rest of libgossip does not include it.
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -41,9 +43,12 @@ namespace gossip {
 namespace detail {
 inline void check_torch_tensor(const std::string& what, const torch::Tensor& t) {
   if (!t.defined()) throw config_error(fmt::format("torch_model: {} is undefined", what));
-  if (t.layout() != torch::kStrided)
+  if (t.layout() != torch::kStrided) {
+    std::ostringstream layout;
+    layout << t.layout();
     throw config_error(fmt::format("torch_model: {} is not dense (layout {}); the engine exchanges dense tensors (tensor.to_dense())", what,
-                                   std::string(c10::toString(t.layout()))));
+                                   layout.str()));
+  }
   if (!t.device().is_cpu())
     throw config_error(fmt::format("torch_model: {} is on {}; this adapter takes CPU tensors (a model in GPU memory goes through a device "
                                    "backend: gossip/cuda.hpp)",
@@ -153,7 +158,10 @@ inline model_view torch_model(const torch::nn::Module& module) {
 /// refuses an [engine] momentum_beta that differs (config::follow_momentum
 /// sets it). An optimizer with no momentum registers nothing. `opt` must
 /// outlive the engine: a buffer it replaced (torch::load(opt, …)) is refused
-/// at the next step, naming the parameter.
+/// at the next step, naming the parameter; it must stay where it is (not be
+/// moved into another object) while the engine runs. Groups that hold none of
+/// the module's parameters are the optimizer's own business and are not looked
+/// at. Everything is checked before the optimizer's state or the view change.
 inline model_view& torch_momentum(model_view& view, const torch::nn::Module& module, torch::optim::SGD& opt, const std::string& prefix = "") {
   std::unordered_map<const void*, std::string> name_of;
   for (const auto& item : detail::unique_parameters(module)) name_of.emplace(item.second.unsafeGetTensorImpl(), prefix + item.first);
@@ -162,6 +170,12 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
   std::size_t index = 0;
   for (const auto& group : opt.param_groups()) {
     const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    const bool ours = std::any_of(group.params().begin(), group.params().end(),
+                                  [&](const torch::Tensor& p) { return name_of.count(p.unsafeGetTensorImpl()) > 0; });
+    if (!ours) {
+      ++index;
+      continue;
+    }
     if (o.nesterov())
       throw config_error("torch_momentum: the optimizer uses Nesterov momentum; quasi-global momentum is heavy-ball (nesterov(false))");
     if (o.momentum() > 0 && o.dampening() != 0)
@@ -181,10 +195,29 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
     }
     ++index;
   }
-  if (!beta) return view;  // plain SGD: no buffers
-  if (stepped.empty())
-    throw config_error("torch_momentum: the optimizer steps none of the module's parameters (an optimizer of another module?); give the "
-                       "optimizer that trains this module");
+  if (!beta) {  // plain SGD (for this module's parameters): no buffers
+    const bool any = std::any_of(opt.param_groups().begin(), opt.param_groups().end(), [&](const auto& group) {
+      return std::any_of(group.params().begin(), group.params().end(),
+                         [&](const torch::Tensor& p) { return name_of.count(p.unsafeGetTensorImpl()) > 0; });
+    });
+    if (!any)
+      throw config_error("torch_momentum: the optimizer steps none of the module's parameters (an optimizer of another module?); give "
+                         "the optimizer that trains this module");
+    return view;
+  }
+  if (!(*beta < 1))
+    throw config_error(fmt::format("torch_momentum: the optimizer's momentum is {}; quasi-global momentum takes one in (0, 1)", *beta));
+  for (const auto& p : stepped) {
+    const std::string& name = name_of.at(p.unsafeGetTensorImpl());
+    const auto t = std::find_if(view.tensors().begin(), view.tensors().end(), [&](const tensor_view& v) { return v.name == name; });
+    if (t == view.tensors().end())
+      throw config_error(fmt::format("torch_momentum: the view has no tensor '{}'; add the module's parameters first (torch_model, or "
+                                     "add_parameters with the same prefix)",
+                                     name));
+    if (t->momentum)
+      throw config_error(fmt::format("torch_momentum: tensor '{}' has a momentum buffer already; register one optimizer's buffers per tensor",
+                                     name));
+  }
   auto& state = opt.state();
   std::vector<std::pair<std::string, const void*>> keys;  // (state key, the buffer registered)
   std::vector<detail::torch_registration> kept;
