@@ -1069,7 +1069,7 @@ codec_registry_t& codec_registry() {
     c.add({"auto",
            "int8 where messages cross a network between processes (UCX, ranks paced by [engine] max_lead > 0), none in-process "
            "(loopback), through the switch and for device models (default)",
-           {{"block", std::int64_t{256}, "int8: values per scale"}, min_elements, step, start, drift},
+           {{"block", std::int64_t{256}, "int8: values per scale (1..16777216)"}, min_elements, step, start, drift},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::int8);
              s.block = block(o);
@@ -1080,7 +1080,7 @@ codec_registry_t& codec_registry() {
     c.add({"fp16", "the change since the last send in fp16 (2 bytes a value)", {min_elements, step, start, drift},
            [base](const options& o) { return codec(base(o, codec_kind::fp16)); }});
     c.add({"int8", "the change in int8 with one fp32 scale per block (about 1 byte a value)",
-           {{"block", std::int64_t{256}, "values per scale"}, min_elements, step, start, drift},
+           {{"block", std::int64_t{256}, "values per scale (1..16777216)"}, min_elements, step, start, drift},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::int8);
              s.block = block(o);
@@ -1112,9 +1112,9 @@ codec_registry_t& codec_registry() {
              return codec(s);
            }});
     c.add({"lowrank", "each matrix's change as rank-r factors P·Qᵀ (PowerSGD, warm-started); other tensors by the fallback",
-           {{"rank", std::int64_t{4}, "rank of each matrix's change"},
+           {{"rank", std::int64_t{4}, "rank of each matrix's change (1..256)"},
             {"fallback", std::string("fp16"), "codec for 1-D tensors and matrices too small to gain: none, fp16 or int8"},
-            {"block", std::int64_t{256}, "values per scale, when the fallback is int8"},
+            {"block", std::int64_t{256}, "values per scale, when the fallback is int8 (1..16777216)"},
             min_elements, step, start, drift},
            [base, block](const options& o) {
              auto s = base(o, codec_kind::lowrank);

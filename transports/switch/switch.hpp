@@ -78,13 +78,13 @@ namespace gossip {
 inline const std::vector<option_spec>& switch_option_specs() {
   static const std::vector<option_spec> specs = {
       {"address", std::string("127.0.0.1"), "IPv4 address of gossip-switch (or gossip-switch-udp)", "GOSSIP_SWITCH_ADDRESS"},
-      {"port", std::int64_t{sw::default_port}, "its UDP port", "GOSSIP_SWITCH_PORT"},
+      {"port", std::int64_t{sw::default_port}, "its UDP port (1..65535)", "GOSSIP_SWITCH_PORT"},
       {"group", std::int64_t{1}, "aggregation group id (configured on the switch with members = world)", "GOSSIP_SWITCH_GROUP"},
       {"sync_group", std::int64_t{-1}, "group for sync mode (-1: group)"},
       {"async_group", std::int64_t{-1}, "group for async mode, configured with elements = the model's size (-1: group)"},
       {"mode", std::string("auto"), "sync, async, or auto (periodic and consensus: sync; others: async)"},
-      {"chunk", std::int64_t{sw::default_chunk}, "float32 values per packet (the group's chunk)"},
-      {"window", std::int64_t{128}, "packets in flight (sync: the group's slots)"},
+      {"chunk", std::int64_t{sw::default_chunk}, fmt::format("float32 values per packet (the group's chunk; 1..{})", sw::max_chunk)},
+      {"window", std::int64_t{128}, "packets in flight (sync: the group's slots; 1..4096)"},
       {"rto_ms", 5.0, "first retransmission timeout in milliseconds (doubles up to 200)"},
       {"timeout_s", 30.0, "bound on one operation before the run fails"},
       {"bind", std::string("0.0.0.0"), "local IPv4 address to send from"},
