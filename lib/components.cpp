@@ -110,7 +110,8 @@ const std::vector<option_spec>& engine_option_specs() {
       {"momentum", std::string("auto"),
        "momentum buffers the model registered: quasi-global (rebuilt from the model's actual displacement, gossip included), local (left "
        "alone), or auto (quasi-global where ranks merge in lockstep: loopback threads, the switch's sync all-reduce; local over "
-       "asynchronous exchanges (UCX, the switch's async aggregate) and for a fixed period of 1 between peers; host and device models alike)",
+       "asynchronous exchanges (UCX, the switch's async aggregate), for a fixed period of 1 between peers and under stale-copy; host and "
+       "device models alike)",
        "GOSSIP_MOMENTUM"},
       {"max_lead", std::int64_t{4},
        "wait at a step while this rank is more than max_lead steps ahead of its slowest live source, as heard in the step beacons the "

@@ -574,6 +574,26 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
     // The merges moved t1 (no local updates) only through gossip: its quasi-global momentum is not zero.
     if (want == "quasi-global") CHECK(std::abs(buffers[0][45]) > 0);
   }
+  // auto under stale-copy: local (its pull towards the peers' last copies would be carried on as if it were the gradient's).
+  for (const char* mode : {"auto", "quasi-global"}) {
+    const int world = 2;
+    loopback_fabric fabric(world);
+    std::vector<std::string> reported(world);
+    run_ranks(world, [&](int r) {
+      toy_model m({40, 7}, 3 + r);
+      std::vector<float> v(47, 0.0f);
+      m.view.momentum("t0", std::span<float>(v).first(40)).momentum("t1", std::span<float>(v).subspan(40));
+      auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "stale-copy");
+      options o("test [engine]");
+      o.set("momentum", std::string(mode));
+      spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+      engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
+      e.step({.lr = 0.1});
+      reported[r] = e.stats().momentum;
+      e.finish(0);
+    });
+    for (int r = 0; r < world; ++r) CHECK(reported[r] == (std::string(mode) == "auto" ? "local" : "quasi-global"));
+  }
 }
 
 TEST_CASE("engine: settings filled in code are checked against the config's ranges when the engine is built") {
