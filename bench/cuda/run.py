@@ -25,6 +25,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from results import write_json  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_ROOT = os.path.dirname(os.path.dirname(HERE))
 CASES = {"iid4": ["--partition", "iid", "-n", "4"], "label8": ["--partition", "by_label", "-n", "8"]}
@@ -147,18 +150,7 @@ def main():
               f"− periodic-1 {s['accuracy_delta_pt']:+.2f} ± {s['accuracy_delta_sigma_pt']:.2f} pt at "
               f"{100 * s['traffic_reduction']:.1f} % fewer bytes, {s['time_ratio_periodic1_over_default']:.2f}x less training time")
     path = os.path.join(a.out, "cuda.json")
-    # Written in full beside it, then renamed over it: a failed write leaves an earlier cuda.json as it was.
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        os.makedirs(a.out, exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump({"device": device, "seeds": a.seeds, "config": a.config, "set": a.sets, "summary": summary, "runs": runs}, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        sys.exit(f"bench/cuda: cannot write {path}: {e.strerror or e}")
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_json(path, {"device": device, "seeds": a.seeds, "config": a.config, "set": a.sets, "summary": summary, "runs": runs}, "bench/cuda")
     print(f"wrote {path}")
 
 

@@ -384,8 +384,10 @@ for ((SEED = 1; SEED <= SEEDS; SEED++)); do
 done
 switch_stop
 
-/usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" "$ONLY" "$RTO_MAX_MS" "$MAX_LEAD" <<'PY'
+GOSSIP_BENCH_DIR="$SRC/bench" /usr/bin/python3 - "$TMP" "$OUT/faults.json" "$QUICK" "$LOSS_MEASURED" "$SEEDS" "$ONLY" "$RTO_MAX_MS" "$MAX_LEAD" <<'PY'
 import json, math, os, re, statistics, sys
+sys.path.insert(0, os.environ["GOSSIP_BENCH_DIR"])
+from results import write_json
 tmp, out, quick, loss_measured, seeds = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
 only = [s for s in sys.argv[6].split(",") if s]
 rto_max_ms = int(sys.argv[7]) if sys.argv[7] else None
@@ -486,16 +488,7 @@ doc = dict(quick=quick, seeds=seeds, loss_tcp_rto_max_ms=rto_max_ms, max_lead=ma
            ok_rule="every seed: no hang, every rank not killed finishes and exits 0, lost mass reported (> 0 where ranks were killed); "
                    "and |mean paired Δ| <= 1 pt + 2 σ/√seeds",
            baseline=baseline, scenarios=rows)
-# Written in full beside it, then renamed over it: a failed write leaves an earlier faults.json as it was.
-tmp_out = f"{out}.{os.getpid()}.tmp"
-try:
-    with open(tmp_out, "w") as f:
-        json.dump(doc, f, indent=2)
-    os.replace(tmp_out, out)
-except OSError as e:
-    sys.exit(f"bench/faults: cannot write {out}: {e.strerror or e}")
-finally:
-    if os.path.exists(tmp_out): os.unlink(tmp_out)
+write_json(out, doc, "bench/faults", indent=2)
 fmt = "{:<15} {:>5} {:>9} {:>5} {:>15} {:>8} {:>8}  {}"
 print(fmt.format("scenario", "ok", "finished", "hung", "Δacc pt (σ)", "lost w", "detect s", "message"))
 for r in rows:

@@ -2,10 +2,7 @@
 # point of every run, on the Fashion-MNIST test set; writes torch.json and
 # torch.png and prints the table.
 import argparse
-import contextlib
 import glob
-import json
-import math
 import os
 import statistics
 import sys
@@ -13,6 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from results import write_json  # noqa: E402
 from worker import CNN, load_split  # noqa: E402
 
 METHODS = ["ddp", "periodic", "default", "none"]
@@ -171,19 +170,7 @@ def main():
         "per_seed": per_seed,
         "runs": {m: {str(s): r for s, r in v.items()} for m, v in runs.items()},
     }
-    os.makedirs(a.out, exist_ok=True)
-    # Written in full beside it, then renamed over it: a failed write leaves an earlier torch.json as it was.
-    path = os.path.join(a.out, "torch.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(tmp, path)
-    except OSError as e:
-        sys.exit(f"bench/torch: cannot write {path}: {e.strerror or e}")
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)  # gone once renamed
+    write_json(os.path.join(a.out, "torch.json"), doc, "bench/torch")
 
     def fmt(x, spec, unit=""):
         if x is None or x["mean"] is None:
