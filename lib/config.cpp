@@ -253,8 +253,9 @@ void config::apply_override(std::string_view assignment, std::string_view origin
     if (!str) throw config_error(fmt::format("{}: a component name must be a string", where));
     if (str->get() != comp->name) {
       // The same key twice on the command line: neither silently wins.
-      if (!comp->opts.where().starts_with(fmt::format("{} [{}]", source, section)))
-        throw config_error(fmt::format("{}: {}.name was set already by {}; give it once", where, section, comp->opts.where()));
+      if (const auto it = name_overrides.find(section); it != name_overrides.end())
+        throw config_error(fmt::format("{}: {}.name was set already by {}; give it once", where, section, it->second));
+      name_overrides.emplace(section, where);
       // The file's settings for the old component go with it; a key set by
       // --set stays, whatever the order of the --set options, and the new
       // component takes it or refuses it by name when the config is resolved

@@ -52,6 +52,9 @@ struct config {
   /// transport, codec and engine; load(), parse() and apply_override() refuse others.
   std::vector<std::string> app_sections;
   std::map<std::string, options, std::less<>> sections;  ///< the app_sections present, unchecked until read
+  /// Components whose name apply_override() switched, and which override did:
+  /// a second one that names another is refused.
+  std::map<std::string, std::string, std::less<>> name_overrides;
 
   config() = default;
   /// All defaults, taking the program's own sections: config({"train"}).
