@@ -17,6 +17,23 @@ struct two_layers : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 
+// Engines of `world` ranks as threads over loopback, periodic every step for
+// 20 steps, then finish(): `view_of(r)` is rank r's model view.
+template <class ViewOf>
+void average_in_threads(int world, const ViewOf& view_of) {
+  gossip::loopback_fabric fabric(world);
+  gossip::config cfg;
+  cfg.policy.name = "periodic";
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      gossip::engine eng(view_of(r), r, world, cfg, fabric.endpoint(r));
+      for (int t = 0; t < 20; ++t) eng.step({.lr = 0.1});
+      eng.finish();
+    });
+  for (auto& t : threads) t.join();
+}
+
 }  // namespace
 
 TEST_CASE("torch_model views every parameter in place, by its torch name") {
@@ -88,23 +105,13 @@ TEST_CASE("torch_momentum registers SGD's buffers, which the optimizer then upda
 
 TEST_CASE("two engines average two libtorch modules in place") {
   const int world = 2;
-  gossip::loopback_fabric fabric(world);
-  gossip::config cfg;
-  cfg.policy.name = "periodic";
   std::vector<two_layers> nets(world);
   {
     const torch::NoGradGuard no_grad;
     for (int r = 0; r < world; ++r)
       for (auto& p : nets[static_cast<std::size_t>(r)].parameters()) p.fill_(static_cast<float>(r + 1));  // 1 and 2
   }
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      gossip::engine eng(gossip::torch_model(nets[static_cast<std::size_t>(r)]), r, world, cfg, fabric.endpoint(r));
-      for (int t = 0; t < 20; ++t) eng.step({.lr = 0.1});
-      eng.finish();
-    });
-  for (auto& t : threads) t.join();
+  average_in_threads(world, [&](int r) { return gossip::torch_model(nets[static_cast<std::size_t>(r)]); });
   for (auto& net : nets)
     for (const auto& p : net.parameters()) DOCTEST_CHECK(p.mean().item<float>() == doctest::Approx(1.5).epsilon(1e-3));
 }
@@ -207,9 +214,6 @@ TEST_CASE("add_buffers averages BatchNorm's running statistics with the paramete
     torch::nn::BatchNorm1d bn;
   };
   const int world = 2;
-  gossip::loopback_fabric fabric(world);
-  gossip::config cfg;
-  cfg.policy.name = "periodic";
   std::vector<with_bn> nets(world);
   {
     const torch::NoGradGuard no_grad;
@@ -219,16 +223,11 @@ TEST_CASE("add_buffers averages BatchNorm's running statistics with the paramete
   gossip::add_buffers(view, nets[0]);
   DOCTEST_REQUIRE(view.size() == 4);  // weight, bias, running_mean, running_var (num_batches_tracked is int64: local)
   DOCTEST_CHECK(view[2].name == "bn.running_mean");
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      auto& net = nets[static_cast<std::size_t>(r)];
-      auto v = gossip::torch_model(net);
-      gossip::add_buffers(v, net);
-      gossip::engine eng(v, r, world, cfg, fabric.endpoint(r));
-      for (int t = 0; t < 20; ++t) eng.step({.lr = 0.1});
-      eng.finish();
-    });
-  for (auto& t : threads) t.join();
+  average_in_threads(world, [&](int r) {
+    auto& net = nets[static_cast<std::size_t>(r)];
+    auto v = gossip::torch_model(net);
+    gossip::add_buffers(v, net);
+    return v;
+  });
   for (auto& net : nets) DOCTEST_CHECK(net.bn->running_mean.mean().item<float>() == doctest::Approx(0.5).epsilon(1e-3));
 }

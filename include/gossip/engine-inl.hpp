@@ -132,8 +132,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // at zero: nobody holds anything of this rank yet, so its first send is the model.
   const int extra = m_protocol.sends_delta() ? 1 : 0;
   m_settings.send_buffers = buffers;
-  if (!model.device()) check_memory(buffers + extra);
+  // Quasi-global momentum on a host model: x_{t−1} and m̂ (a device model's backend keeps its own).
+  const bool host_qgm = !model.device() && std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
   if (!model.device()) {  // a device model gets its buffers, x̂ and x_{t−1} from its backend, below
+    check_memory(buffers + extra, host_qgm);
     m_send_storage = std::make_unique<std::byte[]>(static_cast<std::size_t>(buffers + extra) * m_stream_slots * m_message_bytes);
     if (m_codec.compresses()) {
       m_codec_snapshot.resize(m_elements);
@@ -147,12 +149,11 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       m_snapshot = reinterpret_cast<float*>(buffer(0) + sizeof(wire_header));
       for (const auto& s : m_slots) std::memcpy(m_snapshot + s.offset, s.data, s.count * sizeof(float));
     }
-    const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
-    if (m_policy.wants_step_change() || qgm || m_settings.numerator_steps) {
+    if (m_policy.wants_step_change() || host_qgm || m_settings.numerator_steps) {
       m_prev.resize(m_elements);
       for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
     }
-    if (qgm) {  // m̂ starts as the optimizer's momentum (normally zero)
+    if (host_qgm) {  // m̂ starts as the optimizer's momentum (normally zero)
       m_mhat.assign(m_elements, 0.0f);
       for (std::size_t i = 0; i < m_slots.size(); ++i)
         if (m_momentum[i]) std::memcpy(m_mhat.data() + m_slots[i].offset, m_momentum[i], m_slots[i].count * sizeof(float));
@@ -235,12 +236,11 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
 // itself, is checked against the machine's memory: past it the kernel would
 // kill the process at some later step, without a word. (The transport's
 // own buffers come on top: what is counted is a floor of what the run needs.)
-inline void engine::check_memory(int send_buffers) const {
+inline void engine::check_memory(int send_buffers, bool qgm) const {
   const std::uint64_t physical = detail::physical_memory_bytes();
   if (physical == 0) return;
   const double model = static_cast<double>(m_elements) * sizeof(float);
   const double sources = static_cast<double>(m_topology.sources().size()), dests = static_cast<double>(m_topology.destinations().size());
-  const bool qgm = std::any_of(m_momentum.begin(), m_momentum.end(), [](const float* p) { return p != nullptr; });
   double held = static_cast<double>(send_buffers) * static_cast<double>(m_stream_slots) * static_cast<double>(m_message_bytes);
   held += sources * 2 * static_cast<double>(m_message_bytes);  // the inbox: two slots per source
   if (m_policy.wants_step_change() || qgm || m_settings.numerator_steps) held += model;  // x_{t−1}

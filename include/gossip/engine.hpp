@@ -242,7 +242,7 @@ class engine {
   static constexpr std::size_t backlog_high = 4, backlog_low = 1;  // catch_up's bounds, in messages of one source
   [[noreturn]] void throw_not_finite(std::uint64_t step) const;
   void reseed_after_not_finite();
-  void check_memory(int send_buffers) const;
+  void check_memory(int send_buffers, bool qgm) const;
   // model_view::guard()s: a registration gone stale throws before the model is touched.
   void check_guards() const {
     for (const auto& g : m_guards) g();

@@ -513,19 +513,24 @@ def test_misuse_that_would_give_wrong_results_is_refused(one_rank):
         gossip.Engine(torch.nn.Linear(2, 2).named_parameters()).finish(rounds=-5)
 
 
-def test_a_scheduler_stepped_before_the_engine_is_the_usual_order(one_rank):
-    # optimizer.step(); scheduler.step(); eng.step(lr=the lr the optimizer used): the group already holds the next lr.
-    m = torch.nn.Linear(4, 1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-    eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
-    for _ in range(5):
+def scheduled_steps(m, opt, sched, eng, steps):
+    """The usual order: optimizer.step(); scheduler.step(); eng.step(lr=the lr the optimizer used)."""
+    for _ in range(steps):
         m(torch.randn(8, 4)).square().mean().backward()
         lr = opt.param_groups[0]["lr"]
         opt.step()
         opt.zero_grad()
         sched.step()
         eng.step(lr=lr)
+
+
+def test_a_scheduler_stepped_before_the_engine_is_the_usual_order(one_rank):
+    # optimizer.step(); scheduler.step(); eng.step(lr=the lr the optimizer used): the group already holds the next lr.
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    eng = gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": "quasi-global"}})
+    scheduled_steps(m, opt, sched, eng, 5)
     with pytest.raises(ValueError, match=r"lr=0.3 but optimizer param_groups\[0\] has lr=0.025 \(and had lr=0.025 when the last step"):
         eng.step(lr=0.3)
     eng.finish()
@@ -540,13 +545,7 @@ def test_a_scheduler_that_changes_momentum_is_refused(one_rank):
     with pytest.raises(ValueError, match=r"param_groups\[0\] has momentum=0\.9\d* \(and had momentum=0\.9\d* when the last step\(\) "
                        r"returned\) but the engine rebuilds the momentum buffers with the momentum it was built with, 0\.95.*"
                        r"cycle_momentum=False\) needs \[engine\] momentum = \"local\""):
-        for _ in range(5):
-            m(torch.randn(8, 4)).square().mean().backward()
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            eng.step(lr=lr)
+        scheduled_steps(m, opt, sched, eng, 5)
     eng.finish()
     # With cycle_momentum=False, or local momentum, it trains.
     for cycle, momentum in ((False, "quasi-global"), (True, "local")):
@@ -554,13 +553,7 @@ def test_a_scheduler_that_changes_momentum_is_refused(one_rank):
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20, cycle_momentum=cycle)
         with gossip.Engine(m.named_parameters(), optimizer=opt, config={"engine": {"momentum": momentum}}) as eng:
-            for _ in range(5):
-                m(torch.randn(8, 4)).square().mean().backward()
-                lr = opt.param_groups[0]["lr"]
-                opt.step()
-                opt.zero_grad()
-                sched.step()
-                eng.step(lr=lr)
+            scheduled_steps(m, opt, sched, eng, 5)
             eng.finish()
 
 
