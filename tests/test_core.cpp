@@ -186,6 +186,26 @@ TEST_CASE("model_view refuses ambiguous tensors") {
                        error);
 }
 
+TEST_CASE("model_view: many small tensors, each checked against all the others") {
+  // One value per tensor, adjacent in one block: the checks are by sorted
+  // ranges and a name index, so a model of many tiny tensors registers at once.
+  constexpr std::size_t n = 100000;
+  std::vector<float> x(n), m(n);
+  model_view v;
+  for (std::size_t i = 0; i < n; ++i) v.add(fmt::format("t{}", i), std::span<float>(x).subspan(i, 1));
+  for (std::size_t i = 0; i < n; ++i) v.momentum(fmt::format("t{}", i), std::span<float>(m).subspan(i, 1));
+  CHECK(v.size() == n);
+  CHECK(v.find("t54321") == std::optional<std::size_t>(54321));
+  CHECK_FALSE(v.find("t100000"));
+  CHECK(v[54321].momentum == &m[54321]);
+  // An overlap in the middle of the block names the tensor it hits.
+  CHECK_THROWS_WITH_AS(v.add("late", std::span<float>(x).subspan(54321, 1)), doctest::Contains("shares memory with tensor 't54321'"), error);
+  CHECK_THROWS_WITH_AS(v.add("wide", std::span<float>(m).subspan(70000, 5)),
+                       doctest::Contains("shares memory with the momentum buffer of tensor 't7000"), error);
+  CHECK_THROWS_WITH_AS(v.momentum("t1", std::span<float>(x).subspan(99999, 1)), doctest::Contains("shares memory with tensor 't99999'"), error);
+  CHECK_THROWS_WITH_AS(v.momentum("nope", std::span<float>(x).first(1)), doctest::Contains("no tensor has that name"), error);
+}
+
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   auto cfg = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[train]\nepochs = 3\n", "run.toml", {"train"});
   cfg.apply_override("policy.threshold=0.1");

@@ -272,6 +272,30 @@ TEST_CASE("ranks built from different configs are told which setting differs") {
   CHECK(messages[1].find("(codec.block is 128 here but 256 on rank 0)") != std::string::npos);
 }
 
+TEST_CASE("ranks whose codecs resolve differently refuse to connect, with the same config text") {
+  // [codec] name = "auto" resolves on each rank from settings of its own
+  // (max_lead, a device model): the codec in use is compared, not only the text.
+  loopback_fabric fabric(2);
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({10}, 1);
+    const auto cfg = config::parse("[topology]\nname = \"ring\"\n", "run.toml");
+    auto s = spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5);
+    s.config_settings = cfg.shared_settings();
+    s.config_fingerprint = cfg.fingerprint();
+    if (r == 1) s.codec.name = "int8";  // what auto gives a rank over a network
+    try {
+      engine e(m.view, r, 2, std::move(s), fabric.endpoint(r));
+    } catch (const config_error& ex) {
+      messages[r] = ex.what();
+    }
+  });
+  CHECK(messages[0].find("rank 0 and rank 1 would encode their messages differently (codec.in_use is \"none\" here but \"int8\" on rank 1)") !=
+        std::string::npos);
+  CHECK(messages[1].find("(codec.in_use is \"int8\" here but \"none\" on rank 0)") != std::string::npos);
+  CHECK(messages[1].find("GOSSIP_MAX_LEAD") != std::string::npos);
+}
+
 TEST_CASE("a peer whose engine failed to build is dead to the others, not a topology error") {
   // Rank 0 gives up waiting for rank 1 (a short timeout) and its engine throws
   // after it attached; rank 1, built later, must find it departed, not read

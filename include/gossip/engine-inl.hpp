@@ -216,8 +216,12 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   setup.world = world;
   setup.layout = layout;
   setup.layout_fingerprint = m_layout_fingerprint;
-  setup.config_fingerprint = m_config_fingerprint;
-  setup.config_settings = m_config_settings;
+  // The codec this rank's streams use: `auto` resolves from settings of the
+  // rank's own (max_lead, where the model lives), and peers must agree on the
+  // result, whatever their configs' texts say.
+  const std::string codec_line = fmt::format("codec.in_use=\"{}\"\n", to_string(m_codec.settings().kind));
+  setup.config_fingerprint = m_config_fingerprint ^ (settings_fingerprint(codec_line) * 0x9e3779b97f4a7c15ull);
+  setup.config_settings = m_config_settings + codec_line;
   setup.model_fingerprint = m_model_fingerprint;
   setup.sources = m_topology.sources();
   setup.targets = targets;

@@ -10,11 +10,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -97,19 +100,17 @@ class model_view {
   }
   model_view& add(tensor_view t) {
     if (t.name.empty()) throw error(fmt::format("model_view: tensor #{} has an empty name; give every tensor a unique name", m_tensors.size()));
-    for (const auto& u : m_tensors)
-      if (u.name == t.name) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
+    if (m_index.contains(t.name)) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
     if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
     // Memory seen twice would be merged twice at every exchange (and overshoot the average).
-    for (const auto& u : m_tensors) {
-      if (u.memory == t.memory && overlap(u.data, u.bytes(), t.data, t.bytes()))
-        throw error(fmt::format("model_view: tensor '{}' shares memory with tensor '{}'; register each parameter's memory once", t.name,
-                                u.name));
-      if (u.momentum && u.memory == t.memory && overlap(u.momentum, u.bytes(), t.data, t.bytes()))
-        throw error(fmt::format("model_view: tensor '{}' shares memory with the momentum buffer of tensor '{}'; register parameters, "
-                                "not the optimizer's buffers",
-                                t.name, u.name));
-    }
+    if (const auto* r = first_overlap(t.memory, t.data, t.bytes(), npos))
+      throw error(r->momentum ? fmt::format("model_view: tensor '{}' shares memory with the momentum buffer of tensor '{}'; register "
+                                            "parameters, not the optimizer's buffers",
+                                            t.name, m_tensors[r->tensor].name)
+                              : fmt::format("model_view: tensor '{}' shares memory with tensor '{}'; register each parameter's memory once",
+                                            t.name, m_tensors[r->tensor].name));
+    m_index.emplace(t.name, m_tensors.size());
+    insert_range(t.memory, t.data, t.bytes(), m_tensors.size(), false);
     m_tensors.push_back(std::move(t));
     return *this;
   }
@@ -120,24 +121,31 @@ class model_view {
   ///
   ///     model.add("fc1.weight", w1).momentum("fc1.weight", v1);
   model_view& momentum(std::string_view name, std::span<float> buffer) {
-    auto& t = named(name, "momentum buffer");
+    const std::size_t i = index_of(name, "momentum buffer");
+    auto& t = m_tensors[i];
     if (buffer.size() != t.count)
       throw error(fmt::format("model_view: momentum buffer of tensor '{}' has {} elements but the tensor has {}", name, buffer.size(), t.count));
-    for (const auto& u : m_tensors)
-      if (u.memory == t.memory && overlap(u.data, u.bytes(), buffer.data(), buffer.size_bytes()))
-        throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with tensor '{}'; give the optimizer's own "
-                                "buffer",
-                                name, u.name));
+    if (t.momentum == buffer.data()) return *this;  // the same buffer again
     // One buffer for two tensors would be replaced by both (quasi-global momentum).
-    for (const auto& u : m_tensors)
-      if (&u != &t && u.momentum && u.memory == t.memory && overlap(u.momentum, u.bytes(), buffer.data(), buffer.size_bytes()))
-        throw error(fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with the momentum buffer of tensor '{}'; give "
-                                "each tensor the optimizer's own buffer",
-                                name, u.name));
-    if (t.momentum && t.momentum != buffer.data())
+    if (const auto* r = first_overlap(t.memory, buffer.data(), buffer.size_bytes(), i))
+      throw error(r->momentum ? fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with the momentum buffer of tensor "
+                                            "'{}'; give each tensor the optimizer's own buffer",
+                                            name, m_tensors[r->tensor].name)
+                              : fmt::format("model_view: the momentum buffer of tensor '{}' shares memory with tensor '{}'; give the "
+                                            "optimizer's own buffer",
+                                            name, m_tensors[r->tensor].name));
+    if (t.momentum)
       throw error(fmt::format("model_view: tensor '{}' has a momentum buffer already; register one optimizer's buffer per tensor", name));
     t.momentum = buffer.data();
+    insert_range(t.memory, buffer.data(), buffer.size_bytes(), i, true);
     return *this;
+  }
+
+  /// The index of tensor `name` in tensors(), or nothing.
+  std::optional<std::size_t> find(std::string_view name) const {
+    const auto it = m_index.find(std::string(name));
+    if (it == m_index.end()) return std::nullopt;
+    return it->second;
   }
 
   /// The optimizer's momentum factor β, for an adapter that read it (e.g.
@@ -210,17 +218,45 @@ class model_view {
   }
 
  private:
-  static bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
-    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
-    return a_bytes > 0 && b_bytes > 0 && x < y + b_bytes && y < x + a_bytes;
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  // Every registered block of memory (tensors and momentum buffers), which
+  // never overlap, by where it starts: registering n tensors checks each
+  // against the others in O(n log n), not O(n²).
+  struct range {
+    std::uintptr_t end = 0;
+    std::size_t tensor = 0;
+    bool momentum = false;
+  };
+  using range_key = std::pair<memory_kind, std::uintptr_t>;
+
+  // The registered range that overlaps [data, data + bytes), skipping the
+  // momentum buffer of tensor `own` (npos: skip none); null when none does.
+  const range* first_overlap(memory_kind mem, const void* data, std::size_t bytes, std::size_t own) const {
+    if (bytes == 0) return nullptr;
+    const auto x = reinterpret_cast<std::uintptr_t>(data);
+    // Ranges that start before x + bytes, latest first; the ranges are
+    // disjoint, so the walk stops at the first that ends at or before x.
+    for (auto it = m_ranges.lower_bound({mem, x + bytes}); it != m_ranges.begin();) {
+      --it;
+      if (it->first.first != mem || it->second.end <= x) break;
+      if (!(it->second.momentum && it->second.tensor == own)) return &it->second;
+    }
+    return nullptr;
   }
-  tensor_view& named(std::string_view name, std::string_view what) {
-    for (auto& t : m_tensors)
-      if (t.name == name) return t;
+  void insert_range(memory_kind mem, const void* data, std::size_t bytes, std::size_t tensor, bool momentum) {
+    if (bytes == 0) return;
+    const auto x = reinterpret_cast<std::uintptr_t>(data);
+    m_ranges.insert_or_assign({mem, x}, range{x + bytes, tensor, momentum});
+  }
+  std::size_t index_of(std::string_view name, std::string_view what) const {
+    if (const auto i = find(name)) return *i;
     throw error(fmt::format("model_view: {} for '{}', but no tensor has that name; add the tensor first", what, name));
   }
+  tensor_view& named(std::string_view name, std::string_view what) { return m_tensors[index_of(name, what)]; }
 
   std::vector<tensor_view> m_tensors;
+  std::unordered_map<std::string, std::size_t> m_index;  // name → position in m_tensors
+  std::map<range_key, range> m_ranges;
   std::shared_ptr<const device_backend> m_device;
   std::optional<double> m_momentum_beta;
   std::vector<std::function<void()>> m_guards;

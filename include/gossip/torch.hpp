@@ -209,12 +209,12 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
     throw config_error(fmt::format("torch_momentum: the optimizer's momentum is {}; quasi-global momentum takes one in (0, 1)", *beta));
   for (const auto& p : stepped) {
     const std::string& name = name_of.at(p.unsafeGetTensorImpl());
-    const auto t = std::find_if(view.tensors().begin(), view.tensors().end(), [&](const tensor_view& v) { return v.name == name; });
-    if (t == view.tensors().end())
+    const auto t = view.find(name);
+    if (!t)
       throw config_error(fmt::format("torch_momentum: the view has no tensor '{}'; add the module's parameters first (torch_model, or "
                                      "add_parameters with the same prefix)",
                                      name));
-    if (t->momentum)
+    if (view[*t].momentum)
       throw config_error(fmt::format("torch_momentum: tensor '{}' has a momentum buffer already; register one optimizer's buffers per tensor",
                                      name));
   }
