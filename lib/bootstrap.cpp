@@ -245,6 +245,15 @@ bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given
 struct bootstrap::server {
   std::mutex mutex;
   std::map<std::string, blob, std::less<>> store;
+  // Stores `value` under `key` (the caller holds `mutex`). `once`: only when
+  // the key is new or holds the same value (a request asked again after a
+  // lost reply); false when another value is there.
+  bool put_locked(bool once, const std::string& key, blob value) {
+    auto [it, fresh] = store.try_emplace(key);
+    if (!fresh && once) return it->second == value;
+    it->second = std::move(value);
+    return true;
+  }
   int listen_fd = -1;
   int stop_pipe[2] = {-1, -1};  // written once at shutdown: readable from then on, for every waiter
   std::thread thread;
@@ -341,7 +350,7 @@ struct bootstrap::server {
     // A client of an earlier store on this port (a run that has ended) is
     // told so, and changes nothing here: 'S'.
     const bool stranger = joined != 0 && joined != id;
-    if (op == 'P') {
+    if (op == 'P' || op == 'O') {
       std::uint64_t vlen;
       if (recv_all(c, &vlen, 8, clock::now() + idle, idle, stop) != io::ok || vlen > max_blob) return;
       blob v(vlen);
@@ -350,8 +359,7 @@ struct bootstrap::server {
         status = 'S';
       } else {
         std::lock_guard lock(mutex);
-        store[key] = std::move(v);
-        status = 'Y';
+        status = put_locked(op == 'O', key, std::move(v)) ? 'Y' : 'X';
       }
     } else if (stranger) {
       if (op != 'G') return;
@@ -587,11 +595,28 @@ void bootstrap::put(const std::string& key, const blob& value) {
     throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
-    m_server->store[key] = value;
+    m_server->put_locked(false, key, blob(value));
     return;
   }
   bool found = false;
   request('P', key, &value, deadline_after(m_timeout), found);
+}
+
+void bootstrap::put_once(const std::string& key, const blob& value, const std::string& what) {
+  if (value.size() > max_blob)
+    throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
+  bool stored = false;
+  if (m_server) {
+    std::lock_guard lock(m_server->mutex);
+    stored = m_server->put_locked(true, key, blob(value));
+  } else {
+    request('O', key, &value, deadline_after(m_timeout), stored);
+  }
+  if (!stored)
+    throw config_error(fmt::format(
+        "bootstrap: rank {}: another process has published {} at the rendezvous {} ({}) already (key '{}'): a rank number started "
+        "twice, or another job using the same port; start each rank number once (GOSSIP_RANK / RANK), and give each job a port of its own",
+        m_rank, what, where(), m_origin, key));
 }
 
 bootstrap::blob bootstrap::get(const std::string& key, const std::string& waiting_for) { return get(key, waiting_for, m_timeout); }

@@ -489,6 +489,26 @@ TEST_CASE("bootstrap: a client of a rendezvous that rank 0 has replaced on the s
   CHECK_FALSE(new_client.try_get("a").has_value());
 }
 
+TEST_CASE("bootstrap: an entry published once is not overwritten by a second process with the same rank") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  bootstrap server(0, 3, "127.0.0.1", port, timeout);
+  bootstrap first(1, 3, "127.0.0.1", port, timeout), twin(1, 3, "127.0.0.1", port, timeout);
+  const bootstrap::blob a(5, std::byte{1}), b(5, std::byte{2});
+  first.put_once("gossip/ucx/0/1", a, "rank 1's UCX address");
+  first.put_once("gossip/ucx/0/1", a, "rank 1's UCX address");  // asked again (a lost reply): the same value is fine
+  CHECK_THROWS_WITH_AS(twin.put_once("gossip/ucx/0/1", b, "rank 1's UCX address"),
+                       doctest::Contains("rank 1: another process has published rank 1's UCX address at the rendezvous 127.0.0.1:"),
+                       config_error);
+  CHECK(server.try_get("gossip/ucx/0/1") == std::optional<bootstrap::blob>(a));
+  server.put_once("gossip/ucx/0/0", a, "rank 0's UCX address");
+  CHECK_THROWS_WITH_AS(server.put_once("gossip/ucx/0/0", b, "rank 0's UCX address"), doctest::Contains("a rank number started twice"),
+                       config_error);
+  twin.put("free", b);  // put still overwrites
+  twin.put("free", a);
+  CHECK(server.try_get("free") == std::optional<bootstrap::blob>(a));
+}
+
 TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") {
   // A rank 0 of another version: its reply names its version.
   const std::uint16_t port = free_port();

@@ -76,6 +76,10 @@ class bootstrap {
 
   /// Publishes `value` under `key` (overwrites).
   void put(const std::string& key, const blob& value);
+  /// Publishes `value` under `key` unless another value is there already: a
+  /// config_error naming `what` (e.g. "rank 3's UCX address") and the
+  /// rendezvous then, for a rank number started twice or two jobs on one port.
+  void put_once(const std::string& key, const blob& value, const std::string& what);
   /// Fetches `key`, waiting until some rank has published it; timeout_error
   /// naming `waiting_for` (e.g. "rank 3's UCX address") and the rendezvous.
   blob get(const std::string& key, const std::string& waiting_for);

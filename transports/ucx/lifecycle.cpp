@@ -317,7 +317,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
 
   const std::uint64_t gen = boot->next_generation();
   generation = gen;
-  boot->put(fmt::format("gossip/ucx/{}/{}", gen, s.rank), blob);
+  boot->put_once(fmt::format("gossip/ucx/{}/{}", gen, s.rank), blob, fmt::format("rank {}'s UCX address", s.rank));
   for (int j : neighbours) {
     const auto b = boot->get(fmt::format("gossip/ucx/{}/{}", gen, j),
                              fmt::format("rank {} to publish its UCX address (rank {} connecting)", j, s.rank), s.timeout);
