@@ -182,6 +182,7 @@ struct ucx_transport::impl {
   // `heard`; heard_step is the least over sources of heard + late (slowest
   // live source).
   std::atomic<std::uint64_t> beacon_step{0}, beacons_sent{0}, heard_step{0};
+  std::atomic<int> slowest_rank{-1};  // the source heard_step comes from (-1: none), for messages
   // A step held back by beacon_interval_ms, and when it is due (steady_clock
   // ticks): written by the engine thread without waking the progress thread.
   std::atomic<std::uint64_t> held_step{0};
@@ -296,8 +297,9 @@ struct ucx_transport::impl {
   // Progress thread: source `src` has reached `step`; heard_step follows the slowest.
   void heard_from(source_state& src, std::uint64_t step) noexcept;
   void update_heard_step() noexcept;
-  // The least `heard` over sources (~0 when there are none): max_lead's slowest source.
-  std::uint64_t slowest_source() const noexcept;
+  // The least `heard` over sources (~0 when there are none): max_lead's slowest
+  // source; `rank`, when given, is set to that source's rank (-1: none).
+  std::uint64_t slowest_source(int* rank = nullptr) const noexcept;
   void landed(inbox::slot& slot, std::size_t length) noexcept;
 
   // A slot whose receive failed: full but empty, so collect skips it and keeps the order.

@@ -363,7 +363,9 @@ void ucx_transport::impl::attach(const transport_setup& s) {
   }
   // max_lead's slowest source before anything is heard: 0 while some source
   // has yet to speak, ~0 when none ever will (no sources at all).
-  heard_step.store(slowest_source(), std::memory_order_release);
+  int slowest = -1;
+  heard_step.store(slowest_source(&slowest), std::memory_order_release);
+  slowest_rank.store(slowest, std::memory_order_relaxed);
   try {
     thread = std::thread([this] { run(); });
   } catch (const std::system_error& e) {
@@ -444,6 +446,15 @@ std::string ucx_transport::impl::waiting_on() const {
                          who.empty() ? "" : "; ", p->name);
     else if (const auto got = src.consumed + discarded[i].load(); got < src.expected)
       who += fmt::format("{}{}: {} of {} messages received", who.empty() ? "" : "; ", p->name, got, src.expected);
+  }
+  // max_lead's wait: the source the slowest step heard comes from.
+  if (const int r = slowest_rank.load(std::memory_order_relaxed); r >= 0 && setup.step_beacon > 0 && !finishing) {
+    const std::uint64_t h = heard_step.load(std::memory_order_acquire);
+    const peer_state* p = peer(r);
+    const std::string name = p ? p->name : fmt::format("rank {}", r);
+    if (h != ~std::uint64_t{0})
+      who += h == 0 ? fmt::format("{}{}, the slowest source: nothing heard from it yet", who.empty() ? "" : "; ", name)
+                    : fmt::format("{}{}, the slowest source: last heard at step {}", who.empty() ? "" : "; ", name, h);
   }
   return who.empty() ? "no peer" : who;
 }

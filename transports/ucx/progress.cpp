@@ -140,14 +140,19 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
   return UCS_OK;
 }
 
-std::uint64_t ucx_transport::impl::slowest_source() const noexcept {
+std::uint64_t ucx_transport::impl::slowest_source(int* rank) const noexcept {
   // A source that beacons less often than asked (it steps fast) may be its
   // last beacon's `late` steps past that beacon: that much more lead.
   std::uint64_t slowest = ~std::uint64_t{0};
+  int who = -1;
   for (const auto& s : sources) {
     const std::uint64_t told = s.beacon > ~std::uint64_t{0} - s.late ? ~std::uint64_t{0} : s.beacon + s.late;
-    slowest = std::min(slowest, std::max(s.heard, told));
+    if (const std::uint64_t at = std::max(s.heard, told); at < slowest || who < 0) {
+      slowest = at;
+      who = s.rank;
+    }
   }
+  if (rank) *rank = who;
   return slowest;
 }
 
@@ -158,8 +163,10 @@ void ucx_transport::impl::heard_from(source_state& src, std::uint64_t step) noex
 }
 
 void ucx_transport::impl::update_heard_step() noexcept {
-  const std::uint64_t slowest = slowest_source();
-  // Only this thread writes it.
+  int rank = -1;
+  const std::uint64_t slowest = slowest_source(&rank);
+  // Only this thread writes them.
+  slowest_rank.store(rank, std::memory_order_relaxed);
   if (slowest != heard_step.load(std::memory_order_relaxed)) heard_step.store(slowest, std::memory_order_release);
 }
 
