@@ -110,7 +110,8 @@ std::string engine_stats::to_json(int indent) const {
   j["sends_per_window"] = {{"window_steps", send_window_steps}, {"sends", sends_per_window}};
   j["dead"] = dead;
   j["lost_weight"] = lost_weight;
-  return j.dump(indent);
+  // Tensor and peer names come from the user: bytes that are not UTF-8 become U+FFFD rather than an exception at finish().
+  return j.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 void engine_stats::count_send_window(std::uint64_t step) noexcept {
@@ -161,7 +162,7 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
     }
     list.push_back(std::move(ev));
   }
-  write_text(expand_rank(path, rank), nlohmann::json{{"traceEvents", list}, {"displayTimeUnit", "ms"}}.dump(), "trace");
+  write_text(expand_rank(path, rank), nlohmann::json{{"traceEvents", list}, {"displayTimeUnit", "ms"}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "trace");
 }
 
 }  // namespace gossip

@@ -57,6 +57,25 @@ TEST_CASE("engine.step() allocates nothing, for every shipped policy and protoco
       }
 }
 
+TEST_CASE("the trace records every send and every trace_skips_every-th skip") {
+  loopback_fabric fabric(2);
+  std::vector<std::size_t> sends(2), skips(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({16}, 1);
+    auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "exponential");
+    spec.settings.trace_path = "unused-{rank}";  // recorded, never written (finish() is not called)
+    spec.settings.trace_skips_every = 2;
+    engine e(m.view, r, 2, std::move(spec), fabric.endpoint(r));
+    for (int s = 0; s < 60; ++s) e.step();
+    for (const auto& ev : e.trace()) ++(ev.sent ? sends : skips)[static_cast<std::size_t>(r)];
+    e.flush();
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK(sends[static_cast<std::size_t>(r)] == 30);
+    CHECK(skips[static_cast<std::size_t>(r)] == 15);  // of 30 skips, the first and every second after it (by step number: 0 or 30)
+  }
+}
+
 TEST_CASE("after a send x̂ equals x, so the drift restarts from zero") {
   loopback_fabric fabric(2);
   run_ranks(2, [&](int r) {
@@ -528,6 +547,13 @@ TEST_CASE("engine: the consensus estimate follows the received models, and stats
     CHECK(j["consensus_estimate"]["steps"] == 1);
     CHECK(j["weight_range"][0].get<double>() > 0);
   }
+}
+
+TEST_CASE("stats JSON: a tensor name that is not UTF-8 is written with U+FFFD, not thrown at finish()") {
+  engine_stats st;
+  st.tensors.push_back(tensor_stats{.name = "w\xe9ight"});
+  const auto j = nlohmann::json::parse(st.to_json());
+  CHECK(j["tensors"][0]["name"] == "w\xef\xbf\xbdight");
 }
 
 TEST_CASE("engine: registered momentum buffers become quasi-global (model displacement, gossip included), or stay local") {

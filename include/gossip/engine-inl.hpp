@@ -728,7 +728,9 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     ++m_stats.consensus_steps;
   }
   m_policy.observe(outcome{t, result.sent, bytes, m_stats.bytes_sent, sig.bytes_per_send});
-  if (m_trace.capacity() > m_trace.size() && (result.sent || t % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0)) {
+  // Sends always; of the skips, the first and every trace_skips_every-th after it.
+  const bool trace_skip = !result.sent && m_skips_seen++ % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0;
+  if (m_trace.capacity() > m_trace.size() && (result.sent || trace_skip)) {
     m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t0 - m_start).count(),
                                   std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
                                   static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, bytes_raw, static_cast<float>(info.lr),

@@ -345,6 +345,7 @@ class engine {
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;
+  std::uint64_t m_skips_seen = 0;  // skipped steps so far, for trace_skips_every
   bool m_beacon_pacing = false;  // the transport reports its slowest source's step (capabilities().step_beacons)
 };
 
