@@ -39,6 +39,20 @@ void check_output_path(const std::string& path, int rank, int world, std::string
     throw config_error(fmt::format("{}: the directory {} does not exist or is not writable; create it or change the path", what, dir.string()));
 }
 
+bool same_output_file(const std::string& a, const std::string& b, int rank) {
+  if (a.empty() || b.empty()) return false;
+  namespace fs = std::filesystem;
+  // "./x.json", "dir/../x.json" and a link to the directory name one file.
+  const auto resolved = [&](const std::string& path) {
+    std::error_code ec;
+    fs::path p = fs::absolute(expand_rank(path, rank), ec);
+    if (ec) return fs::path(expand_rank(path, rank)).lexically_normal();
+    fs::path c = fs::weakly_canonical(p, ec);
+    return ec ? p.lexically_normal() : c;
+  };
+  return resolved(a) == resolved(b);
+}
+
 namespace {
 
 void write_text(const std::string& path, const std::string& text, const char* what) {

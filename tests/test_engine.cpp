@@ -343,8 +343,15 @@ TEST_CASE("engine: numerator_steps counts every optimizer step in full whatever 
   // Stats and trace in one file would overwrite each other.
   auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"));
   spec.settings.stats_path = spec.settings.trace_path = "out-{rank}.json";
-  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)), doctest::Contains("stats and trace name the same file 'out-{rank}.json'"),
-                       config_error);
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)),
+                       doctest::Contains("stats = 'out-{rank}.json' and trace = 'out-{rank}.json' name the same file"), config_error);
+  // Spelt differently, the same file: compared after {rank}, "." and ".." are resolved.
+  spec.settings.trace_path = "./out-{rank}.json";
+  CHECK_THROWS_WITH_AS(engine(m.view, 0, 2, spec, fabric.endpoint(0)), doctest::Contains("name the same file"), config_error);
+  CHECK(same_output_file("y-{rank}.json", "./y-{rank}.json", 3));
+  CHECK(same_output_file("y-{rank}.json", "y-3.json", 3));
+  CHECK_FALSE(same_output_file("y-{rank}.json", "y-3.json", 4));
+  CHECK_FALSE(same_output_file("", "", 0));
 }
 
 TEST_CASE("engine: numerator_steps with quasi-global momentum keeps the momentum of the optimizer's step, not of the corrected one") {

@@ -160,6 +160,9 @@ void write_stats_file(const std::string& path, const engine_stats& stats);
 /// and be writable. config_error naming the key otherwise.
 /// `where` names where the path was set (engine_settings::stats_where).
 void check_output_path(const std::string& path, int rank, int world, std::string_view key, std::string_view where = "[engine]");
+/// Whether two output paths name one file for rank `rank` ({rank} filled in,
+/// "." and ".." and links resolved as far as the paths exist).
+bool same_output_file(const std::string& a, const std::string& b, int rank);
 
 /// Writes events as Chrome-trace / Perfetto JSON (one track per rank).
 /// A send's args carry `codec` and its `ratio` (bytes after / before the codec).

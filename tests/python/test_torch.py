@@ -469,7 +469,7 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
     # The report paths, as every rank's engine checks them.
     with pytest.raises(gossip.ConfigError, match=r"every one of the 4 ranks would write this one file; put \{rank\} in the path"):
         gossip.check_config({"engine": {"stats": "stats.json"}}, world=4)
-    with pytest.raises(gossip.ConfigError, match=r"stats and trace name the same file 'a\{rank\}'"):
+    with pytest.raises(gossip.ConfigError, match=r"stats = 'a\{rank\}' and trace = 'a\{rank\}' name the same file"):
         gossip.check_config({"engine": {"stats": "a{rank}", "trace": "a{rank}"}}, world=2)
     # Settings that only push-sum would use.
     with pytest.raises(gossip.ConfigError, match=r"in_flight_makeup = true applies to protocol 'push-sum' .* not to 'pairwise'"):
