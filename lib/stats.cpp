@@ -82,6 +82,7 @@ std::string engine_stats::to_json(int indent) const {
   if (!momentum_merge.empty()) j["momentum_merge"] = momentum_merge;
   j["steps"] = steps;
   j["sends"] = sends;
+  j["finish_rounds"] = finish_rounds;
   j["skips"] = skips;
   nlohmann::json reasons = nlohmann::json::object();
   for (std::size_t i = 0; i < by_reason.size(); ++i)

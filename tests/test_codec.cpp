@@ -990,7 +990,7 @@ TEST_CASE("stats count bytes before and after the codec per rank, peer and tenso
     std::size_t sends = 0;
     for (const auto& ev : t["traceEvents"]) {
       if (ev["name"] != "send") continue;
-      ++sends;
+      if (ev["args"]["reason"] != "finish") ++sends;  // finish()'s rounds count apart (finish_rounds)
       CHECK(ev["args"]["codec"] == "topk");
       CHECK(ev["args"]["ratio"].get<double>() > 0);
       CHECK(ev["args"]["ratio"].get<double>() <= 1.1);

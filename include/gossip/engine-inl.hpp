@@ -414,6 +414,16 @@ inline step_result engine::step(const step_info& info) {
   return run_step(info, false);
 }
 
+// A send of a training step counts in the per-send means and windows; a
+// round of finish() only in its own count (and its bytes with the rest).
+inline void engine::count_send(bool forced, double relative_drift, double lr, std::uint64_t t) noexcept {
+  if (forced) return;
+  ++m_stats.sends;
+  m_stats.count_drift_at_send(relative_drift);
+  m_stats.lr_at_send_sum += lr;
+  m_stats.count_send_window(t);
+}
+
 inline step_result engine::run_step(const step_info& info, bool forced) {
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
@@ -594,7 +604,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   if (m_protocol.aggregated() && targets.size() > 1) targets = targets.first(1);
   const std::uint64_t wire_bytes = sizeof(wire_header) + m_elements * sizeof(float);
   sig.bytes_per_send = (m_codec.compresses() && m_last_message_bytes ? m_last_message_bytes : wire_bytes) * targets.size();
-  decision d = forced ? decision::fire(reason::period) : m_policy.decide(sig);
+  decision d = forced ? decision::fire(reason::finish) : m_policy.decide(sig);
   result.why = d.why;
   result.relative_drift = sig.relative_drift();
 
@@ -617,10 +627,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       ++m_round;
       m_last_send_time = t0;
       if (sent_to > 0) {
-        ++m_stats.sends;
-        m_stats.count_drift_at_send(result.relative_drift);
-        m_stats.lr_at_send_sum += info.lr;
-        m_stats.count_send_window(t);
+        count_send(forced, result.relative_drift, info.lr, t);
         result.sent = true;
       }
     } else {
@@ -686,10 +693,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
           m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float) * sent_to;
         }
         bytes_raw = bytes;
-        ++m_stats.sends;
-        m_stats.count_drift_at_send(result.relative_drift);
-        m_stats.lr_at_send_sum += info.lr;
-        m_stats.count_send_window(t);
+        count_send(forced, result.relative_drift, info.lr, t);
         result.sent = true;
       }
     }
@@ -707,7 +711,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   }
 
   // 5. record
-  if (!result.sent) ++m_stats.skips;
+  if (!result.sent && !forced) ++m_stats.skips;
   ++m_stats.by_reason[static_cast<std::size_t>(d.why)];
   m_stats.bytes_sent += bytes;
   m_stats.bytes_raw += bytes_raw;
@@ -736,7 +740,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
                                   static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, bytes_raw, static_cast<float>(info.lr),
                                   static_cast<float>(w), static_cast<float>(m_consensus)});
   }
-  ++m_stats.steps;
+  ++(forced ? m_stats.finish_rounds : m_stats.steps);
   m_stats.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
   m_stats.step_seconds += std::chrono::duration<double>(clock::now() - t0).count();
   ++m_step;

@@ -230,6 +230,7 @@ class engine {
 
  private:
   step_result run_step(const step_info& info, bool forced);
+  void count_send(bool forced, double relative_drift, double lr, std::uint64_t t) noexcept;
   std::byte* buffer(int i) noexcept {
     return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_stream_slots * m_message_bytes;
   }

@@ -62,6 +62,7 @@ enum class reason : std::uint8_t {
   threshold,        ///< send: drift crossed the threshold
   max_interval,     ///< send: too long since the last send
   period,           ///< send: the period elapsed
+  finish,           ///< send: a final averaging round of engine::finish()
 };
 
 constexpr const char* to_string(reason r) noexcept {
@@ -73,6 +74,7 @@ constexpr const char* to_string(reason r) noexcept {
     case reason::threshold: return "threshold";
     case reason::max_interval: return "max_interval";
     case reason::period: return "period";
+    case reason::finish: return "finish";
   }
   return "?";
 }

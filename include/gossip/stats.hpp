@@ -11,7 +11,7 @@
 
 namespace gossip {
 
-inline constexpr std::size_t reason_count = 7;
+inline constexpr std::size_t reason_count = 8;
 inline constexpr std::size_t send_window_capacity = 256;
 
 struct peer_stats {
@@ -62,7 +62,9 @@ struct engine_stats {
   std::string momentum_merge;        ///< quasi-global only: "full" or "spread" (engine_settings::momentum_merge)
   std::string codec = "none";      ///< [codec] name
   std::string device = "host";     ///< where the model lives: "host", or its device backend's name ("cuda")
-  std::uint64_t steps = 0, sends = 0, skips = 0;
+  /// Training steps and their sends and skips; finish()'s averaging rounds
+  /// count apart (finish_rounds, decision `finish`), their bytes with the rest.
+  std::uint64_t steps = 0, sends = 0, skips = 0, finish_rounds = 0;
   std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire
   std::uint64_t no_live_peer = 0;  ///< fired, but no target was alive
