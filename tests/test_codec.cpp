@@ -1117,3 +1117,16 @@ TEST_CASE("lag-corrected merges: sparse codecs at every step reach the optimum o
   for (const auto& s : every2.stats) CHECK(s.momentum == "local");
   CHECK(distance_of_mean(every2) < 0.08);
 }
+
+TEST_CASE("a tensor too large for a codec is refused naming it, before anything reads it") {
+  // The view's span is never read: the engine refuses the tensor first.
+  static float storage[16];
+  model_view view;
+  view.add("embedding.weight", std::span<float>(storage, (std::size_t{1} << 32) + 5));
+  loopback_fabric fabric(1);
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "exponential");
+  spec.codec.name = "int8";
+  CHECK_THROWS_WITH_AS(engine(view, 0, 1, std::move(spec), fabric.endpoint(0)),
+                       doctest::Contains("engine (rank 0): tensor 'embedding.weight' has 4294967301 values; codec 'int8' takes at most 2^32"),
+                       config_error);
+}

@@ -111,6 +111,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     std::size_t largest = 0, side = 0;
     for (std::size_t i = 0; i < m_slots.size(); ++i) {
       const std::size_t n = m_slots[i].count;
+      if (n > std::numeric_limits<std::uint32_t>::max())
+        throw config_error(fmt::format("engine (rank {}): tensor '{}' has {} values; codec '{}' takes at most 2^32 − 1 per tensor: register "
+                                       "it as several tensors, or set [codec] name = \"none\"",
+                                       rank, m_tensor_names[i], n, m_codec.name()));
       m_counts.push_back(n);
       largest = std::max(largest, n);
       m_state_offset.push_back(m_state_floats);
