@@ -1130,3 +1130,19 @@ TEST_CASE("a tensor too large for a codec is refused naming it, before anything 
                        doctest::Contains("engine (rank 0): tensor 'embedding.weight' has 4294967301 values; codec 'int8' takes at most 2^32"),
                        config_error);
 }
+
+TEST_CASE("[codec] step with stale-copy, which has no lag-corrected merge, is refused in favour of [protocol] gamma") {
+  auto cfg = config::parse("[protocol]\nname = \"stale-copy\"\n[codec]\nname = \"topk\"\nstep = 0.2\n", "run.toml");
+  CHECK_THROWS_WITH_AS((void)engine_spec::from(cfg), doctest::Contains("run.toml [codec]"), config_error);
+  CHECK_THROWS_WITH_AS((void)engine_spec::from(cfg), doctest::Contains("protocol 'stale-copy' moves by [protocol] gamma instead"), config_error);
+  // Filled in code: refused when the engine is built.
+  std::vector<float> x(64, 1.0f);
+  model_view view;
+  view.add("x", x);
+  loopback_fabric fabric(1);
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "exponential", "stale-copy");
+  spec.codec.name = "int8";
+  spec.codec.opts.set("step", 0.1);
+  CHECK_THROWS_WITH_AS(engine(view, 0, 1, std::move(spec), fabric.endpoint(0)), doctest::Contains("[codec] step = 0.1 applies to the merges"),
+                       config_error);
+}

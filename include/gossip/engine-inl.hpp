@@ -57,6 +57,10 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // (README, "bench/torch").
   m_codec = make_codec(spec.codec).resolve(!caps.copies_on_post && !m_protocol.aggregated() && !m_protocol.sends_delta() &&
                                            !model.device() && m_settings.max_lead > 0);
+  if (m_codec.settings().step > 0 && m_protocol.type() == protocol::kind::stale_copy)
+    throw config_error(fmt::format("engine (rank {}): [codec] step = {} applies to the merges of push-sum and pairwise; stale-copy moves by "
+                                   "[protocol] gamma instead (e.g. gamma = 0.1 with topk or randomk): set that, and leave step out",
+                                   rank, m_codec.settings().step));
   m_corrected_merge = m_codec.corrects_merge() && (m_protocol.type() == protocol::kind::push_sum || m_protocol.type() == protocol::kind::pairwise);
   m_drift_from_held = m_codec.drift_from_held();
   m_shared_schedule = m_protocol.aggregated() && !m_protocol.sends_delta();

@@ -177,6 +177,10 @@ inline engine_spec engine_spec::from(const config& cfg) {
     throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
                                    "compressed messages; set [codec] name = \"none\"",
                                    cfg.codec.opts.where(), cfg.codec.name));
+  if (c.settings().step > 0 && cfg.protocol.name == "stale-copy")
+    throw config_error(fmt::format("{}: [codec] step applies to the merges of push-sum and pairwise; protocol 'stale-copy' moves by "
+                                   "[protocol] gamma instead (e.g. gamma = 0.1 with topk or randomk): set that, and leave step out",
+                                   cfg.codec.opts.where("step")));
   // The transports whose keys the library knows: loopback's (ranges when the
   // fabric is built) and UCX's, which has none (UCX reads UCX_* variables).
   if (cfg.transport.name == "loopback") (void)cfg.transport.opts.resolved(loopback_option_specs(), "transport 'loopback'");
