@@ -1135,6 +1135,9 @@ TEST_CASE("[codec] step with stale-copy, which has no lag-corrected merge, is re
   auto cfg = config::parse("[protocol]\nname = \"stale-copy\"\n[codec]\nname = \"topk\"\nstep = 0.2\n", "run.toml");
   CHECK_THROWS_WITH_AS((void)engine_spec::from(cfg), doctest::Contains("run.toml [codec]"), config_error);
   CHECK_THROWS_WITH_AS((void)engine_spec::from(cfg), doctest::Contains("protocol 'stale-copy' moves by [protocol] gamma instead"), config_error);
+  // The protocol's own keys are checked with the config too, once, not by every rank's engine.
+  CHECK_THROWS_WITH_AS((void)engine_spec::from(config::parse("[protocol]\nname = \"stale-copy\"\ngamma = 2\n", "run.toml")),
+                       doctest::Contains("run.toml [protocol]: key 'gamma' must be in (0, 1], got 2"), config_error);
   // Filled in code: refused when the engine is built.
   std::vector<float> x(64, 1.0f);
   model_view view;

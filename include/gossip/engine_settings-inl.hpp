@@ -173,6 +173,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
   s.protocol = cfg.protocol;
   s.codec = cfg.codec;
   const gossip::codec c = make_codec(cfg.codec);  // an unknown name or key is refused here, with the file and key
+  (void)protocol_registry().make(cfg.protocol.name, cfg.protocol.opts);  // and a protocol's (gamma's range), once rather than per rank
   if (c.compresses() && !c.automatic() && cfg.transport.name == "switch")
     throw config_error(fmt::format("{}: codec '{}' cannot be used with transport 'switch': the switch adds fp32 values and cannot sum "
                                    "compressed messages; set [codec] name = \"none\"",
