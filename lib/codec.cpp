@@ -1024,7 +1024,7 @@ codec codec::resolve(bool network) const {
 codec_registry_t& codec_registry() {
   static codec_registry_t r = [] {
     codec_registry_t c("codec");
-    const option_spec min_elements{"min_elements", std::int64_t{0}, "tensors with fewer values are sent in fp32 (e.g. biases)"};
+    const option_spec min_elements{"min_elements", std::int64_t{0}, "tensors with fewer values are sent in fp32 (e.g. biases; integer >= 0)"};
     const option_spec step{"step", 0.0,
                            "merge step towards a sender's lag-corrected x̂, in (0, 1]; 0: the fraction of a change's energy this codec keeps "
                            "(measured) for topk, randomk and lowrank, and a plain merge of x̂ for fp16 and int8"};
@@ -1094,7 +1094,7 @@ codec_registry_t& codec_registry() {
       return v == "fp16";
     };
     c.add({"topk", "the largest changes by magnitude (sampled threshold), positions as bitmap or gaps",
-           {{"ratio", 0.01, "fraction of each tensor's values sent"}, values, min_elements, step, start, drift},
+           {{"ratio", 0.01, "fraction of each tensor's values sent (in (0, 1])"}, values, min_elements, step, start, drift},
            [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::topk);
              s.ratio = ratio(o);
@@ -1102,7 +1102,7 @@ codec_registry_t& codec_registry() {
              return codec(s);
            }});
     c.add({"randomk", "changes at random positions (one per stratum), positions as bitmap or gaps",
-           {{"ratio", 0.01, "fraction of each tensor's values sent"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
+           {{"ratio", 0.01, "fraction of each tensor's values sent (in (0, 1])"}, {"seed", std::int64_t{1}, "seed of the positions (mixed with rank and round)"},
             values, min_elements, step, start, drift},
            [base, ratio, half_values](const options& o) {
              auto s = base(o, codec_kind::randomk);

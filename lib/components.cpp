@@ -82,10 +82,10 @@ protocol_registry_t& protocol_registry() {
 
 const std::vector<option_spec>& engine_option_specs() {
   static const std::vector<option_spec> specs = {
-      {"timeout_s", 60.0, "bound on every wait for a peer, in seconds", "GOSSIP_TIMEOUT_S"},
-      {"send_buffers", std::int64_t{2}, "send buffers for transports that send from them in the background", ""},
+      {"timeout_s", 60.0, "bound on every wait for a peer, in seconds (> 0, at most a year)", "GOSSIP_TIMEOUT_S"},
+      {"send_buffers", std::int64_t{2}, "send buffers for transports that send from them in the background (1..16)", ""},
       {"trace", std::string{}, "write a Chrome-trace/Perfetto JSON of decisions here ({rank} is replaced)", "GOSSIP_TRACE"},
-      {"trace_capacity", std::int64_t{100000}, "events kept at most per rank (preallocated)", ""},
+      {"trace_capacity", std::int64_t{100000}, "events kept at most per rank (preallocated; 0..100000000)", ""},
       {"trace_skips_every", std::int64_t{1}, "record every n-th skipped step (sends are always recorded)", ""},
       {"stats", std::string{}, "write the JSON stats report here at finish() ({rank} is replaced)", "GOSSIP_STATS"},
       {"finish_rounds", std::int64_t{-1}, "forced exchange rounds in finish(); -1: 2*ceil(log2 world)", ""},

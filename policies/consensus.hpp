@@ -120,11 +120,11 @@ class consensus {
 
   static std::vector<option_spec> specs() {
     return {
-        {"threshold", 0.1, "relative drift ‖x − x̂‖/‖x̂‖ that fires at the largest learning rate (number > 0)"},
+        {"threshold", 0.1, "relative drift ‖x − x̂‖/‖x̂‖ that fires at the largest learning rate (number in (0, 1000000])"},
         {"lr_exponent", 0.5, "the threshold scales as (lr/lr_max)^lr_exponent (number in [0, 2]; 0: fixed, like 'drift')"},
         {"balance", 2.0, "the drift is multiplied by w^balance, w the push-sum weight (number in [0, 4]; 0: ignore the weight)"},
         {"min_interval", std::int64_t{1}, "send at most every this many steps (integer >= 1)"},
-        {"max_interval", std::int64_t{100}, "send at least every this many steps (integer >= 0; 0 = no limit)"},
+        {"max_interval", std::int64_t{100}, "send at least every this many steps (0 = no limit, else an integer >= min_interval)"},
     };
   }
 

@@ -206,6 +206,19 @@ TEST_CASE("model_view: many small tensors, each checked against all the others")
   CHECK_THROWS_WITH_AS(v.momentum("nope", std::span<float>(x).first(1)), doctest::Contains("no tensor has that name"), error);
 }
 
+TEST_CASE("an integer key given a float with nothing after the point says how to write it") {
+  auto cfg = config::parse("[codec]\nname = \"lowrank\"\nrank = 4.0\n", "run.toml");
+  CHECK_THROWS_WITH_AS((void)engine_spec::from(cfg),
+                       doctest::Contains("run.toml [codec]: key 'rank' of codec 'lowrank' must be an integer (default 4), got the float 4.0; write "
+                                         "it without the point (4)"),
+                       config_error);
+  options o("here");
+  o.set("n", 3.0);
+  CHECK_THROWS_WITH_AS((void)o.integer("n"), doctest::Contains("got the float 3.0; write it without the point (3)"), config_error);
+  o.set("m", 3.5);
+  CHECK_THROWS_WITH_AS((void)o.integer("m"), doctest::Contains("must be an integer, got number 3.5"), config_error);
+}
+
 TEST_CASE("command-line overrides: section.key=value in TOML syntax") {
   auto cfg = config::parse("[policy]\nname = \"drift\"\nthreshold = 0.05\n[train]\nepochs = 3\n", "run.toml", {"train"});
   cfg.apply_override("policy.threshold=0.1");
