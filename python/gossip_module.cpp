@@ -1009,6 +1009,8 @@ PYBIND11_MODULE(gossip, m) {
 
   static py::exception<gossip::error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<gossip::config_error> config_error(m, "ConfigError", error.ptr());
+  // Ranks whose models differ: a setup mistake like settings that differ, so a ConfigError too.
+  static py::exception<gossip::layout_error> layout_error(m, "LayoutError", config_error.ptr());
   // Also a builtin TimeoutError, so that `except TimeoutError:` catches a peer that never came.
   // (py::exception takes one base; the type is the module's for as long as the process runs.)
   static PyObject* const timeout_error =
@@ -1020,6 +1022,8 @@ PYBIND11_MODULE(gossip, m) {
       if (p) std::rethrow_exception(p);
     } catch (const gossip::config_error& e) {
       PyErr_SetString(config_error.ptr(), e.what());
+    } catch (const gossip::layout_error& e) {
+      PyErr_SetString(layout_error.ptr(), e.what());
     } catch (const gossip::timeout_error& e) {
       PyErr_SetString(timeout_error, e.what());
     } catch (const gossip::error& e) {

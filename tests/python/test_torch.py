@@ -276,6 +276,7 @@ def test_a_weight_of_another_shape_on_a_peer_is_refused(tmp_path):
     status, out = torchrun(2, WORKER, "shape")
     assert status != 0
     assert "tensor #0 'w' is a matrix of 2 rows x 5 columns here but a matrix of 5 rows x 2 columns there" in out, out
+    assert "gossip.LayoutError, a ConfigError: True" in out, out
 
 
 def test_errors_name_the_parameter(one_rank):

@@ -79,7 +79,11 @@ def main():
         print(f"rank {rank}: a {wa.min():.3f}..{wa.max():.3f} c {wc.min():.3f}..{wc.max():.3f}")
         return
     if mode == "shape":  # the same count, transposed on rank 1
-        gossip.Engine({"w": torch.zeros((2, 5) if rank == 0 else (5, 2))}).finish()
+        try:
+            gossip.Engine({"w": torch.zeros((2, 5) if rank == 0 else (5, 2))}).finish()
+        except gossip.LayoutError as e:
+            print(f"rank {rank}: gossip.LayoutError, a ConfigError: {isinstance(e, gossip.ConfigError)}", flush=True)
+            raise
         return
     out_dir, steps = sys.argv[2], int(sys.argv[3])
     if mode == "average":
