@@ -75,7 +75,6 @@ struct ucx_transport::impl {
     std::size_t length = 0;  // one send per (peer, buffer) is in flight at a time
     bool held = false;       // progress thread: UCX holds the request and has not completed it
     bool abandoned = false;  // progress thread: given up on (its peer is dead); a late completion is ignored
-    std::chrono::steady_clock::time_point since{};  // progress thread: when UCX took it (held)
   };
   struct peer_state {
     int rank = -1;
@@ -90,7 +89,6 @@ struct ucx_transport::impl {
     // It said goodbye before its drain handshake (its engine was destroyed
     // without finish(), or by an error): dead from that moment, its mass lost.
     std::atomic<bool> left_early{false};
-    std::atomic<bool> unanswered{false};  // progress thread: declared dead because a send to it never completed
     std::atomic<int> why{UCS_OK};  // the error that marked it dead, when UCX gave one
     std::atomic<int> inflight{0};  // sends posted and not completed
     // Protocol weight stamped on sends to it that failed (written by the
@@ -312,11 +310,6 @@ struct ucx_transport::impl {
   // Sends to a peer closed as dead that UCX has still not completed a while
   // later are given up on, as failed (see abandon_stuck_sends in progress.cpp).
   void abandon_stuck_sends() noexcept;
-  // A peer that has not completed a send in the engine's timeout is declared
-  // dead: UCX reports no error for a peer over shared memory whose process
-  // stopped, or ended before the connection was complete, and the sends
-  // would hold their buffers for ever.
-  void declare_unanswered(std::chrono::steady_clock::time_point now) noexcept;
   // Transfers under way: sends UCX holds, receives into slots, messages
   // waiting in a backlog for a slot; the smallest one's bytes. The progress
   // thread polls while one smaller than spin_below is under way.

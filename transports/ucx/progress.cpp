@@ -83,10 +83,8 @@ bool ucx_transport::impl::drain_sends() noexcept {
       send_done(op.peer, op.entry, UCS_OK, op.length);
     else if (UCS_PTR_IS_ERR(r))
       send_done(op.peer, op.entry, UCS_PTR_STATUS(r), op.length);
-    else {
+    else
       ctx.held = true;
-      ctx.since = std::chrono::steady_clock::now();
-    }
   }
 }
 
@@ -367,13 +365,7 @@ void ucx_transport::impl::close_dead() noexcept {
       // A source that died paces no one: the largest step takes it out of max_lead's bound.
       if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0) heard_from(sources[static_cast<std::size_t>(si)], ~std::uint64_t{0});
       // Once per peer, outside the step path: who failed, where, and what happens now.
-      if (p.unanswered.load(std::memory_order_acquire))
-        std::fprintf(stderr,
-                     "libgossip ucx (%s): peer %s has not completed a send in %.1f s ([engine] timeout_s; its process stopped, or ended "
-                     "before UCX had connected it, which UCX does not report over shared memory); it is counted as failed, removed "
-                     "from this rank's topology, and training goes on without it\n",
-                     self_name.c_str(), p.name.c_str(), setup.timeout.count());
-      else if (p.left_early.load(std::memory_order_acquire))
+      if (p.left_early.load(std::memory_order_acquire))
         std::fprintf(stderr,
                      "libgossip ucx (%s): peer %s left before its drain handshake (its engine was destroyed without finish(), or by an "
                      "error); what it had not merged is lost, and training goes on without it\n",
@@ -405,20 +397,6 @@ void ucx_transport::impl::close_dead() noexcept {
 // push-sum share counted as lost, like any failed send — and their buffers
 // returned to the engine; should UCX complete one later, that is ignored.
 // UCX no longer moves their bytes: the endpoint is closed.
-void ucx_transport::impl::declare_unanswered(std::chrono::steady_clock::time_point now) noexcept {
-  const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout);
-  for (int j : neighbours) {
-    auto& p = *peer(j);
-    if (p.closing || p.dead.load(std::memory_order_acquire)) continue;
-    for (const auto& c : p.ctx)
-      if (c.held && !c.abandoned && now - c.since > limit) {
-        p.unanswered.store(true, std::memory_order_release);
-        p.dead.store(true, std::memory_order_release);
-        break;
-      }
-  }
-}
-
 void ucx_transport::impl::abandon_stuck_sends() noexcept {
   const auto now = std::chrono::steady_clock::now();
   for (int j : neighbours) {
@@ -469,7 +447,6 @@ void ucx_transport::impl::run() noexcept {
     bool work = drain_sends();
     work = send_beacons() || work;
     work = land_backlog() || work;
-    declare_unanswered(clock::now());
     close_dead();
     abandon_stuck_sends();
     while (ucp_worker_progress(worker) != 0) work = true;
