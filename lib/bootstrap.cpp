@@ -33,8 +33,9 @@ namespace {
 using clock = std::chrono::steady_clock;
 // Version 2: a request carries the identity of the store its client joined
 // (0 before the first answer), and every answer the identity of the store
-// that gave it.
-constexpr char magic[4] = {'G', 'R', 'V', '2'};
+// that gave it. Version 3: operation 'O', a put that does not overwrite
+// another value (answered 'X').
+constexpr char magic[4] = {'G', 'R', 'V', '3'};
 constexpr std::uint64_t max_blob = 64ull << 20;
 
 clock::time_point deadline_after(std::chrono::duration<double> d) { return clock::now() + std::chrono::duration_cast<clock::duration>(d); }

@@ -369,10 +369,11 @@ config_error settings_mismatch(std::string_view my_name, std::string_view their_
   std::string what = settings_difference(mine, theirs, their_name);
   if (what.empty()) what = fmt::format("fingerprints {:016x} vs {:016x}", my_fingerprint, their_fingerprint);
   if (what.starts_with("codec.in_use "))
-    return config_error(fmt::format("{} and {} would encode their messages differently ({}); [codec] name = \"auto\" resolves on each "
-                                    "rank from its [engine] max_lead (GOSSIP_MAX_LEAD) and where its model lives: give every rank the "
-                                    "same max_lead and device, or set [codec] name",
-                                    my_name, their_name, what));
+    return config_error(fmt::format("{} and {} would encode their messages differently ({}); {}", my_name, their_name, what,
+                                    what.find("(from auto)") != std::string::npos
+                                        ? "[codec] name = \"auto\" resolves on each rank from its [engine] max_lead (GOSSIP_MAX_LEAD) and "
+                                          "where its model lives: give every rank the same max_lead and device, or set [codec] name"
+                                        : "give every rank the same [codec] settings"));
   return config_error(fmt::format("{} and {} were built from different gossip settings ({}); give every rank the same config file and --set "
                                   "options",
                                   my_name, their_name, what));

@@ -1,7 +1,7 @@
-#include <cmath>
 #include "gossip/options.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 
 #include <fmt/ranges.h>

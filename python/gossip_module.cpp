@@ -1073,7 +1073,7 @@ does not see it): call them after optimizer.step(), not between forward and back
       .def_property_readonly("rank", gp::checked(&gp::py_engine::rank))
       .def_property_readonly("world", gp::checked(&gp::py_engine::world))
       .def_property_readonly("weight", gp::checked(&gp::py_engine::weight), "push-sum weight: the average model is sum(w_i x_i) / sum(w_i)")
-      .def_property_readonly("steps", gp::checked(&gp::py_engine::steps))
+      .def_property_readonly("steps", gp::checked(&gp::py_engine::steps), "steps taken, finish()'s averaging rounds included (stats()[\"steps\"] counts the training's only)")
       .def_property_readonly("consensus", gp::checked(&gp::py_engine::consensus), "the consensus-distance estimate policies see (NaN until a model arrived)")
       .def_property_readonly("names", gp::checked(&gp::py_engine::names), "registered parameter names, in order")
       .def("__enter__", [](py::handle self) { gp::constructed(self); return self; })

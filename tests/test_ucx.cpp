@@ -322,7 +322,7 @@ class stand_in_rendezvous {
 
 // Rendezvous replies: magic, 'N' (not there yet) or 'Y', the store's u64
 // identity (7 here), u64 length, blob.
-constexpr char not_there_yet[21] = {'G', 'R', 'V', '2', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr char not_there_yet[21] = {'G', 'R', 'V', '3', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
@@ -380,7 +380,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n <= 2) {
         ++cut;
       } else {
-        const char reply[22] = {'G', 'R', 'V', '2', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '3', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -401,7 +401,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n == 1) {
         held = ::dup(c);
       } else {
-        const char reply[22] = {'G', 'R', 'V', '2', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '3', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -433,7 +433,7 @@ TEST_CASE("bootstrap: a client that connects and stays silent delays neither oth
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(port);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    const char part[] = "GRV2";  // the start of a request, then nothing
+    const char part[] = "GRV3";  // the start of a request, then nothing
     REQUIRE(::write(fd, part, 4) == 4);
     silent.push_back(fd);
   }
@@ -518,7 +518,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
       [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
     });
     bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(5.0));
-    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 2"), transport_error);
+    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 3"), transport_error);
   }
   // A client of another version: this rank 0 answers with its own magic and 'V'.
   const std::uint16_t port2 = free_port();
@@ -535,7 +535,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
   std::size_t got = 0;
   for (ssize_t n; got < sizeof reply && (n = ::read(fd, reply + got, sizeof reply - got)) > 0;) got += static_cast<std::size_t>(n);
   ::close(fd);
-  CHECK(std::string(reply, got) == "GRV2V");
+  CHECK(std::string(reply, got) == "GRV3V");
 }
 
 TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {

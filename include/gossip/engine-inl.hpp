@@ -55,7 +55,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // meets an overflowed receive backlog; none elsewhere. Over UCX at 100
   // Mbit/s it sends a quarter of the bytes and, less queued, fresher models
   // (README, "bench/torch").
-  m_codec = make_codec(spec.codec).resolve(!caps.copies_on_post && !m_protocol.aggregated() && !m_protocol.sends_delta() &&
+  const codec configured_codec = make_codec(spec.codec);
+  m_codec = configured_codec.resolve(!caps.copies_on_post && !m_protocol.aggregated() && !m_protocol.sends_delta() &&
                                            !model.device() && m_settings.max_lead > 0);
   if (m_codec.settings().step > 0 && m_protocol.type() == protocol::kind::stale_copy)
     throw config_error(fmt::format("engine (rank {}): [codec] step = {} applies to the merges of push-sum and pairwise; stale-copy moves by "
@@ -227,7 +228,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   // The codec this rank's streams use: `auto` resolves from settings of the
   // rank's own (max_lead, where the model lives), and peers must agree on the
   // result, whatever their configs' texts say.
-  const std::string codec_line = fmt::format("codec.in_use=\"{}\"\n", to_string(m_codec.settings().kind));
+  const std::string codec_line = fmt::format("codec.in_use=\"{}{}\"\n", to_string(m_codec.settings().kind),
+                                             configured_codec.automatic() ? " (from auto)" : "");
   setup.config_fingerprint = m_config_fingerprint ^ (settings_fingerprint(codec_line) * 0x9e3779b97f4a7c15ull);
   setup.config_settings = m_config_settings + codec_line;
   setup.model_fingerprint = m_model_fingerprint;

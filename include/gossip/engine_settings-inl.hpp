@@ -124,9 +124,10 @@ inline void engine_settings::check_outputs(int rank, int world) const {
   check_output_path(stats_path, rank, world, "stats", stats_where);
   check_output_path(trace_path, rank, world, "trace", trace_where);
   if (same_output_file(stats_path, trace_path, rank))
-    throw config_error(fmt::format("{}: [engine] stats = '{}' and trace = '{}' name the same file, and one would overwrite the other; "
+    throw config_error(fmt::format("{}: [engine] stats = '{}' and trace = '{}' name the same file{}, and one would overwrite the other; "
                                    "give each a path of its own",
-                                   stats_where == trace_where ? stats_where : stats_where + " and " + trace_where, stats_path, trace_path));
+                                   stats_where == trace_where ? stats_where : stats_where + " and " + trace_where, stats_path, trace_path,
+                                   world > 1 ? fmt::format(" for rank {}", rank) : std::string()));
 }
 
 inline void engine_settings::check() const {

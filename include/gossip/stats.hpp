@@ -63,7 +63,11 @@ struct engine_stats {
   std::string codec = "none";      ///< [codec] name
   std::string device = "host";     ///< where the model lives: "host", or its device backend's name ("cuda")
   /// Training steps and their sends and skips; finish()'s averaging rounds
-  /// count apart (finish_rounds, decision `finish`), their bytes with the rest.
+  /// count apart (finish_rounds, decision `finish`) and stay out of the
+  /// per-send means (drift and lr at send, sends_per_window). Everything else
+  /// counts them with the training's: bytes and messages, send_busy,
+  /// no_live_peer, the timings, the weight range, the consensus estimate (and
+  /// engine::steps(), the step index, counts both).
   std::uint64_t steps = 0, sends = 0, skips = 0, finish_rounds = 0;
   std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire

@@ -447,14 +447,14 @@ std::string ucx_transport::impl::waiting_on() const {
     else if (const auto got = src.consumed + discarded[i].load(); got < src.expected)
       who += fmt::format("{}{}: {} of {} messages received", who.empty() ? "" : "; ", p->name, got, src.expected);
   }
-  // max_lead's wait: the source the slowest step heard comes from.
-  if (const int r = slowest_rank.load(std::memory_order_relaxed); r >= 0 && setup.step_beacon > 0 && !finishing) {
+  // Nothing in flight or to drain: what max_lead waits on, the source the slowest step heard comes from.
+  if (const int r = slowest_rank.load(std::memory_order_relaxed); who.empty() && r >= 0 && setup.step_beacon > 0 && !finishing) {
     const std::uint64_t h = heard_step.load(std::memory_order_acquire);
     const peer_state* p = peer(r);
     const std::string name = p ? p->name : fmt::format("rank {}", r);
     if (h != ~std::uint64_t{0})
-      who += h == 0 ? fmt::format("{}{}, the slowest source: nothing heard from it yet", who.empty() ? "" : "; ", name)
-                    : fmt::format("{}{}, the slowest source: last heard at step {}", who.empty() ? "" : "; ", name, h);
+      who = h == 0 ? fmt::format("{}, the slowest source: nothing heard from it yet", name)
+                   : fmt::format("{}, the slowest source, at step {} as last heard", name, h);
   }
   return who.empty() ? "no peer" : who;
 }
