@@ -38,6 +38,11 @@ using clock = std::chrono::steady_clock;
 constexpr char magic[4] = {'G', 'R', 'V', '3'};
 constexpr std::uint64_t max_blob = 64ull << 20;
 
+void check_blob_size(const std::string& key, const bootstrap::blob& value) {
+  if (value.size() > max_blob)
+    throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
+}
+
 clock::time_point deadline_after(std::chrono::duration<double> d) { return clock::now() + std::chrono::duration_cast<clock::duration>(d); }
 
 int remaining_ms(clock::time_point deadline) {
@@ -592,8 +597,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
 }
 
 void bootstrap::put(const std::string& key, const blob& value) {
-  if (value.size() > max_blob)
-    throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
+  check_blob_size(key, value);
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
     m_server->put_locked(false, key, blob(value));
@@ -604,8 +608,7 @@ void bootstrap::put(const std::string& key, const blob& value) {
 }
 
 void bootstrap::put_once(const std::string& key, const blob& value, const std::string& what) {
-  if (value.size() > max_blob)
-    throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
+  check_blob_size(key, value);
   bool stored = false;
   if (m_server) {
     std::lock_guard lock(m_server->mutex);

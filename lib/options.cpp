@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 
 #include <fmt/ranges.h>
 
@@ -51,12 +52,21 @@ double options::real(std::string_view key) const {
   throw config_error(fmt::format("{}: key '{}' must be a number, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
+namespace {
+// A float with nothing after the point (4.0), as the integer it spells, for
+// the message that says to write it without the point.
+std::optional<std::int64_t> whole_float(const option_value& v) {
+  const auto* d = std::get_if<double>(&v);
+  if (!d || !std::isfinite(*d) || *d != std::trunc(*d) || std::abs(*d) >= 1e15) return std::nullopt;
+  return static_cast<std::int64_t>(*d);
+}
+}  // namespace
+
 std::int64_t options::integer(std::string_view key) const {
   const auto& v = at(key);
   if (auto* i = std::get_if<std::int64_t>(&v)) return *i;
-  if (auto* d = std::get_if<double>(&v); d && std::isfinite(*d) && *d == std::trunc(*d) && std::abs(*d) < 1e15)
-    throw config_error(fmt::format("{}: key '{}' must be an integer, got the float {:.1f}; write it without the point ({})", where(key), key, *d,
-                                   static_cast<std::int64_t>(*d)));
+  if (const auto n = whole_float(v))
+    throw config_error(fmt::format("{}: key '{}' must be an integer, got the float {}.0; write it without the point ({})", where(key), key, *n, *n));
   throw config_error(fmt::format("{}: key '{}' must be an integer, got {} {}", where(key), key, option_type_name(v), to_string(v)));
 }
 
@@ -126,10 +136,9 @@ options options::resolved(std::span<const option_spec> specs, std::string_view c
                                      detail::did_you_mean(key, known), known.empty() ? "(none)" : fmt::format("{}", fmt::join(known, ", "))));
     }
     const bool widen = std::holds_alternative<double>(spec->default_value) && std::holds_alternative<std::int64_t>(value);
-    if (const auto* d = std::get_if<double>(&value); d && std::holds_alternative<std::int64_t>(spec->default_value) && std::isfinite(*d) &&
-                                                      *d == std::trunc(*d) && std::abs(*d) < 1e15)
-      throw config_error(fmt::format("{}: key '{}' of {} must be an integer (default {}), got the float {:.1f}; write it without the point ({})",
-                                     where(key), key, component, to_string(spec->default_value), *d, static_cast<std::int64_t>(*d)));
+    if (const auto n = whole_float(value); n && std::holds_alternative<std::int64_t>(spec->default_value))
+      throw config_error(fmt::format("{}: key '{}' of {} must be an integer (default {}), got the float {}.0; write it without the point ({})",
+                                     where(key), key, component, to_string(spec->default_value), *n, *n));
     if (value.index() != spec->default_value.index() && !widen)
       throw config_error(fmt::format("{}: key '{}' of {} must be {} {} (default {}), got {} {}", where(key), key, component,
                                      std::string_view("aeiou").find(option_type_name(spec->default_value)[0]) != std::string_view::npos ? "an" : "a",

@@ -570,6 +570,17 @@ TEST_CASE("stats JSON: a tensor name that is not UTF-8 is written with U+FFFD, n
   CHECK(j["tensors"][0]["name"] == "w\xef\xbf\xbdight");
 }
 
+namespace {
+// Periodic every 2 over a ring with [engine] momentum = mode, as a config would give it.
+engine_spec momentum_spec(const char* mode, const char* protocol) {
+  auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", protocol);
+  options o("test [engine]");
+  o.set("momentum", std::string(mode));
+  spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+  return spec;
+}
+}  // namespace
+
 TEST_CASE("engine: registered momentum buffers become quasi-global (model displacement, gossip included), or stay local") {
   // auto: quasi-global over loopback, whose ranks run in lockstep (local over
   // asynchronous transports: tests/python/test_torch.py checks UCX).
@@ -583,10 +594,7 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
       toy_model m({40, 7}, 3 + r);
       std::vector<float> v(47, 0.0f);
       m.view.momentum("t0", std::span<float>(v).first(40)).momentum("t1", std::span<float>(v).subspan(40));
-      auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "push-sum");
-      options o("test [engine]");
-      o.set("momentum", std::string(mode));
-      spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+      auto spec = momentum_spec(mode, "push-sum");
       engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
       std::vector<float> prev = m.flat(), mhat(47, 0.0f);
       for (int t = 0; t < 6; ++t) {
@@ -623,10 +631,7 @@ TEST_CASE("engine: registered momentum buffers become quasi-global (model displa
       toy_model m({40, 7}, 3 + r);
       std::vector<float> v(47, 0.0f);
       m.view.momentum("t0", std::span<float>(v).first(40)).momentum("t1", std::span<float>(v).subspan(40));
-      auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "stale-copy");
-      options o("test [engine]");
-      o.set("momentum", std::string(mode));
-      spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
+      auto spec = momentum_spec(mode, "stale-copy");
       engine e(m.view, r, world, std::move(spec), fabric.endpoint(r));
       e.step({.lr = 0.1});
       reported[r] = e.stats().momentum;
@@ -664,11 +669,7 @@ TEST_CASE("engine: a step without its learning rate is refused when momentum is 
     toy_model m({8}, 3);
     std::vector<float> v(8, 0.0f);
     m.view.momentum("t0", v);
-    auto spec = spec_of(any_policy(policies::periodic{.every = 2}, "periodic"), "ring", "push-sum");
-    options o("test [engine]");
-    o.set("momentum", std::string(mode));
-    spec.settings = engine_settings::from(o.resolved(engine_option_specs(), "test [engine]"));
-    engine e(m.view, 0, 1, std::move(spec), fabric.endpoint(0));
+    engine e(m.view, 0, 1, momentum_spec(mode, "push-sum"), fabric.endpoint(0));
     INFO(mode);
     if (std::string(mode) == "local") {
       // Without quasi-global momentum lr only informs the policies: 0 is "not
