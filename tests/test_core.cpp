@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "gossip/did_you_mean.hpp"
+#include "cli_checks.hpp"
 #include "gossip/gossip.hpp"
 
 using namespace gossip;
@@ -448,4 +449,36 @@ TEST_CASE("a wait runs the thread's interrupt check, which can end it; the check
   CHECK_THROWS_AS(gossip::detail::wait_for([] { return false; }, std::chrono::milliseconds(100), [] { return std::string("nothing"); }),
                   gossip::timeout_error);
   CHECK(interrupt_calls == 3);
+}
+
+TEST_CASE("command-line checks say what is wrong with a value, after the option's name") {
+  auto parse = [](const CLI::Validator& check, const std::string& value) -> std::string {
+    CLI::App app;
+    std::int64_t n = 0;
+    double x = 0;
+    const bool integer = check.get_description().rfind("INT", 0) == 0;
+    if (integer) app.add_option("--n", n)->check(check);
+    else app.add_option("--x", x)->check(check);
+    const std::string flag = integer ? "--n" : "--x";
+    std::vector<std::string> args{value, flag};  // CLI11 parses a reversed vector
+    try {
+      app.parse(args);
+    } catch (const CLI::ParseError& e) {
+      return e.what();
+    }
+    return integer ? fmt::format("ok {}", n) : fmt::format("ok {}", x);
+  };
+  const auto ints = gossip::cli::integer_range(std::int64_t{1}, std::int64_t{256});
+  CHECK(parse(ints, "8") == "ok 8");
+  CHECK(parse(ints, "abc") == "--n: abc is not a number: give an integer in [1, 256]");
+  CHECK(parse(ints, "1.5") == "--n: 1.5 is not an integer: give an integer in [1, 256]");
+  CHECK(parse(ints, "0") == "--n: 0 is outside [1, 256]");
+  CHECK(parse(ints, "1e2") == "--n: 1e2 is not written as an integer: write 100");
+  CHECK(parse(ints, "99999999999999999999") == "--n: 99999999999999999999 is outside [1, 256]");
+  const auto reals = gossip::cli::number_range(0.0, 1.0);
+  CHECK(parse(reals, "0.5") == "ok 0.5");
+  CHECK(parse(reals, "nan") == "--x: nan is not a finite number: give a number in [0, 1]");
+  CHECK(parse(reals, "2") == "--x: 2 is outside the range: give a number in [0, 1]");
+  CHECK(parse(reals, "x") == "--x: x is not a number: give a number in [0, 1]");
+  CHECK(parse(gossip::cli::number_range(0.0), "inf") == "--x: inf is not a finite number: give a number >= 0");
 }

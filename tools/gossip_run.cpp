@@ -37,6 +37,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include "cli_checks.hpp"
 #include <fmt/format.h>
 
 namespace {
@@ -155,18 +156,12 @@ int main(int argc, char** argv) {
   double grace = 5.0;
   std::string on_failure = "abort";
   std::vector<std::string> command;
-  app.add_option("-n,--ranks", n, "number of ranks to start")->required()->check(CLI::Range(1, 1024));
+  app.add_option("-n,--ranks", n, "number of ranks to start")->required()->check(gossip::cli::integer_range(1, 1024));
   app.add_option("--config", config, "config file, passed to every rank as GOSSIP_CONFIG")->check(CLI::ExistingFile);
   app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)");
-  app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(CLI::Range(0, 65535));
+  app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(gossip::cli::integer_range(0, 65535));
   app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")
-      ->check(CLI::Range(0.0, 86400.0))
-      ->check(CLI::Validator(
-          [](std::string& s) {  // CLI::Range lets nan through
-            double v = 0;
-            return CLI::detail::lexical_cast(s, v) && std::isfinite(v) ? std::string() : std::string("not a finite number of seconds");
-          },
-          ""));
+      ->check(gossip::cli::number_range(0.0, 86400.0));
   app.add_option("--on-failure", on_failure,
                  "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "
                  "and name the dead ranks")

@@ -30,7 +30,7 @@
 
 #include <random>
 
-#include "../cli.hpp"
+#include "cli_checks.hpp"
 #include "../output.hpp"
 #include "client.hpp"
 #include "tests/harness.hpp"
@@ -331,18 +331,18 @@ int main(int argc, char** argv) {
   run_options o;
   auto* r = app.add_subcommand("run", "run N workers against the aggregator at --address and write their timings");
   r->add_option("--mode", o.mode, "label of what serves the group: switch-dpdk, switch-udp or host-udp");
-  r->add_option("-n,--workers", o.workers, "workers (threads, one socket each)")->check(CLI::Range(1, 64));
+  r->add_option("-n,--workers", o.workers, "workers (threads, one socket each)")->check(gossip::cli::integer_range(1, 64));
   r->add_option("--address", o.address, "the aggregator's IPv4 address");
   r->add_option("--port", o.port, "its UDP port");
   r->add_option("--group", o.group, "group id (a sync group of --workers members)");
   r->add_option("--chunk", o.chunk, "float32 values per packet (the group's chunk)");
   r->add_option("--window", o.window, "packets in flight per worker (the group's slots)");
   r->add_option("--sizes", o.sizes, "buffer sizes, e.g. 4K 64K 1M 16M 64M");
-  r->add_option("--reps", o.reps, "timed repetitions per size (after one warm-up)")->check(CLI::Range(1, 1000));
+  r->add_option("--reps", o.reps, "timed repetitions per size (after one warm-up)")->check(gossip::cli::integer_range(1, 1000));
   r->add_option("--netns-prefix", o.netns_prefix, "worker i enters network namespace <prefix><i>");
   r->add_option("--cpus", o.cpus, "pin worker i to cpus[i % len]");
-  r->add_option("--timeout", o.timeout, "seconds before an all-reduce gives up")->check(gossip::bench::finite_range(0.001, 86400));
-  r->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::bench::finite_range(0.01, 60000));
+  r->add_option("--timeout", o.timeout, "seconds before an all-reduce gives up")->check(gossip::cli::number_range(0.001, 86400));
+  r->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::cli::number_range(0.01, 60000));
   r->add_option("-o,--out", o.out, "JSON output");
   std::vector<std::string> inputs;
   std::string out;
@@ -361,8 +361,8 @@ int main(int argc, char** argv) {
     sc->add_option("--chunk", o.chunk, "float32 values per packet");
     sc->add_option("--window", o.window, "packets in flight");
     sc->add_option("--netns-prefix", o.netns_prefix, "worker i enters network namespace <prefix><i>");
-    sc->add_option("--timeout", o.timeout, "seconds before giving up")->check(gossip::bench::finite_range(0.001, 86400));
-    sc->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::bench::finite_range(0.01, 60000));
+    sc->add_option("--timeout", o.timeout, "seconds before giving up")->check(gossip::cli::number_range(0.001, 86400));
+    sc->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::cli::number_range(0.01, 60000));
   }
   ac->add_option("--elements", async_elements, "model size (the group's elements)");
   ac->add_option("--pushes", pushes, "deltas per worker");

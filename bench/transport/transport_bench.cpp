@@ -43,7 +43,7 @@
 
 #include "gossip/transports/ucx/ucx.hpp"
 #include "tests/harness.hpp"
-#include "../cli.hpp"
+#include "cli_checks.hpp"
 #include "../output.hpp"
 #include "transport_bench.hpp"
 
@@ -242,26 +242,26 @@ int main(int argc, char** argv) {
   app.add_option("--out", s.out, "directory for transport.json")->capture_default_str();
   app.add_option("--tls", s.tls, "UCX_TLS settings to compare (each runs both sides)");
   app.add_option("--sizes", sizes, "payload sizes in bytes, multiples of 64 (K, M, G suffixes)")->capture_default_str();
-  app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->check(CLI::Range(1, 50));
-  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(gossip::bench::finite_range(0.0625, 65536.0));
-  app.add_option("--min-messages", s.min_messages, "fewest timed messages per run")->check(CLI::Range(1, 1000000));
-  app.add_option("--max-messages", s.max_messages, "most timed messages per run")->check(CLI::Range(1, 1000000));
-  app.add_option("--warmup", s.warmup, "warm-up messages per run (both sides)")->check(CLI::Range(1, 100000));
-  app.add_option("--send-buffers", s.send_buffers, "rotating send buffers at rank 0")->check(CLI::Range(1, 64));
-  app.add_option("--depth", s.depth, "inbox slots per source at rank 1 (the engine uses 2)")->check(CLI::Range(1, 64));
-  app.add_option("--backlog", s.backlog, "ucx_options::backlog")->check(CLI::Range(1, 100000));
+  app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->check(gossip::cli::integer_range(1, 50));
+  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(gossip::cli::number_range(0.0625, 65536.0));
+  app.add_option("--min-messages", s.min_messages, "fewest timed messages per run")->check(gossip::cli::integer_range(1, 1000000));
+  app.add_option("--max-messages", s.max_messages, "most timed messages per run")->check(gossip::cli::integer_range(1, 1000000));
+  app.add_option("--warmup", s.warmup, "warm-up messages per run (both sides)")->check(gossip::cli::integer_range(1, 100000));
+  app.add_option("--send-buffers", s.send_buffers, "rotating send buffers at rank 0")->check(gossip::cli::integer_range(1, 64));
+  app.add_option("--depth", s.depth, "inbox slots per source at rank 1 (the engine uses 2)")->check(gossip::cli::integer_range(1, 64));
+  app.add_option("--backlog", s.backlog, "ucx_options::backlog")->check(gossip::cli::integer_range(1, 100000));
   app.add_option("--wait", s.wait, "how the bench's own loops wait: backoff (as gossip's waits: spin, yield, then 20 us sleeps), yield, sleep or spin")
       ->check(CLI::IsMember({"backoff", "yield", "sleep", "spin"}))
       ->capture_default_str();
   app.add_option("--step-elements", step_sizes, "model sizes in floats, multiples of 64 (K, M, G suffixes) for the step cost; default 1M 16M");
-  app.add_option("--steps", s.steps, "timed steps per model size")->check(CLI::Range(3, 100000));
+  app.add_option("--steps", s.steps, "timed steps per model size")->check(gossip::cli::integer_range(3, 100000));
   app.add_option("--perftest", s.perftest, "ucx_perftest executable; none: gossip side only");
   bool no_eh = false;
   app.add_flag("--no-perftest-e", no_eh, "skip the second baseline, ucx_perftest -e (peer error handling, as the transport's endpoints)");
   app.add_option("--perftest-test", s.perftest_test, "ucx_perftest test to compare with")
       ->check(CLI::IsMember({"tag_bw", "ucp_am_bw", "stream_bw"}))
       ->capture_default_str();
-  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->check(gossip::bench::finite_range(1.0, 3600.0));
+  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->check(gossip::cli::number_range(1.0, 3600.0));
   std::string pin = "auto";
   app.add_option("--pin", pin, "CPUs for the sending and receiving side, e.g. 0,1 (the same for both benchmarks); auto: the first two "
                  "CPUs this process may use (off for --smoke); off")->capture_default_str();

@@ -17,6 +17,7 @@
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include "cli_checks.hpp"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -52,22 +53,13 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")")->check(not_empty);
   app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")")->check(not_empty);
   app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")")->check(not_empty);
-  app.add_option("-n,--workers", workers, "override [train] workers")->check(CLI::Range(1, 256));
-  app.add_option("--epochs", epochs, "override [train] epochs")->check(CLI::Range(1, 10000));
+  app.add_option("-n,--workers", workers, "override [train] workers")->check(gossip::cli::integer_range(1, 256));
+  app.add_option("--epochs", epochs, "override [train] epochs")->check(gossip::cli::integer_range(1, 10000));
   // A value past int64 is read as its largest value: the range refuses that too.
-  app.add_option("--seed", seed, "override [train] seed")->check(CLI::Range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max() - 1));
+  app.add_option("--seed", seed, "override [train] seed")->check(gossip::cli::integer_range(std::int64_t{0}, std::numeric_limits<std::int64_t>::max() - 1));
   app.add_option("--partition", partition, "override [train] partition (iid, by_label or dirichlet)")->check(not_empty);
   app.add_option("--bandwidth-gbps", bandwidth, "override [transport] bandwidth_gbps (0: unlimited)")
-      ->check(CLI::Validator(
-          [](std::string& text) {
-            try {
-              std::size_t used = 0;
-              if (const double v = std::stod(text, &used); used == text.size() && std::isfinite(v) && v >= 0) return std::string();
-            } catch (const std::exception&) {
-            }
-            return "must be a finite number >= 0 (0: unlimited), got " + text;
-          },
-          "NONNEGATIVE"));
+      ->check(gossip::cli::number_range(0.0));
   app.add_option("--json", json_path, "write the run report as JSON here")->check(not_empty);
   std::vector<std::string> overrides;
   app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.train_limit=5000");

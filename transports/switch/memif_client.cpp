@@ -29,6 +29,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include "cli_checks.hpp"
 #include <fmt/format.h>
 
 #include "packet.hpp"
@@ -277,10 +278,10 @@ int main(int argc, char** argv) {
   options o;
   app.add_option("--ip", o.ip, "the switch's IPv4 address");
   app.add_option("--group", o.group, "sync group id (members = the number of ports)");
-  app.add_option("--chunk", o.chunk, "float32 values per packet (the group's chunk)")->check(CLI::Range(1, int{max_chunk}));
-  app.add_option("--window", o.window, "packets in flight per worker (the group's slots)")->check(CLI::Range(1, 4096));
-  app.add_option("--elements", o.elements, "floats per all-reduce")->check(CLI::Range(1, 1 << 26));
-  app.add_option("--reps", o.reps, "all-reduces")->check(CLI::Range(1, 1000));
+  app.add_option("--chunk", o.chunk, "float32 values per packet (the group's chunk)")->check(gossip::cli::integer_range(1, int{max_chunk}));
+  app.add_option("--window", o.window, "packets in flight per worker (the group's slots)")->check(gossip::cli::integer_range(1, 4096));
+  app.add_option("--elements", o.elements, "floats per all-reduce")->check(gossip::cli::integer_range(1, 1 << 26));
+  app.add_option("--reps", o.reps, "all-reduces")->check(gossip::cli::integer_range(1, 1000));
   app.add_option("--timeout", o.timeout, "seconds before one all-reduce gives up");
   app.add_option("--rto-ms", o.rto_ms, "retransmission timeout");
   app.add_option("--link-wait", o.link_wait, "seconds to wait for the memif links");

@@ -76,14 +76,13 @@ int main(int argc, char** argv) {
   app.add_option("--udp-port", cfg.udp_port, "UDP port of the protocol");
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
-  app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(CLI::Range(1, 64));
+  app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(gossip::cli::integer_range(1, 64));
   app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool");
   app.add_option("--drop", cfg.drop, "drop this fraction of requests and of replies (loss injection)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->check(finite_number());
+      ->check(gossip::cli::number_range(0.0, 1.0));
   app.add_option("--seed", cfg.seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
-  app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
+  app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(gossip::cli::number_range(0.0));
   app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)");
   app.footer(
       "DPDK's EAL options come first, then '--', then these, e.g.\n"

@@ -44,11 +44,10 @@ int main(int argc, char** argv) {
   app.add_option("--port", port, "UDP port (0: a free one, printed when serving)");
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->check(finite_number());
+      ->check(gossip::cli::number_range(0.0, 1.0));
   app.add_option("--seed", seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
-  app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)")->check(CLI::NonNegativeNumber)->check(finite_number());
+  app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)")->check(gossip::cli::number_range(0.0));
   app.add_option("--cpu", cpu, "pin to this CPU");
   CLI11_PARSE(app, argc, argv);
 
