@@ -1149,3 +1149,34 @@ TEST_CASE("[codec] step with stale-copy, which has no lag-corrected merge, is re
   CHECK_THROWS_WITH_AS(engine(view, 0, 1, std::move(spec), fabric.endpoint(0)), doctest::Contains("[codec] step = 0.1 applies to the merges"),
                        config_error);
 }
+
+TEST_CASE("lowrank with no matrix it can factor is refused, naming the fallback every tensor would go as") {
+  std::vector<float> w(64 * 32, 1.0f), b(64, 1.0f);
+  auto lowrank_spec = [] {
+    auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "exponential");
+    spec.codec.name = "lowrank";
+    return spec;
+  };
+  {
+    model_view view;
+    view.add("fc.weight", w).add("fc.bias", b);
+    loopback_fabric fabric(1);
+    CHECK_THROWS_WITH_AS(engine(view, 0, 1, lowrank_spec(), fabric.endpoint(0)),
+                         doctest::Contains("would factor none of this model's 2 tensors (none is declared a matrix); every tensor would go "
+                                           "as its fallback 'fp16': declare the weights' shapes (model_view::matrix(name, rows, cols)"),
+                         config_error);
+  }
+  {
+    model_view view;
+    view.add("fc.weight", w).add("fc.bias", b);
+    view.matrix("fc.weight", 64, 32);
+    auto spec = lowrank_spec();
+    spec.codec.opts.set("rank", std::int64_t{32});  // P and Q as large as the matrix: nothing to save
+    loopback_fabric fabric(1);
+    CHECK_THROWS_WITH_AS(engine(view, 0, 1, std::move(spec), fabric.endpoint(0)),
+                         doctest::Contains("(none of the 1 declared matrices is large enough for rank 32 to send fewer bytes"), config_error);
+    loopback_fabric fresh(1);
+    engine e(view, 0, 1, lowrank_spec(), fresh.endpoint(0));  // rank 4: factored
+    CHECK(e.stats().codec == "lowrank");
+  }
+}

@@ -127,6 +127,20 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
       if (state) side = std::max(side, m_rows[i] + n / m_rows[i]);
       m_state_floats += state;
     }
+    // lowrank that factors nothing would send every tensor as its fallback
+    // while the stats and the config say lowrank.
+    if (m_codec.settings().kind == codec_kind::lowrank && m_state_floats == 0) {
+      const std::size_t declared = static_cast<std::size_t>(std::count_if(m_rows.begin(), m_rows.end(), [](std::size_t r) { return r > 0; }));
+      throw config_error(fmt::format(
+          "engine (rank {}): codec 'lowrank' factors matrices, but it would factor none of this model's {} tensors ({}); every tensor "
+          "would go as its fallback '{}': declare the weights' shapes (model_view::matrix(name, rows, cols); gossip::torch and the "
+          "Python module declare 2-D parameters), lower [codec] rank, or set [codec] name = \"{}\"",
+          rank, m_slots.size(),
+          declared == 0 ? std::string("none is declared a matrix")
+                        : fmt::format("none of the {} declared matrices is large enough for rank {} to send fewer bytes and of min_elements {} values",
+                                      declared, m_codec.settings().rank, m_codec.settings().min_elements),
+          to_string(m_codec.settings().fallback), to_string(m_codec.settings().fallback)));
+    }
     m_codec.prepare(largest, side);
     m_message_bytes = std::max(m_message_bytes, sizeof(wire_header) + m_codec.payload_capacity(m_counts));
     // One message per target: each stream encodes against its own x̂.
