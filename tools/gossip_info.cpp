@@ -15,7 +15,7 @@
 #include "transports/switch/switch.hpp"
 #endif
 #if defined(GOSSIP_HAVE_UCX)
-#include "transports/ucx/ucx.hpp"
+#include "gossip/transports/ucx/ucx.hpp"
 #endif
 
 namespace {
