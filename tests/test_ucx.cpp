@@ -95,6 +95,7 @@ struct direct {
   std::vector<received> got;
   std::vector<std::uint64_t> next_step;  // per rank: the step expected next
   std::size_t received_total = 0;
+  double timeout_s = 20;  // transport_setup::timeout ([engine] timeout_s)
 
   direct(int r, int w, std::uint16_t port, std::size_t n, std::size_t layout_extra = 0, ucx_options o = {})
       : rank(r),
@@ -123,7 +124,7 @@ struct direct {
     s.targets = others;
     s.message_bytes = message_bytes;
     s.inbox = &in;
-    s.timeout = std::chrono::duration<double>(20.0);
+    s.timeout = std::chrono::duration<double>(timeout_s);
     t.attach(s);
   }
 
@@ -322,7 +323,7 @@ class stand_in_rendezvous {
 
 // Rendezvous replies: magic, 'N' (not there yet) or 'Y', the store's u64
 // identity (7 here), u64 length, blob.
-constexpr char not_there_yet[21] = {'G', 'R', 'V', '3', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr char not_there_yet[21] = {'G', 'R', 'V', '4', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
@@ -380,7 +381,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n <= 2) {
         ++cut;
       } else {
-        const char reply[22] = {'G', 'R', 'V', '3', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '4', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -401,7 +402,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n == 1) {
         held = ::dup(c);
       } else {
-        const char reply[22] = {'G', 'R', 'V', '3', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '4', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -433,7 +434,7 @@ TEST_CASE("bootstrap: a client that connects and stays silent delays neither oth
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(port);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    const char part[] = "GRV3";  // the start of a request, then nothing
+    const char part[] = "GRV4";  // the start of a request, then nothing
     REQUIRE(::write(fd, part, 4) == 4);
     silent.push_back(fd);
   }
@@ -518,7 +519,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
       [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
     });
     bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(5.0));
-    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 3"), transport_error);
+    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 4"), transport_error);
   }
   // A client of another version: this rank 0 answers with its own magic and 'V'.
   const std::uint16_t port2 = free_port();
@@ -535,7 +536,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
   std::size_t got = 0;
   for (ssize_t n; got < sizeof reply && (n = ::read(fd, reply + got, sizeof reply - got)) > 0;) got += static_cast<std::size_t>(n);
   ::close(fd);
-  CHECK(std::string(reply, got) == "GRV3V");
+  CHECK(std::string(reply, got) == "GRV4V");
 }
 
 TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {
@@ -699,6 +700,79 @@ TEST_CASE("ucx: kill -9 of one rank; the others see it in dead_peers() and conti
     CHECK(out[2].signal == SIGKILL);
     for (int r = 0; r < 2; ++r) {
       INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code);
+      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
+    }
+  }
+}
+
+TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the liveness probe; a live one that pauses is not") {
+  // Over shared memory UCX never reports a peer whose process is stopped (or
+  // ended before its endpoint connected): the sends it holds would hold the
+  // sender's buffers until every wait on them timed out. A target that leaves
+  // a ping unanswered for half of timeout_s is declared dead instead; one whose
+  // progress thread answers is alive, however long its engine pauses.
+  require_ucx();
+  for (const char* tls : {"posix,self", "tcp"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(3, tls, 60, [&](int r) {
+      direct d(r, 3, port, std::size_t{1} << 18);  // 1 MiB: rendezvous, held until the receiver answers
+      d.timeout_s = 2;                              // probe after 0.5 s held, dead after 1 s unanswered
+      d.attach();
+      const pid_t me = ::getpid();
+      d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+      final_barrier(*d.boot, "ready", {0, 1, 2});
+      if (r == 2) {
+        ::raise(SIGSTOP);  // rank 0 SIGCONTs us at the end
+        d.t.leave();
+        return 0;
+      }
+      std::this_thread::sleep_for(300ms);  // rank 2 is stopped by now
+      if (r == 1) {
+        // Rank 0's sends fill our inbox and then wait on us for 3 s (longer
+        // than timeout_s): our progress thread answers its probes meanwhile.
+        std::this_thread::sleep_for(3s);
+      }
+      const auto t0 = clock_type::now();
+      bool dead = false;
+      std::uint64_t s = 0;
+      while (!dead || s < 6) {
+        if (clock_type::now() - t0 > 15s) throw timeout_error(fmt::format("rank {}: rank 2 not found dead within 15 s", r));
+        (void)d.post_step(s++, d.others);  // waits (polling) for its buffer: rank 2 holds it until found dead
+        std::vector<received> dp(3);
+        const std::size_t n = d.t.dead_peers(dp);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (dp[i].sender != 2) throw error(fmt::format("rank {}: rank {} reported dead", r, dp[i].sender));
+          dead = true;
+        }
+      }
+      // Our last sends complete once the other survivor merges them, and it
+      // may still be sending to us: merge until both are done.
+      const auto until = clock_type::now() + 20s;
+      const auto merge_until = [&](const auto& done, const char* what) {
+        while (!done()) {
+          if (clock_type::now() > until) throw timeout_error(fmt::format("rank {}: {} within 20 s", r, what));
+          d.poll_once();
+          std::this_thread::sleep_for(1ms);
+        }
+      };
+      merge_until([&] { return !d.t.busy(d.send[0].data()) && !d.t.busy(d.send[1].data()); }, "our sends did not complete");
+      d.boot->put(fmt::format("done/{}", r), {});
+      merge_until([&] { return d.boot->try_get(fmt::format("done/{}", 1 - r)).has_value(); }, "the other survivor was not done");
+      final_barrier(*d.boot, "survivors", {0, 1});
+      if (r == 0) {
+        const auto b = d.boot->get("pid/2", "rank 2's pid");
+        pid_t other = 0;
+        std::memcpy(&other, b.data(), sizeof other);
+        ::kill(other, SIGCONT);
+      }
+      d.t.leave();
+      return 0;
+    });
+    REQUIRE(out.size() == 3);
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
+                   << " signal=" << out[static_cast<std::size_t>(r)].signal);
       CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
     }
   }

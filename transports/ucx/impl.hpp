@@ -31,6 +31,13 @@ struct bye_header {
 };
 inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header
 inline constexpr unsigned ask_id = 0x4A;                 // a target waits on this rank (max_lead): header = its rank
+// Liveness probe: a rank whose send to a target has been held for a while asks
+// the target's progress thread to answer, whatever its engine is doing. A
+// target that does not answer within half of timeout_s is declared dead (its
+// process is stopped, hung, or gone without UCX noticing: over shared memory
+// a peer that ended before its endpoint connected is never reported).
+inline constexpr unsigned ping_id = 0x4B;                // header = the asking rank
+inline constexpr unsigned pong_id = 0x4C;                // the answer: header = the answering rank
 
 struct step_beacon_header {
   std::int32_t rank = -1;
@@ -74,6 +81,8 @@ struct ucx_transport::impl {
     int entry = -1;
     std::size_t length = 0;  // one send per (peer, buffer) is in flight at a time
     bool held = false;       // progress thread: UCX holds the request and has not completed it
+    std::chrono::steady_clock::time_point held_at{};  // progress thread: since when
+    void* request = nullptr;  // progress thread: UCX's request while held
     bool abandoned = false;  // progress thread: given up on (its peer is dead); a late completion is ignored
   };
   struct peer_state {
@@ -103,6 +112,13 @@ struct ucx_transport::impl {
     ucx_detail::step_beacon_header beacon;  // progress thread: UCX reads it until beacon_req completes
     void* beacon_req = nullptr;              // progress thread: the beacon still in flight, if any
     void* ask_req = nullptr;                 // progress thread: the ask (ask_id) still in flight, if any
+    // Liveness probe (ping_id / pong_id), progress thread:
+    void* ping_req = nullptr;  // our ping still in flight, if any
+    void* pong_req = nullptr;  // our answer still in flight, if any
+    bool pong_due = false;     // it pinged us: answer
+    bool probing = false;      // a ping to it awaits its answer
+    std::chrono::steady_clock::time_point probed_at{}, answered_at{};
+    std::atomic<bool> unresponsive{false};  // declared dead for not answering a probe (for messages)
     std::array<send_ctx, ucx_detail::max_buffers> ctx{};
     impl* owner = nullptr;
   };
@@ -283,6 +299,14 @@ struct ucx_transport::impl {
   // A target waits on this rank: tell it the newest (held) step now.
   static ucs_status_t on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_asks() noexcept;
+  // Liveness probe (see ping_id): answers pings, pings targets whose sends
+  // UCX has held for probe_after(), declares dead those that do not answer
+  // within probe_timeout().
+  static ucs_status_t on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  static ucs_status_t on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  bool probe_peers(std::chrono::steady_clock::time_point now) noexcept;
+  std::chrono::steady_clock::duration probe_after() const noexcept;
+  std::chrono::steady_clock::duration probe_timeout() const noexcept;
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                             const ucp_am_recv_param_t* param);

@@ -261,6 +261,14 @@ void ucx_transport::impl::init_ucx() {
   hp.cb = &impl::on_ask;
   if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
     throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  hp.id = ping_id;
+  hp.cb = &impl::on_ping;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  hp.id = pong_id;
+  hp.cb = &impl::on_pong;
+  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
 }
 
 void ucx_transport::impl::attach(const transport_setup& s) {
@@ -533,6 +541,8 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     auto& p = *peer(j);
     if (p.beacon_req) closing.push_back(std::exchange(p.beacon_req, nullptr));
     if (p.ask_req) closing.push_back(std::exchange(p.ask_req, nullptr));
+    if (p.ping_req) closing.push_back(std::exchange(p.ping_req, nullptr));
+    if (p.pong_req) closing.push_back(std::exchange(p.pong_req, nullptr));
   }
   // Goodbye first, on the same endpoints: the graceful close below flushes
   // it. After the drain handshake (engine::finish) the peers know this rank

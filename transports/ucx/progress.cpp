@@ -29,6 +29,7 @@ void ucx_transport::impl::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) 
 void ucx_transport::impl::on_send_done(void* request, ucs_status_t status, void* user) {
   auto* c = static_cast<send_ctx*>(user);
   c->held = false;
+  c->request = nullptr;
   if (!std::exchange(c->abandoned, false)) c->owner->send_done(c->peer, c->entry, status, c->length);
   ucp_request_free(request);
 }
@@ -83,8 +84,11 @@ bool ucx_transport::impl::drain_sends() noexcept {
       send_done(op.peer, op.entry, UCS_OK, op.length);
     else if (UCS_PTR_IS_ERR(r))
       send_done(op.peer, op.entry, UCS_PTR_STATUS(r), op.length);
-    else
+    else {
       ctx.held = true;
+      ctx.held_at = std::chrono::steady_clock::now();
+      ctx.request = r;
+    }
   }
 }
 
@@ -138,6 +142,88 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
   if (!p || !p->target) return UCS_OK;  // foreign: ignored
   self->ask_now = true;
   return UCS_OK;
+}
+
+ucs_status_t ucx_transport::impl::on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                                         const ucp_am_recv_param_t*) {
+  auto* self = static_cast<impl*>(arg);
+  std::int32_t from = -1;
+  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+  if (peer_state* p = self->peer(from)) p->pong_due = true;  // answered from probe_peers, outside UCX's callback
+  return UCS_OK;
+}
+
+ucs_status_t ucx_transport::impl::on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                                         const ucp_am_recv_param_t*) {
+  auto* self = static_cast<impl*>(arg);
+  std::int32_t from = -1;
+  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+  if (peer_state* p = self->peer(from)) p->answered_at = std::chrono::steady_clock::now();
+  return UCS_OK;
+}
+
+std::chrono::steady_clock::duration ucx_transport::impl::probe_after() const noexcept {
+  // A send held for a second is not yet a worry: a receiver's full inbox
+  // (its engine busy elsewhere) holds rendezvous sends that long routinely.
+  const auto quarter = std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout / 4);
+  return std::min<std::chrono::steady_clock::duration>(std::chrono::seconds(1), quarter);
+}
+
+std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout() const noexcept {
+  // Half the engine's timeout_s, so that a peer found dead frees the sends it
+  // held (abandon_stuck_sends, a second after the close) before a wait for
+  // them would give up.
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout / 2);
+}
+
+bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now) noexcept {
+  using clock = std::chrono::steady_clock;
+  bool any = false;
+  // true: sent, or (in_flight_counts) the last one is still in flight.
+  const auto send = [&](peer_state& p, unsigned id, void*& req, bool in_flight_counts) {
+    if (req) {  // one in flight at a time
+      if (ucp_request_check_status(req) == UCS_INPROGRESS) return in_flight_counts;
+      ucp_request_free(req);
+      req = nullptr;
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
+    if (UCS_PTR_IS_ERR(r)) return false;  // a failing endpoint is reported by its error handler
+    req = r;                              // null: sent already
+    any = true;
+    return true;
+  };
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!p.ep || p.closing || p.dead.load(std::memory_order_acquire)) continue;
+    if (p.pong_due && send(p, pong_id, p.pong_req, false)) p.pong_due = false;
+    if (!p.target || p.departed.load(std::memory_order_acquire)) continue;
+    auto oldest = clock::time_point::max();
+    for (const auto& c : p.ctx)
+      if (c.held && !c.abandoned) oldest = std::min(oldest, c.held_at);
+    if (oldest == clock::time_point::max()) {
+      p.probing = false;
+      continue;
+    }
+    if (p.probing && p.answered_at >= p.probed_at) p.probing = false;  // alive: probe again if the sends stay held
+    if (!p.probing) {
+      // A ping UCX still holds from an earlier probe is this probe (a peer
+      // that stopped reading holds it for ever).
+      if (now - std::max(oldest, p.answered_at) >= probe_after() && send(p, ping_id, p.ping_req, true)) {
+        p.probing = true;
+        p.probed_at = now;
+      }
+    } else if (now - p.probed_at > probe_timeout()) {
+      p.unresponsive.store(true, std::memory_order_relaxed);
+      int expected = UCS_OK;
+      p.why.compare_exchange_strong(expected, static_cast<int>(UCS_ERR_ENDPOINT_TIMEOUT), std::memory_order_relaxed);
+      p.dead.store(true, std::memory_order_release);
+      any = true;
+    }
+  }
+  return any;
 }
 
 std::uint64_t ucx_transport::impl::slowest_source(int* rank) const noexcept {
@@ -370,11 +456,24 @@ void ucx_transport::impl::close_dead() noexcept {
                      "libgossip ucx (%s): peer %s left before its drain handshake (its engine was destroyed without finish(), or by an "
                      "error); what it had not merged is lost, and training goes on without it\n",
                      self_name.c_str(), p.name.c_str());
+      else if (p.unresponsive.load(std::memory_order_relaxed))
+        std::fprintf(stderr,
+                     "libgossip ucx (%s): peer %s did not answer a liveness probe within %.3g s (half of [engine] timeout_s) while "
+                     "UCX held a send to it: its process is stopped, hung or gone; it is removed from this rank's topology and "
+                     "training goes on without it\n",
+                     self_name.c_str(), p.name.c_str(), std::chrono::duration<double>(probe_timeout()).count());
       else if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,
                    "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
                    "without it\n",
                    self_name.c_str(), p.name.c_str(), p.why.load(std::memory_order_relaxed) == UCS_OK ? "declared dead" : status_text(static_cast<ucs_status_t>(p.why.load(std::memory_order_relaxed))).c_str());
+      // A peer found dead by the probe has no endpoint error, and UCX 1.13
+      // leaves the sends it holds to it on the endpoint when it is closed,
+      // which it asserts on when the worker is destroyed (ucp_ep.c:
+      // "proto_reqs" not empty): they are cancelled first.
+      if (p.unresponsive.load(std::memory_order_relaxed))
+        for (auto& c : p.ctx)
+          if (c.held && c.request) ucp_request_cancel(worker, c.request);
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -385,6 +484,8 @@ void ucx_transport::impl::close_dead() noexcept {
       // A beacon still queued to it is released to UCX, which frees it when it ends.
       if (p.beacon_req) ucp_request_free(std::exchange(p.beacon_req, nullptr));
       if (p.ask_req) ucp_request_free(std::exchange(p.ask_req, nullptr));
+      if (p.ping_req) ucp_request_free(std::exchange(p.ping_req, nullptr));
+      if (p.pong_req) ucp_request_free(std::exchange(p.pong_req, nullptr));
     }
   }
 }
@@ -447,6 +548,7 @@ void ucx_transport::impl::run() noexcept {
     bool work = drain_sends();
     work = send_beacons() || work;
     work = land_backlog() || work;
+    work = probe_peers(clock::now()) || work;
     close_dead();
     abandon_stuck_sends();
     while (ucp_worker_progress(worker) != 0) work = true;
