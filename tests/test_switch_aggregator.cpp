@@ -151,6 +151,10 @@ TEST_CASE("group_config parses and rejects with the key named") {
   CHECK_THROWS_WITH_AS(group_config::parse(""), doctest::Contains("group '': is empty"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("  "), doctest::Contains("is empty"), std::invalid_argument);
   CHECK_THROWS_AS(aggregator({group_config{.id = 1}, group_config{.id = 1}}), std::invalid_argument);
+  // A key given twice is refused (the last one used to win), and idle_s on a sync group, where it does nothing.
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=2,members=3"), doctest::Contains("key 'members' is given twice"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,mode=sync,idle_s=5"), doctest::Contains("key 'idle_s' applies to async groups only"),
+                       std::invalid_argument);
 }
 
 TEST_CASE("sync all-reduce equals the reference sum, lossless") {
@@ -529,6 +533,9 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   h.worker = 2;
   check(h, 8, drop_reason::bad_worker);
   h = good;
+  h.count = 3;  // the worker's run has 3 members, the group 2 (0, as in `good`: not checked)
+  check(h, 8, drop_reason::bad_worker);
+  h = good;
   check(h, 9, drop_reason::bad_elements);
   h = good;
   h.slot = 2;
@@ -567,7 +574,7 @@ TEST_CASE("validation: every field, every length; never reads past the datagram"
   p.resize(sizeof h + 4);
   std::vector<std::byte> exact(p.begin(), p.end());
   CHECK(agg.handle(exact, [](auto, auto) {}) == drop_reason::bad_length);
-  CHECK(agg.stats().dropped() == 23);
+  CHECK(agg.stats().dropped() == 24);
 }
 
 TEST_CASE("refusals: a packet at odds with its group is answered with the reason and the group's view, no other drop") {

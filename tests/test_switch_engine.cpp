@@ -443,6 +443,10 @@ TEST_CASE("a switch whose group disagrees with the workers refuses their packets
        "(group 1; wrong_mode): its group 1 is async, with 2 members, chunk 64 and a model of 1000 floats; this worker is worker 0 of 2, "
        "sync mode"},
       {{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 64, .slots = 8}, "transport.rto_ms=2", "(group 1; bad_slot)"},  // chunk 8 on slot 8
+      // More members than the run has ranks: every round would wait for the missing ones.
+      {{.id = 1, .mode = group_mode::sync, .members = 4, .chunk = 64, .slots = 16}, "transport.rto_ms=2",
+       "(group 1; bad_worker): its group 1 is sync, with 4 members, chunk 64, 16 slots and a model of any size; this worker is worker 0 of 2, "
+       "sync mode, chunk 64, window 16, a model of 1000 floats: the group needs as many members as the run has ranks"},
   };
   for (const auto& c : cases) {
     CAPTURE(c.set);
@@ -609,6 +613,50 @@ TEST_CASE("switch transport refuses a config that does not pair with it") {
   CHECK(gossip::switch_mode("auto", "consensus") == "sync");
   CHECK(gossip::switch_mode("sync", "drift") == "sync");
   CHECK(gossip::switch_mode("auto", "periodic", /*staggered=*/true) == "async");
+  // Timeouts past what a clock deadline holds.
+  auto c5 = switch_config("periodic", 47999);
+  c5.apply_override("transport.timeout_s=1e10");
+  CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c5, 0, 2), doctest::Contains("key 'timeout_s' must be a number > 0 and at most 31536000 (a year)"),
+                       gossip::config_error);
+  // Both group keys are checked, whichever the mode uses.
+  auto c6 = switch_config("periodic", 47999);  // sync
+  c6.apply_override("transport.async_group=70000");
+  CHECK_THROWS_WITH_AS(gossip::make_switch_transport(c6, 0, 2), doctest::Contains("key 'async_group' must be in -1..65535, got 70000"),
+                       gossip::config_error);
+}
+
+TEST_CASE("a sync group fixed to the model's size: the workers stop at the round's one-float all-reduce, told to drop elements=") {
+  using gossip::sw::group_config, gossip::sw::group_mode;
+  udp_aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 2, .chunk = 64, .slots = 16, .elements = 1000}});
+  const auto cfg = switch_config("periodic", agg.port());
+  const auto start = std::chrono::steady_clock::now();
+  gossip::test::run_ranks(2, [&](int r) {
+    std::vector<float> x(1000, static_cast<float>(r));
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r, 2, cfg, gossip::make_switch_transport(cfg, r, 2));
+    CHECK_THROWS_WITH_AS(
+        for (int s = 0; s < 100; ++s) e.step(),
+        doctest::Contains("takes all-reduces of any size (each round adds a one-float all-reduce of the members' drift): start it "
+                          "without elements= (or with elements=0)"),
+        gossip::config_error);
+  });
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+TEST_CASE("mode sync with a policy that decides on each member alone is refused: its all-reduces would never pair up") {
+  for (const char* policy : {"drift", "budget", "adacomm"}) {
+    CAPTURE(policy);
+    auto cfg = switch_config(policy, 47999);
+    cfg.apply_override("transport.mode=\"sync\"");
+    CHECK_THROWS_WITH_AS((void)gossip::engine_spec::from(cfg),
+                         doctest::Contains(fmt::format("--set transport.mode=\"sync\": mode 'sync' needs every member to send at the same "
+                                                       "steps, but policy '{}' decides on each member from its own drift or loss", policy)
+                                               .c_str()),
+                         gossip::config_error);
+    auto automatic = switch_config(policy, 47999);
+    CHECK(gossip::engine_spec::from(automatic).protocol.opts.string("mode") == "async");
+  }
 }
 
 TEST_CASE("the switch mode may be named in [transport] or [protocol]: the other follows; both named and different is refused") {

@@ -46,7 +46,7 @@ refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes
 refused "--set bench.seed=2: unknown key 'seed' for [bench] (did you mean 'seeds'?)" --set bench.seed=2
 refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact push-sum average" --set engine.finish_rounds=2
-refused "--bandwidth-gbps: must be a finite number >= 0 (0: unlimited), got -1" --bandwidth-gbps -1
+refused "--bandwidth-gbps: -1 is outside the range: give a number >= 0" --bandwidth-gbps -1
 refused "--set policy.name=drift and --policy both set policy.name; give one of them" --policy periodic --set policy.name=drift
 refused "--set train.epochs=2 and --epochs both set train.epochs" --set train.epochs=2
 # From the data on (a file's content, the run's length): the report's header may be out.
@@ -74,6 +74,14 @@ if GOSSIP_FASHION_MNIST_DIR="$out/none" "$exe" --epochs 1 >/dev/null 2>"$out/err
 grep -qF "GOSSIP_FASHION_MNIST_DIR is set to '$out/none': point it at the directory of the IDX files" "$out/err" \
   || { echo "missing data: expected the variable named, got:" >&2; cat "$out/err" >&2; exit 1; }
 GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "transport 'loopback' runs every worker as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks"
+# The same for the switch transport, where this program has it.
+switch_set=(--set transport.name=switch --set topology.name=switch --set protocol.name=switch-aggregate)
+if GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 "$exe" --epochs 1 "${switch_set[@]}" >/dev/null 2>"$out/err"; then
+  echo "the switch transport under GOSSIP_WORLD_SIZE=2 was accepted" >&2; exit 1
+fi
+if ! grep -qF "'switch' was not built into this program" "$out/err"; then
+  GOSSIP_RANK=0 GOSSIP_WORLD_SIZE=2 refused "this program runs every worker of transport 'switch' as a thread of one process, but this process is one of GOSSIP_WORLD_SIZE=2 ranks" "${switch_set[@]}"
+fi
 # A report that cannot be written (a full disk) is an error, not exit 0.
 if [ -w /dev/full ]; then
   if "$exe" --epochs 1 --set train.train_limit=2000 --set transport.bandwidth_gbps=0 >/dev/full 2>"$out/err"; then

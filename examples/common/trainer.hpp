@@ -521,6 +521,11 @@ inline link_emulation check_transport(const config& cfg) {
   if (t.name == "switch") {
 #if defined(GOSSIP_HAVE_SWITCH)
     (void)t.opts.resolved(switch_option_specs(), "transport 'switch'");  // keys and types; ranges when it is built
+    if (const char* w = std::getenv("GOSSIP_WORLD_SIZE"); w && std::string_view(w) != "1" && *w)
+      throw config_error(fmt::format("{}: this program runs every worker of transport 'switch' as a thread of one process, but this "
+                                     "process is one of GOSSIP_WORLD_SIZE={} ranks (gossip-run -n): each would train all the workers on "
+                                     "the same switch group; run the program once without gossip-run",
+                                     t.opts.where("name"), w));
     return {};
 #else
     throw config_error(fmt::format("{} [transport]: 'switch' was not built into this program (configure with DPDK found: apt-get install libdpdk-dev)",

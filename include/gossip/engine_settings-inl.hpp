@@ -206,11 +206,21 @@ inline engine_spec engine_spec::from(const config& cfg) {
   // The switch protocol's mode follows the policy unless the config names one,
   // in [protocol] or in [transport] (either one: the other follows it).
   if (s.protocol.name == "switch-aggregate") {
-    const std::string requested = requested_switch_mode(cfg).mode;
+    const auto request = requested_switch_mode(cfg);
+    const std::string& requested = request.mode;
     const bool staggered = staggered_policy(cfg.policy);
     if (staggered && requested == "sync")
       throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "
                                      "use mode = \"async\" or \"auto\", or stagger = false", s.protocol.opts.where()));
+    // The shipped policies that decide on each member from what it alone sees:
+    // their members post different numbers of all-reduces, and a sync round
+    // would wait for the ones that never come.
+    for (const std::string_view own : {"drift", "drift-lr", "drift-history", "budget", "adacomm"})
+      if (requested == "sync" && cfg.policy.name == own)
+        throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy '{}' decides on each "
+                                       "member from its own drift or loss; use mode = \"async\" or \"auto\" (async for it), or a "
+                                       "policy with a shared schedule (periodic, consensus)",
+                                       request.where, own));
     s.protocol.opts.set("mode", switch_mode(requested, cfg.policy.name, staggered));
   }
   const options engine = cfg.engine.resolved(engine_option_specs(), "[engine]");

@@ -121,6 +121,7 @@ struct group_config {
                                   " (expected e.g. id=1,mode=sync,members=4,chunk=256,slots=128 or id=2,mode=async,members=4,elements=1000000)");
     };
     if (text.find_first_not_of(" \t") == std::string_view::npos) fail("is empty");
+    std::vector<std::string_view> seen;  // a key given twice is refused, not the last one taken
     while (!text.empty()) {
       const auto comma = text.find(',');
       const auto item = text.substr(0, comma);
@@ -128,6 +129,8 @@ struct group_config {
       const auto eq = item.find('=');
       if (eq == std::string_view::npos) fail("item '" + std::string(item) + "' is not key=value");
       const auto key = item.substr(0, eq), value = item.substr(eq + 1);
+      if (std::find(seen.begin(), seen.end(), key) != seen.end()) fail("key '" + std::string(key) + "' is given twice");
+      seen.push_back(key);
       auto number = [&](std::uint64_t lo, std::uint64_t hi) {
         std::uint64_t v = 0;
         if (value.empty()) fail("key '" + std::string(key) + "' has no value");
@@ -155,6 +158,8 @@ struct group_config {
       }
     }
     if (g.mode == group_mode::async && g.elements == 0) fail("an async group needs elements=<model size in float32 values>");
+    if (g.mode == group_mode::sync && std::find(seen.begin(), seen.end(), "idle_s") != seen.end())
+      fail("key 'idle_s' applies to async groups only (a sync member holds no state between all-reduces)");
     return g;
   }
 };
@@ -282,6 +287,8 @@ class aggregator {
     const auto& c = g->cfg;
     if ((h.type == packet_type::sync_contribution) != (c.mode == group_mode::sync)) return drop_reason::wrong_mode;
     if (h.worker >= c.members) return drop_reason::bad_worker;
+    // A group with more members than the run has ranks would wait for ever for the missing ones.
+    if (h.count != 0 && h.count != c.members) return drop_reason::bad_worker;
     if (h.type == packet_type::async_leave) {
       if (h.elements != 0) return drop_reason::bad_elements;
       if (pkt.size() != sizeof(packet_header)) return drop_reason::bad_length;

@@ -294,6 +294,14 @@ class client {
                            m_cfg.worker, m_cfg.group);
         break;
       default:  // bad_elements, bad_length, bad_chunk, bad_slot
+        if (r.reserved == 1 && r.sequence != 0 && why == drop_reason::bad_elements) {
+          // The switch transport's rounds are a model all-reduce and a one-float one (the drift) on the same group.
+          what = fmt::format("{}; {} (chunk {} refused): a sync group the switch transport gossips through takes all-reduces of "
+                             "any size (each round adds a one-float all-reduce of the members' drift): start it without elements= "
+                             "(or with elements=0)",
+                             group, mine, r.chunk);
+          break;
+        }
         what = fmt::format("{}; {} (chunk {} refused): set the workers' chunk and window ([transport] chunk, window) to the group's "
                            "chunk and slots, and the group's elements to the model's size",
                            group, mine, r.chunk);
@@ -359,6 +367,7 @@ class client {
       h.chunk = chunk;
       h.sequence = static_cast<std::uint32_t>(sequence);
       h.session = m_session;
+      h.count = m_cfg.members;  // checked against the group's members
       std::byte* p = m_tx.data() + pending * max_packet_bytes;
       std::memcpy(p, &h, sizeof h);
       std::memcpy(p + sizeof h, in.data() + off, len * sizeof(float));

@@ -15,7 +15,9 @@
 ///         12     2  slot       sync: slot index = chunk % slots; async: 0
 ///         14     2  elements   float32 values that follow: 1..chunk size of the group (0 for async_leave and its reply)
 ///         16     4  chunk      chunk index within the model (offset = chunk * chunk size)
-///         20     4  count      replies: members aggregated (sync) or joined (async)
+///         20     4  count      replies: members aggregated (sync) or joined (async); requests: the
+///                              members the worker's run has (0: not checked), refused as bad_worker
+///                              where the group has another number
 ///         24     4  sequence   sync: all-reduce number; async: per-chunk delta number (from 1)
 ///         28     4  session    the sender's session: a random id a worker draws when it (re)joins
 ///

@@ -58,8 +58,10 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string_view>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -114,7 +116,9 @@ class switch_transport {
     st.world = s.world;
     st.rank = s.rank;
     st.inbox = s.inbox;
-    st.timeout = s.timeout;
+    // The client's own bound ([transport] timeout_s) gives the better
+    // diagnosis (what it sent and heard): the engine's waits outlast it.
+    st.timeout = std::max(s.timeout, std::chrono::duration<double>(st.cfg.client.timeout_s + 1.0));
     st.cfg.client.worker = static_cast<std::uint16_t>(s.rank);
     st.cfg.client.members = static_cast<std::uint16_t>(s.world);
     st.client = std::make_unique<sw::client>(st.cfg.client);
@@ -370,7 +374,9 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   s.client.address = o.string("address");
   s.client.port = static_cast<std::uint16_t>(in_range("port", 1, 65535));
   s.client.group = static_cast<std::uint16_t>(in_range("group", 0, 65535));
-  if (const auto g = in_range(s.sync ? "sync_group" : "async_group", -1, 65535); g >= 0) s.client.group = static_cast<std::uint16_t>(g);
+  // Both are checked, whichever the mode uses.
+  const auto sync_group = in_range("sync_group", -1, 65535), async_group = in_range("async_group", -1, 65535);
+  if (const auto g = s.sync ? sync_group : async_group; g >= 0) s.client.group = static_cast<std::uint16_t>(g);
   s.client.chunk = static_cast<std::uint16_t>(in_range("chunk", 1, sw::max_chunk));
   s.client.window = static_cast<std::uint16_t>(in_range("window", 1, 4096));
   s.client.rto_s = o.real("rto_ms") / 1000;
@@ -380,8 +386,12 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
     if (in_addr a{}; ::inet_pton(AF_INET, o.string(key).c_str(), &a) != 1)
       throw config_error(fmt::format("{}: key '{}' must be an IPv4 address such as 10.77.0.1 (the switch protocol runs over IPv4), got '{}'",
                                      o.where(key), key, o.string(key)));
-  for (const auto& [key, v] : {std::pair{"rto_ms", s.client.rto_s}, std::pair{"timeout_s", s.client.timeout_s}})
-    if (!(v > 0) || !std::isfinite(v)) throw config_error(fmt::format("{}: key '{}' must be a finite number > 0, got {}", o.where(key), key, o.real(key)));
+  // At most a day for a retransmission and a year for the timeout: a clock deadline further out overflows.
+  for (const auto& [key, v, most] : {std::tuple{"rto_ms", s.client.rto_s, 86400.0}, std::tuple{"timeout_s", s.client.timeout_s, 31536000.0}})
+    if (!(v > 0) || !std::isfinite(v) || v > most)
+      throw config_error(fmt::format("{}: key '{}' must be a number > 0 and at most {} ({}), got {}", o.where(key), key,
+                                     key == std::string_view("rto_ms") ? most * 1000 : most, key == std::string_view("rto_ms") ? "a day" : "a year",
+                                     o.real(key)));
   return switch_transport(std::move(s));
 }
 

@@ -77,7 +77,9 @@ int main(int argc, char** argv) {
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
   app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(gossip::cli::integer_range(1, 64));
-  app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool");
+  // DPDK wants a pool of at least 1.5 times its per-core cache (256 mbufs).
+  app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool (at least 384: 1.5 x the per-core cache of 256)")
+      ->check(gossip::cli::integer_range(std::uint32_t{384}, std::uint32_t{1} << 24));
   app.add_option("--drop", cfg.drop, "drop this fraction of requests and of replies (loss injection)")
       ->check(gossip::cli::number_range(0.0, 1.0));
   app.add_option("--seed", cfg.seed, "seed of the loss injection");
