@@ -302,6 +302,7 @@ struct ucx_transport::impl {
   // Liveness probe (see ping_id): answers pings, pings targets whose sends
   // UCX has held for probe_after(), declares dead those that do not answer
   // within probe_timeout().
+  peer_state* sender_of(const void* header, std::size_t header_length) const noexcept;
   static ucs_status_t on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   static ucs_status_t on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool probe_peers(std::chrono::steady_clock::time_point now) noexcept;

@@ -242,33 +242,29 @@ void ucx_transport::impl::init_ucx() {
   ucp_am_handler_param_t hp{};
   hp.field_mask =
       UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS | UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-  hp.id = am_id;
-  hp.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-  hp.cb = &impl::on_am;
   hp.arg = this;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
-  hp.id = bye_id;
-  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-  hp.cb = &impl::on_bye;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
-  hp.id = step_id;
-  hp.cb = &impl::on_step;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
-  hp.id = ask_id;
-  hp.cb = &impl::on_ask;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
-  hp.id = ping_id;
-  hp.cb = &impl::on_ping;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
-  hp.id = pong_id;
-  hp.cb = &impl::on_pong;
-  if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
-    throw transport_error(fmt::format("ucx (rank {}): cannot register the active-message handler: {}", setup.rank, status_text(s)));
+  // Models keep their data (persistent) until a slot takes them; the control
+  // messages are headers only.
+  const struct {
+    unsigned id;
+    std::uint32_t flags;
+    ucp_am_recv_callback_t cb;
+  } handlers[] = {
+      {am_id, UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA, &impl::on_am},
+      {bye_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_bye},
+      {step_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_step},
+      {ask_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_ask},
+      {ping_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_ping},
+      {pong_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_pong},
+  };
+  for (const auto& h : handlers) {
+    hp.id = h.id;
+    hp.flags = h.flags;
+    hp.cb = h.cb;
+    if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
+      throw transport_error(
+          fmt::format("ucx (rank {}): cannot register the active-message handler {:#x}: {}", setup.rank, h.id, status_text(s)));
+  }
 }
 
 void ucx_transport::impl::attach(const transport_setup& s) {

@@ -133,12 +133,17 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   return UCS_OK;
 }
 
+// The neighbour a control message whose header is its rank came from (null: foreign).
+ucx_transport::impl::peer_state* ucx_transport::impl::sender_of(const void* header, std::size_t header_length) const noexcept {
+  std::int32_t from = -1;
+  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
+  return peer(from);
+}
+
 ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                         const ucp_am_recv_param_t*) {
   auto* self = static_cast<impl*>(arg);
-  std::int32_t from = -1;
-  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
-  const peer_state* p = self->peer(from);
+  const peer_state* p = self->sender_of(header, header_length);
   if (!p || !p->target) return UCS_OK;  // foreign: ignored
   self->ask_now = true;
   return UCS_OK;
@@ -146,19 +151,14 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
 
 ucs_status_t ucx_transport::impl::on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                          const ucp_am_recv_param_t*) {
-  auto* self = static_cast<impl*>(arg);
-  std::int32_t from = -1;
-  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
-  if (peer_state* p = self->peer(from)) p->pong_due = true;  // answered from probe_peers, outside UCX's callback
+  // Answered from probe_peers, outside UCX's callback.
+  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) p->pong_due = true;
   return UCS_OK;
 }
 
 ucs_status_t ucx_transport::impl::on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                          const ucp_am_recv_param_t*) {
-  auto* self = static_cast<impl*>(arg);
-  std::int32_t from = -1;
-  if (header_length == sizeof from) std::memcpy(&from, header, sizeof from);
-  if (peer_state* p = self->peer(from)) p->answered_at = std::chrono::steady_clock::now();
+  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) p->answered_at = std::chrono::steady_clock::now();
   return UCS_OK;
 }
 
