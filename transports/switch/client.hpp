@@ -93,7 +93,11 @@ class client {
     if (::inet_pton(AF_INET, m_cfg.bind_address.c_str(), &local.sin_addr) != 1)
       throw config_error(fmt::format("switch client: bind address '{}' is not an IPv4 address", m_cfg.bind_address));
     if (::bind(m_fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0)
-      throw transport_error(fmt::format("switch client (worker {}): bind {}:{}: {}", m_cfg.worker, m_cfg.bind_address, m_cfg.bind_port, std::strerror(errno)));
+      throw transport_error(fmt::format("switch client (worker {}): bind {}:{} ([transport] bind): {}{}", m_cfg.worker, m_cfg.bind_address,
+                                        m_cfg.bind_port, std::strerror(errno),
+                                        errno == EADDRNOTAVAIL ? "; no interface of this machine has that address: set [transport] bind to "
+                                                                 "one it has, or to 0.0.0.0"
+                                                               : ""));
     sockaddr_in remote{};
     remote.sin_family = AF_INET;
     remote.sin_port = htons(m_cfg.port);

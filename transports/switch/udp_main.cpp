@@ -93,7 +93,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (::bind(fd, reinterpret_cast<sockaddr*>(&local), sizeof local) != 0) {
-    fmt::print(stderr, "gossip-switch-udp: bind {}:{}: {} (is another aggregator running on that port?)\n", bind, port, std::strerror(errno));
+    const int e = errno;
+    fmt::print(stderr, "gossip-switch-udp: bind {}:{}: {} ({})\n", bind, port, std::strerror(e),
+               e == EADDRINUSE       ? "is another aggregator running on that port? choose another --port, or 0 for a free one"
+               : e == EADDRNOTAVAIL ? "no interface of this machine has that address: give one it has to --bind, or 0.0.0.0"
+                                    : "check --bind and --port");
     return 1;
   }
   // --port 0: the kernel picks a free port; say which (workers need it).
