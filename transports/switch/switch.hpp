@@ -360,7 +360,10 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   if (cfg.topology.name != "switch")
     throw config_error(fmt::format("{}: transport 'switch' needs [topology] name = \"switch\" (got '{}')", cfg.transport.opts.where("name"),
                                    cfg.topology.name));
-  if (world < 2 || world > 64) throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {}", cfg.source, world));
+  if (world < 2 || world > 64)
+    throw config_error(fmt::format("{}: a switch group has 2..64 members, got a world of {} ranks; run 2 to 64 workers (the example: "
+                                   "[train] workers, -n), or another transport",
+                                   cfg.source, world));
   const auto o = cfg.transport.opts.resolved(switch_option_specs(), "transport 'switch'");
   // Either section may name the mode; the other follows it.
   const std::string mode = switch_mode(requested_switch_mode(cfg).mode, cfg.policy.name, staggered_policy(cfg.policy));
