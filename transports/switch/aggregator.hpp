@@ -287,8 +287,10 @@ class aggregator {
     const auto& c = g->cfg;
     if ((h.type == packet_type::sync_contribution) != (c.mode == group_mode::sync)) return drop_reason::wrong_mode;
     if (h.worker >= c.members) return drop_reason::bad_worker;
-    // A group with more members than the run has ranks would wait for ever for the missing ones.
-    if (h.count != 0 && h.count != c.members) return drop_reason::bad_worker;
+    // A sync group with more members than the run has ranks would wait for
+    // ever for the missing ones. (An async group averages over the members
+    // that joined: it may be larger than the run.)
+    if (c.mode == group_mode::sync && h.count != 0 && h.count != c.members) return drop_reason::bad_worker;
     if (h.type == packet_type::async_leave) {
       if (h.elements != 0) return drop_reason::bad_elements;
       if (pkt.size() != sizeof(packet_header)) return drop_reason::bad_length;

@@ -298,7 +298,7 @@ class client {
                            m_cfg.worker, m_cfg.group);
         break;
       default:  // bad_elements, bad_length, bad_chunk, bad_slot
-        if (r.reserved == 1 && r.sequence != 0 && why == drop_reason::bad_elements) {
+        if (r.reserved == 1 && r.sequence > 1 && elements == 1 && why == drop_reason::bad_elements) {
           // The switch transport's rounds are a model all-reduce and a one-float one (the drift) on the same group.
           what = fmt::format("{}; {} (chunk {} refused): a sync group the switch transport gossips through takes all-reduces of "
                              "any size (each round adds a one-float all-reduce of the members' drift): start it without elements= "

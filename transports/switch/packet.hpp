@@ -17,7 +17,7 @@
 ///         16     4  chunk      chunk index within the model (offset = chunk * chunk size)
 ///         20     4  count      replies: members aggregated (sync) or joined (async); requests: the
 ///                              members the worker's run has (0: not checked), refused as bad_worker
-///                              where the group has another number
+///                              where a sync group has another number
 ///         24     4  sequence   sync: all-reduce number; async: per-chunk delta number (from 1)
 ///         28     4  session    the sender's session: a random id a worker draws when it (re)joins
 ///

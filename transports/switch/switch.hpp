@@ -196,7 +196,8 @@ class switch_transport {
 
   void flush(std::chrono::duration<double> timeout) {
     auto& st = *m_state;
-    detail::wait_for([&] { return st.tail.load() == st.head.load() || st.failed.load(); }, timeout, [&] {
+    // (At least as long as the client's own bound, as collect's wait: its diagnosis says more.)
+    detail::wait_for([&] { return st.tail.load() == st.head.load() || st.failed.load(); }, std::max(timeout, st.timeout), [&] {
       return fmt::format("the switch at {}:{} to answer rank {}'s last operation (group {})", st.cfg.client.address, st.cfg.client.port,
                          st.rank, st.cfg.client.group);
     });

@@ -82,7 +82,6 @@ struct ucx_transport::impl {
     std::size_t length = 0;  // one send per (peer, buffer) is in flight at a time
     bool held = false;       // progress thread: UCX holds the request and has not completed it
     std::chrono::steady_clock::time_point held_at{};  // progress thread: since when
-    void* request = nullptr;  // progress thread: UCX's request while held
     bool abandoned = false;  // progress thread: given up on (its peer is dead); a late completion is ignored
   };
   struct peer_state {
@@ -115,7 +114,8 @@ struct ucx_transport::impl {
     // Liveness probe (ping_id / pong_id), progress thread:
     void* ping_req = nullptr;  // our ping still in flight, if any
     void* pong_req = nullptr;  // our answer still in flight, if any
-    bool pong_due = false;     // it pinged us: answer
+    bool pong_due = false;     // it pinged us (or this thread just started): answer
+    bool alive_seen = false;   // its progress thread has run: it pinged or answered us, or told us a step
     bool probing = false;      // a ping to it awaits its answer
     std::chrono::steady_clock::time_point probed_at{}, answered_at{};
     std::atomic<bool> unresponsive{false};  // declared dead for not answering a probe (for messages)
@@ -307,7 +307,7 @@ struct ucx_transport::impl {
   static ucs_status_t on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool probe_peers(std::chrono::steady_clock::time_point now) noexcept;
   std::chrono::steady_clock::duration probe_after() const noexcept;
-  std::chrono::steady_clock::duration probe_timeout() const noexcept;
+  std::chrono::steady_clock::duration probe_timeout(const peer_state& p) const noexcept;
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                             const ucp_am_recv_param_t* param);

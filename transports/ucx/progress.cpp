@@ -29,7 +29,6 @@ void ucx_transport::impl::on_ep_error(void* arg, ucp_ep_h, ucs_status_t status) 
 void ucx_transport::impl::on_send_done(void* request, ucs_status_t status, void* user) {
   auto* c = static_cast<send_ctx*>(user);
   c->held = false;
-  c->request = nullptr;
   if (!std::exchange(c->abandoned, false)) c->owner->send_done(c->peer, c->entry, status, c->length);
   ucp_request_free(request);
 }
@@ -87,7 +86,6 @@ bool ucx_transport::impl::drain_sends() noexcept {
     else {
       ctx.held = true;
       ctx.held_at = std::chrono::steady_clock::now();
-      ctx.request = r;
     }
   }
 }
@@ -121,6 +119,7 @@ ucs_status_t ucx_transport::impl::on_step(void* arg, const void* header, std::si
   std::memcpy(&b, header, sizeof b);
   if (b.rank < 0 || static_cast<std::size_t>(b.rank) >= self->source_of.size() || self->source_of[static_cast<std::size_t>(b.rank)] < 0)
     return UCS_OK;
+  if (peer_state* p = self->peer(b.rank)) p->alive_seen = true;
   auto& src = self->sources[static_cast<std::size_t>(self->source_of[static_cast<std::size_t>(b.rank)])];
   // `late` belongs to its beacon's step, not to a step heard in a model
   // header since: a newer beacon replaces both.
@@ -143,8 +142,9 @@ ucx_transport::impl::peer_state* ucx_transport::impl::sender_of(const void* head
 ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                         const ucp_am_recv_param_t*) {
   auto* self = static_cast<impl*>(arg);
-  const peer_state* p = self->sender_of(header, header_length);
+  peer_state* p = self->sender_of(header, header_length);
   if (!p || !p->target) return UCS_OK;  // foreign: ignored
+  p->alive_seen = true;
   self->ask_now = true;
   return UCS_OK;
 }
@@ -152,13 +152,19 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
 ucs_status_t ucx_transport::impl::on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                          const ucp_am_recv_param_t*) {
   // Answered from probe_peers, outside UCX's callback.
-  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) p->pong_due = true;
+  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) {
+    p->pong_due = true;
+    p->alive_seen = true;
+  }
   return UCS_OK;
 }
 
 ucs_status_t ucx_transport::impl::on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                          const ucp_am_recv_param_t*) {
-  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) p->answered_at = std::chrono::steady_clock::now();
+  if (peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length)) {
+    p->answered_at = std::chrono::steady_clock::now();
+    p->alive_seen = true;
+  }
   return UCS_OK;
 }
 
@@ -169,11 +175,14 @@ std::chrono::steady_clock::duration ucx_transport::impl::probe_after() const noe
   return std::min<std::chrono::steady_clock::duration>(std::chrono::seconds(1), quarter);
 }
 
-std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout() const noexcept {
-  // Half the engine's timeout_s, so that a peer found dead frees the sends it
-  // held (abandon_stuck_sends, a second after the close) before a wait for
-  // them would give up.
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout / 2);
+std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout(const peer_state& p) const noexcept {
+  // Half the engine's timeout_s once the peer's progress thread is known to
+  // run (each says hello when it starts), so that with the default 60 s the
+  // sends it held come back (abandon_stuck_sends, a second after the close)
+  // well before a wait for them would give up. A peer not yet heard from may
+  // still be attaching, waiting for another rank's address for up to
+  // timeout_s (its attach fails after that): the whole timeout_s then.
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(p.alive_seen ? setup.timeout / 2 : setup.timeout);
 }
 
 bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now) noexcept {
@@ -215,7 +224,7 @@ bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now)
         p.probing = true;
         p.probed_at = now;
       }
-    } else if (now - p.probed_at > probe_timeout()) {
+    } else if (now - p.probed_at > probe_timeout(p)) {
       p.unresponsive.store(true, std::memory_order_relaxed);
       int expected = UCS_OK;
       p.why.compare_exchange_strong(expected, static_cast<int>(UCS_ERR_ENDPOINT_TIMEOUT), std::memory_order_relaxed);
@@ -458,22 +467,16 @@ void ucx_transport::impl::close_dead() noexcept {
                      self_name.c_str(), p.name.c_str());
       else if (p.unresponsive.load(std::memory_order_relaxed))
         std::fprintf(stderr,
-                     "libgossip ucx (%s): peer %s did not answer a liveness probe within %.3g s (half of [engine] timeout_s) while "
-                     "UCX held a send to it: its process is stopped, hung or gone; it is removed from this rank's topology and "
-                     "training goes on without it\n",
-                     self_name.c_str(), p.name.c_str(), std::chrono::duration<double>(probe_timeout()).count());
+                     "libgossip ucx (%s): peer %s did not answer a liveness probe within %.3g s (%s) while UCX held a send to "
+                     "it: its process is stopped, hung or gone; it is removed from this rank's topology and training goes on "
+                     "without it\n",
+                     self_name.c_str(), p.name.c_str(), std::chrono::duration<double>(probe_timeout(p)).count(),
+                     p.alive_seen ? "half of [engine] timeout_s" : "[engine] timeout_s: it was never heard from");
       else if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,
                    "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
                    "without it\n",
                    self_name.c_str(), p.name.c_str(), p.why.load(std::memory_order_relaxed) == UCS_OK ? "declared dead" : status_text(static_cast<ucs_status_t>(p.why.load(std::memory_order_relaxed))).c_str());
-      // A peer found dead by the probe has no endpoint error, and UCX 1.13
-      // leaves the sends it holds to it on the endpoint when it is closed,
-      // which it asserts on when the worker is destroyed (ucp_ep.c:
-      // "proto_reqs" not empty): they are cancelled first.
-      if (p.unresponsive.load(std::memory_order_relaxed))
-        for (auto& c : p.ctx)
-          if (c.held && c.request) ucp_request_cancel(worker, c.request);
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
       rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -538,6 +541,10 @@ void ucx_transport::impl::run() noexcept {
   const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(opt.spin_us));
   const timespec busy_wait{0, 50'000};
   auto last_work = clock::now();
+  // Hello: each neighbour learns that this rank's progress thread runs, and
+  // so that this rank answers liveness probes from now on (set while this
+  // thread holds the worker: help() may be answering a ping meanwhile).
+  bool hello = true;
   while (!stop.load(std::memory_order_acquire)) {
     if (driver.exchange(true, std::memory_order_acquire)) {
       // The engine thread drives the worker right now (help()): it is in a
@@ -545,13 +552,19 @@ void ucx_transport::impl::run() noexcept {
       std::this_thread::yield();
       continue;
     }
+    if (std::exchange(hello, false))
+      for (int j : neighbours) peer(j)->pong_due = true;
     bool work = drain_sends();
     work = send_beacons() || work;
     work = land_backlog() || work;
+    // Bounded, so that a stream of arrivals cannot keep the thread from its
+    // other duties (a probe unanswered would make this rank look dead).
+    for (int i = 0; i < 1024 && ucp_worker_progress(worker) != 0; ++i) work = true;
+    // After progress: an answer already waiting in the worker counts (this
+    // thread may itself have been stopped while its probe was out).
     work = probe_peers(clock::now()) || work;
     close_dead();
     abandon_stuck_sends();
-    while (ucp_worker_progress(worker) != 0) work = true;
     const auto now = clock::now();
     if (work) {
       last_work = now;
