@@ -115,7 +115,7 @@ struct ucx_transport::impl {
     void* ping_req = nullptr;  // our ping still in flight, if any
     void* pong_req = nullptr;  // our answer still in flight, if any
     bool pong_due = false;     // it pinged us (or this thread just started): answer
-    bool alive_seen = false;   // its progress thread has run: it pinged or answered us, or told us a step
+    bool alive_seen = false;   // its progress thread has run: it pinged, answered or asked us, or told us a step
     bool probing = false;      // a ping to it awaits its answer
     std::chrono::steady_clock::time_point probed_at{}, answered_at{};
     std::atomic<bool> unresponsive{false};  // declared dead for not answering a probe (for messages)

@@ -177,11 +177,14 @@ std::chrono::steady_clock::duration ucx_transport::impl::probe_after() const noe
 
 std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout(const peer_state& p) const noexcept {
   // Half the engine's timeout_s once the peer's progress thread is known to
-  // run (each says hello when it starts), so that with the default 60 s the
-  // sends it held come back (abandon_stuck_sends, a second after the close)
-  // well before a wait for them would give up. A peer not yet heard from may
-  // still be attaching, waiting for another rank's address for up to
-  // timeout_s (its attach fails after that): the whole timeout_s then.
+  // run (it answered a probe, pinged us, asked us or told us a step), so that
+  // with the default 60 s the sends it held come back (abandon_stuck_sends, a
+  // second after the close) well before a wait for them would give up. A
+  // peer not heard from yet may still be attaching, waiting for another
+  // rank's address for up to timeout_s (its attach fails after that): the
+  // whole timeout_s then. (No hello at start: a small message still queued
+  // to a stopped peer when this rank leaves makes UCX 1.13 assert as its
+  // worker is destroyed.)
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(p.alive_seen ? setup.timeout / 2 : setup.timeout);
 }
 
@@ -541,10 +544,6 @@ void ucx_transport::impl::run() noexcept {
   const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(opt.spin_us));
   const timespec busy_wait{0, 50'000};
   auto last_work = clock::now();
-  // Hello: each neighbour learns that this rank's progress thread runs, and
-  // so that this rank answers liveness probes from now on (set while this
-  // thread holds the worker: help() may be answering a ping meanwhile).
-  bool hello = true;
   while (!stop.load(std::memory_order_acquire)) {
     if (driver.exchange(true, std::memory_order_acquire)) {
       // The engine thread drives the worker right now (help()): it is in a
@@ -552,8 +551,6 @@ void ucx_transport::impl::run() noexcept {
       std::this_thread::yield();
       continue;
     }
-    if (std::exchange(hello, false))
-      for (int j : neighbours) peer(j)->pong_due = true;
     bool work = drain_sends();
     work = send_beacons() || work;
     work = land_backlog() || work;
