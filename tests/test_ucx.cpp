@@ -778,6 +778,54 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
   }
 }
 
+TEST_CASE("ucx: leave() while a probe to a stopped peer is unanswered returns, and the worker is destroyed cleanly") {
+  // The leaving rank has a ping out to the stopped peer, unanswered: it
+  // closes that peer's endpoint as a dead one's, and its worker is destroyed
+  // without a UCX assertion (a small message queued to a stopped peer on a
+  // gracefully closed endpoint made UCX 1.13 assert in another test).
+  require_ucx();
+  for (const char* tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    const auto out = run_procs(2, tls, 60, [&](int r) {
+      direct d(r, 2, port, std::size_t{1} << 18);  // 1 MiB: rendezvous, held by a stopped receiver
+      d.timeout_s = 4;                              // probe after 1 s held, dead after 2 s unanswered
+      d.attach();
+      const pid_t me = ::getpid();
+      d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+      // Past timeout_s of running (a target not heard from is probed only then), exchanging.
+      const auto until = clock_type::now() + 4500ms;
+      std::uint64_t s = 0;
+      while (clock_type::now() < until) {
+        (void)d.post_step(s++, d.others);
+        d.poll_once();
+        std::this_thread::sleep_for(20ms);
+      }
+      final_barrier(*d.boot, "ready", {0, 1});
+      if (r == 1) {
+        ::raise(SIGSTOP);  // rank 0 SIGCONTs us after its leave()
+        d.t.leave();
+        return 0;
+      }
+      const auto b = d.boot->get("pid/1", "rank 1's pid");
+      pid_t other = 0;
+      std::memcpy(&other, b.data(), sizeof other);
+      std::this_thread::sleep_for(300ms);  // rank 1 is stopped by now
+      (void)d.post_step(s++, d.others);    // held by rank 1
+      std::this_thread::sleep_for(1500ms);  // the probe is out, not yet declared unanswered
+      d.t.leave();
+      ::kill(other, SIGCONT);
+      return 0;
+    });
+    REQUIRE(out.size() == 2);
+    for (int r = 0; r < 2; ++r) {
+      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
+                   << " signal=" << out[static_cast<std::size_t>(r)].signal);
+      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
+    }
+  }
+}
+
 TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight to it returns within the close bound") {
   // The graceful close of an endpoint whose peer reads nothing cannot
   // complete; past close_timeout_s the worker is destroyed with the close

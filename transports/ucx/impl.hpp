@@ -35,7 +35,9 @@ inline constexpr unsigned ask_id = 0x4A;                 // a target waits on th
 // the target's progress thread to answer, whatever its engine is doing. A
 // target that does not answer within half of timeout_s is declared dead (its
 // process is stopped, hung, or gone without UCX noticing: over shared memory
-// a peer that ended before its endpoint connected is never reported).
+// a peer that ended before its endpoint connected is never reported). A
+// target not heard from yet is probed only once this rank has run for
+// timeout_s: it may still be attaching.
 inline constexpr unsigned ping_id = 0x4B;                // header = the asking rank
 inline constexpr unsigned pong_id = 0x4C;                // the answer: header = the answering rank
 
@@ -114,7 +116,7 @@ struct ucx_transport::impl {
     // Liveness probe (ping_id / pong_id), progress thread:
     void* ping_req = nullptr;  // our ping still in flight, if any
     void* pong_req = nullptr;  // our answer still in flight, if any
-    bool pong_due = false;     // it pinged us (or this thread just started): answer
+    bool pong_due = false;     // it pinged us: answer
     bool alive_seen = false;   // its progress thread has run: it pinged, answered or asked us, or told us a step
     bool probing = false;      // a ping to it awaits its answer
     std::chrono::steady_clock::time_point probed_at{}, answered_at{};
@@ -306,8 +308,11 @@ struct ucx_transport::impl {
   static ucs_status_t on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   static ucs_status_t on_pong(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool probe_peers(std::chrono::steady_clock::time_point now) noexcept;
+  std::chrono::steady_clock::time_point run_started{};  // progress thread: when run() began
+  // A ping to it is out and unanswered (progress thread): shutdown_ucx closes its endpoint as a dead one's.
+  static bool unanswered(const peer_state& p) noexcept { return p.probing && p.answered_at < p.probed_at; }
   std::chrono::steady_clock::duration probe_after() const noexcept;
-  std::chrono::steady_clock::duration probe_timeout(const peer_state& p) const noexcept;
+  std::chrono::steady_clock::duration probe_timeout() const noexcept;
 
   static ucs_status_t on_am(void* arg, const void* header, std::size_t header_length, void* data, std::size_t length,
                             const ucp_am_recv_param_t* param);

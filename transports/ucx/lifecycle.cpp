@@ -548,7 +548,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   const bye_header me{.rank = setup.rank, .drained = finishing ? 1 : 0};
   for (int j : neighbours) {
     auto& p = *peer(j);
-    if (!p.ep || p.dead.load()) continue;
+    if (!p.ep || p.dead.load() || unanswered(p)) continue;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -560,7 +560,12 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     if (!p.ep) continue;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = p.dead.load() ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    // A peer that leaves a probe unanswered (stopped, most likely) is closed as
+    // a dead one: a graceful close would wait close_timeout_s for a peer that
+    // answers nothing, and a small message still queued to a stopped peer on a
+    // gracefully closed endpoint made UCX 1.13 assert when the worker was
+    // destroyed (a pong sent as a hello at start, since removed).
+    rp.flags = p.dead.load() || unanswered(p) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
     if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
     p.ep = nullptr;

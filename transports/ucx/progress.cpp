@@ -175,17 +175,12 @@ std::chrono::steady_clock::duration ucx_transport::impl::probe_after() const noe
   return std::min<std::chrono::steady_clock::duration>(std::chrono::seconds(1), quarter);
 }
 
-std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout(const peer_state& p) const noexcept {
-  // Half the engine's timeout_s once the peer's progress thread is known to
-  // run (it answered a probe, pinged us, asked us or told us a step), so that
-  // with the default 60 s the sends it held come back (abandon_stuck_sends, a
-  // second after the close) well before a wait for them would give up. A
-  // peer not heard from yet may still be attaching, waiting for another
-  // rank's address for up to timeout_s (its attach fails after that): the
-  // whole timeout_s then. (No hello at start: a small message still queued
-  // to a stopped peer when this rank leaves makes UCX 1.13 assert as its
-  // worker is destroyed.)
-  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(p.alive_seen ? setup.timeout / 2 : setup.timeout);
+std::chrono::steady_clock::duration ucx_transport::impl::probe_timeout() const noexcept {
+  // Half the engine's timeout_s, so that with the default 60 s the sends a
+  // dead peer held come back (abandon_stuck_sends, a second after the close)
+  // well before a wait for them (flush in finish(), wait_when_busy) would
+  // give up.
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout / 2);
 }
 
 bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now) noexcept {
@@ -220,6 +215,10 @@ bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now)
       continue;
     }
     if (p.probing && p.answered_at >= p.probed_at) p.probing = false;  // alive: probe again if the sends stay held
+    // A target not heard from yet may still be attaching (waiting for another
+    // rank's address, up to timeout_s), and answers nothing until it is done:
+    // it is probed only once this rank has run for timeout_s.
+    if (!p.probing && !p.alive_seen && now - run_started < setup.timeout) continue;
     if (!p.probing) {
       // A ping UCX still holds from an earlier probe is this probe (a peer
       // that stopped reading holds it for ever).
@@ -227,7 +226,7 @@ bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now)
         p.probing = true;
         p.probed_at = now;
       }
-    } else if (now - p.probed_at > probe_timeout(p)) {
+    } else if (now - p.probed_at > probe_timeout()) {
       p.unresponsive.store(true, std::memory_order_relaxed);
       int expected = UCS_OK;
       p.why.compare_exchange_strong(expected, static_cast<int>(UCS_ERR_ENDPOINT_TIMEOUT), std::memory_order_relaxed);
@@ -470,11 +469,10 @@ void ucx_transport::impl::close_dead() noexcept {
                      self_name.c_str(), p.name.c_str());
       else if (p.unresponsive.load(std::memory_order_relaxed))
         std::fprintf(stderr,
-                     "libgossip ucx (%s): peer %s did not answer a liveness probe within %.3g s (%s) while UCX held a send to "
-                     "it: its process is stopped, hung or gone; it is removed from this rank's topology and training goes on "
-                     "without it\n",
-                     self_name.c_str(), p.name.c_str(), std::chrono::duration<double>(probe_timeout(p)).count(),
-                     p.alive_seen ? "half of [engine] timeout_s" : "[engine] timeout_s: it was never heard from");
+                     "libgossip ucx (%s): peer %s did not answer a liveness probe within %.3g s (half of [engine] timeout_s) "
+                     "while UCX held a send to it: its process is stopped, hung or gone; it is removed from this rank's "
+                     "topology and training goes on without it\n",
+                     self_name.c_str(), p.name.c_str(), std::chrono::duration<double>(probe_timeout()).count());
       else if (!p.departed.load(std::memory_order_acquire))
         std::fprintf(stderr,
                    "libgossip ucx (%s): peer %s failed (%s); it is removed from this rank's topology and training goes on "
@@ -544,6 +542,7 @@ void ucx_transport::impl::run() noexcept {
   const auto spin = std::chrono::duration_cast<clock::duration>(std::chrono::duration<double, std::micro>(opt.spin_us));
   const timespec busy_wait{0, 50'000};
   auto last_work = clock::now();
+  run_started = last_work;
   while (!stop.load(std::memory_order_acquire)) {
     if (driver.exchange(true, std::memory_order_acquire)) {
       // The engine thread drives the worker right now (help()): it is in a
