@@ -717,7 +717,7 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
     const std::uint16_t port = free_port();
     const auto out = run_procs(3, tls, 60, [&](int r) {
       direct d(r, 3, port, std::size_t{1} << 18);  // 1 MiB: rendezvous, held until the receiver answers
-      d.timeout_s = 2;                              // probe after 0.5 s held, dead after 1 s unanswered
+      d.timeout_s = 2;  // probe after 0.5 s held (and 2 s of running: rank 2 is never heard from), dead after 1 s unanswered
       d.attach();
       const pid_t me = ::getpid();
       d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
