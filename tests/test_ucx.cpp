@@ -176,6 +176,18 @@ struct direct {
     return st;
   }
 
+  // For tests that stop and continue each other: this rank's pid through the rendezvous, and another's.
+  void publish_pid() {
+    const pid_t me = ::getpid();
+    boot->put(fmt::format("pid/{}", rank), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+  }
+  pid_t pid_of(int r) {
+    const auto b = boot->get(fmt::format("pid/{}", r), fmt::format("rank {}'s pid", r));
+    pid_t pid = 0;
+    std::memcpy(&pid, b.data(), sizeof pid);
+    return pid;
+  }
+
   void receive_until(std::size_t total, std::chrono::seconds limit) {
     const auto deadline = clock_type::now() + limit;
     while (received_total < total) {
@@ -719,8 +731,7 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
       direct d(r, 3, port, std::size_t{1} << 18);  // 1 MiB: rendezvous, held until the receiver answers
       d.timeout_s = 2;  // probe after 0.5 s held (and 2 s of running: rank 2 is never heard from), dead after 1 s unanswered
       d.attach();
-      const pid_t me = ::getpid();
-      d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+      d.publish_pid();
       final_barrier(*d.boot, "ready", {0, 1, 2});
       if (r == 2) {
         ::raise(SIGSTOP);  // rank 0 SIGCONTs us at the end
@@ -760,21 +771,12 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
       d.boot->put(fmt::format("done/{}", r), {});
       merge_until([&] { return d.boot->try_get(fmt::format("done/{}", 1 - r)).has_value(); }, "the other survivor was not done");
       final_barrier(*d.boot, "survivors", {0, 1});
-      if (r == 0) {
-        const auto b = d.boot->get("pid/2", "rank 2's pid");
-        pid_t other = 0;
-        std::memcpy(&other, b.data(), sizeof other);
-        ::kill(other, SIGCONT);
-      }
+      if (r == 0) ::kill(d.pid_of(2), SIGCONT);
       d.t.leave();
       return 0;
     });
     REQUIRE(out.size() == 3);
-    for (int r = 0; r < 3; ++r) {
-      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
-                   << " signal=" << out[static_cast<std::size_t>(r)].signal);
-      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
-    }
+    check_all_ok(out);
   }
 }
 
@@ -791,8 +793,7 @@ TEST_CASE("ucx: leave() while a probe to a stopped peer is unanswered returns, a
       direct d(r, 2, port, std::size_t{1} << 18);  // 1 MiB: rendezvous, held by a stopped receiver
       d.timeout_s = 4;                              // probe after 1 s held, dead after 2 s unanswered
       d.attach();
-      const pid_t me = ::getpid();
-      d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+      d.publish_pid();
       // Past timeout_s of running (a target not heard from is probed only then), exchanging.
       const auto until = clock_type::now() + 4500ms;
       std::uint64_t s = 0;
@@ -807,9 +808,7 @@ TEST_CASE("ucx: leave() while a probe to a stopped peer is unanswered returns, a
         d.t.leave();
         return 0;
       }
-      const auto b = d.boot->get("pid/1", "rank 1's pid");
-      pid_t other = 0;
-      std::memcpy(&other, b.data(), sizeof other);
+      const pid_t other = d.pid_of(1);
       std::this_thread::sleep_for(300ms);  // rank 1 is stopped by now
       (void)d.post_step(s++, d.others);    // held by rank 1
       std::this_thread::sleep_for(1500ms);  // the probe is out, not yet declared unanswered
@@ -818,11 +817,7 @@ TEST_CASE("ucx: leave() while a probe to a stopped peer is unanswered returns, a
       return 0;
     });
     REQUIRE(out.size() == 2);
-    for (int r = 0; r < 2; ++r) {
-      INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
-                   << " signal=" << out[static_cast<std::size_t>(r)].signal);
-      CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
-    }
+    check_all_ok(out);
   }
 }
 
@@ -838,17 +833,14 @@ TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight t
   const auto out = run_procs(2, "tcp", 60, [&](int r) {
     direct d(r, 2, port, std::size_t{1} << 20, 0, o);  // 4 MiB: rendezvous, stays in flight
     d.attach();
-    const pid_t me = ::getpid();
-    d.boot->put(fmt::format("pid/{}", r), bootstrap::blob(reinterpret_cast<const std::byte*>(&me), reinterpret_cast<const std::byte*>(&me) + sizeof me));
+    d.publish_pid();
     final_barrier(*d.boot, "ready", {0, 1});
     if (r == 1) {
       ::raise(SIGSTOP);  // rank 0 sends, leaves, then SIGCONTs us
       d.t.leave();
       return 0;
     }
-    const auto b = d.boot->get("pid/1", "rank 1's pid");
-    pid_t other = 0;
-    std::memcpy(&other, b.data(), sizeof other);
+    const pid_t other = d.pid_of(1);
     std::this_thread::sleep_for(300ms);  // rank 1 is stopped by now
     for (std::uint64_t s = 0; s < 2; ++s) (void)d.post_step(s, d.others);
     const auto t0 = clock_type::now();
@@ -859,11 +851,7 @@ TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight t
     return 0;
   });
   REQUIRE(out.size() == 2);
-  for (int r = 0; r < 2; ++r) {
-    INFO("rank " << r << " exited=" << out[static_cast<std::size_t>(r)].exited << " code=" << out[static_cast<std::size_t>(r)].code
-                 << " signal=" << out[static_cast<std::size_t>(r)].signal);
-    CHECK((out[static_cast<std::size_t>(r)].exited && out[static_cast<std::size_t>(r)].code == 0));
-  }
+  check_all_ok(out);
 }
 
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {

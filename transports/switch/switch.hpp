@@ -58,7 +58,6 @@
 #include <memory>
 #include <mutex>
 #include <span>
-#include <string_view>
 #include <system_error>
 #include <thread>
 #include <tuple>
@@ -390,12 +389,10 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
     if (in_addr a{}; ::inet_pton(AF_INET, o.string(key).c_str(), &a) != 1)
       throw config_error(fmt::format("{}: key '{}' must be an IPv4 address such as 10.77.0.1 (the switch protocol runs over IPv4), got '{}'",
                                      o.where(key), key, o.string(key)));
-  // At most a day for a retransmission and a year for the timeout: a clock deadline further out overflows.
-  for (const auto& [key, v, most] : {std::tuple{"rto_ms", s.client.rto_s, 86400.0}, std::tuple{"timeout_s", s.client.timeout_s, 31536000.0}})
-    if (!(v > 0) || !std::isfinite(v) || v > most)
-      throw config_error(fmt::format("{}: key '{}' must be a number > 0 and at most {} ({}), got {}", o.where(key), key,
-                                     key == std::string_view("rto_ms") ? most * 1000 : most, key == std::string_view("rto_ms") ? "a day" : "a year",
-                                     o.real(key)));
+  // At most a day for a retransmission and a year for the timeout (in the keys' units): a clock deadline further out overflows.
+  for (const auto& [key, most, what] : {std::tuple{"rto_ms", 86400e3, "a day"}, std::tuple{"timeout_s", 31536000.0, "a year"}})
+    if (const double v = o.real(key); !(v > 0) || !std::isfinite(v) || v > most)
+      throw config_error(fmt::format("{}: key '{}' must be a number > 0 and at most {} ({}), got {}", o.where(key), key, most, what, v));
   return switch_transport(std::move(s));
 }
 
