@@ -104,6 +104,21 @@ if command -v readelf > /dev/null; then
   soname=$(readelf -d "$libdir/libgossip.so" | sed -n 's/.*(SONAME).*\[\(.*\)\].*/\1/p')
   [[ $soname =~ ^libgossip\.so\.[0-9] ]] || fail "the installed libgossip.so has SONAME '$soname', not a versioned one (libgossip.so.N)"
 fi
+# Installed programs, the Python module and the transport libraries carry
+# the configured PREFIX/LIBDIR as their RUNPATH (but for prefix /usr), so that
+# an install outside the loader's paths works without LD_LIBRARY_PATH.
+if command -v readelf > /dev/null; then
+  cfg_prefix=$(sed -n 's/^prefix=//p' "$pc_dir/gossip.pc")
+  cfg_libdir=$(PKG_CONFIG_PATH=$pc_dir pkg-config --variable=libdir gossip)
+  if [[ $cfg_prefix != /usr ]]; then
+    while IFS= read -r -d '' elf; do
+      runpath=$(readelf -d "$elf" | sed -n 's/.*(\(RUNPATH\|RPATH\)).*\[\(.*\)\].*/\2/p')
+      [[ ":$runpath:" == *":$cfg_libdir:"* ]] ||
+        fail "the installed ${elf#"$dest"} has RUNPATH '$runpath', without $cfg_libdir: it would need LD_LIBRARY_PATH"
+    done < <(find "$dest" -type f \( -path '*/bin/gossip-info' -o -path '*/bin/fashion_mnist' -o -path '*/bin/libtorch_cnn' \
+                -o -name 'gossip.cpython-*.so' -o -name 'libgossip_ucx.so.*' -o -name 'libgossip_cuda.so.*' \) -print0)
+  fi
+fi
 
 # Users' Cflags hold include paths, libgossip's own macros and what the public
 # requirements (fmt, Eigen) ask for; nothing of a private one (toml++'s -DTOML_*).

@@ -139,6 +139,8 @@ TEST_CASE("group_config parses and rejects with the key named") {
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,idle_s=90000"), doctest::Contains("key 'idle_s' must be in 0..86400"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,mode=async,members=2"), doctest::Contains("elements"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=65"), doctest::Contains("members"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=1"), doctest::Contains("members=1 has no one to aggregate with"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=0"), doctest::Contains("key 'members' must be in 2..64, got 0"), std::invalid_argument);
   // The message quotes the whole --group text, whichever item is wrong.
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,modes=async,members=2"), doctest::Contains("group 'id=1,modes=async,members=2': unknown key 'modes'"),
                        std::invalid_argument);

@@ -592,6 +592,41 @@ TEST_CASE("a sync all-reduce that a member never joins times out naming the chun
   CHECK(agg.stats().accepted() > 16);  // the retransmissions reached it
 }
 
+TEST_CASE("an engine that stops mid-run (an error unwound past it) gives up its operation at the switch at once") {
+  // transport.timeout_s bounds one all-reduce or delta: 30 s here. A rank
+  // whose training loop throws must not wait that long in the destructor.
+  using clock = std::chrono::steady_clock;
+  auto run = [](gossip::config cfg) {
+    cfg.apply_override("transport.timeout_s=30");
+    cfg.apply_override("engine.timeout_s=30");
+    std::vector<float> x(1000, 1.0f);
+    gossip::model_view view;
+    view.add("w", x);
+    auto e = std::make_unique<gossip::engine>(view, 0, 2, cfg, gossip::make_switch_transport(cfg, 0, 2));
+    e->step();  // posts an operation nobody answers: the other member never runs, or no switch listens
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto t0 = clock::now();
+    e.reset();  // without finish(): abandon
+    return std::chrono::duration<double>(clock::now() - t0).count();
+  };
+  SUBCASE("sync: an all-reduce the other member never joins") {
+    udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
+    const double s = run(switch_config("periodic", agg.port()));
+    CAPTURE(s);
+    CHECK(s < 5.0);
+    CHECK(agg.stats().accepted() >= 16);  // it did reach the switch
+  }
+  SUBCASE("async: a delta no switch answers (the leave after it is bounded by 5 s)") {
+    std::uint16_t port = 0;
+    const int fd = loopback_udp_socket(port);  // bound, never read: a switch that does not answer
+    auto cfg = switch_config("drift", port);
+    const double s = run(cfg);
+    ::close(fd);
+    CAPTURE(s);
+    CHECK(s < 10.0);
+  }
+}
+
 TEST_CASE("switch transport refuses a config that does not pair with it") {
   auto cfg = switch_config("periodic", 47999);
   cfg.apply_override("protocol.name=\"push-sum\"");

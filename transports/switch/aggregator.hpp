@@ -98,7 +98,7 @@ inline std::string_view to_string(group_mode m) noexcept { return m == group_mod
 struct group_config {
   std::uint16_t id = 1;
   group_mode mode = group_mode::sync;
-  std::uint16_t members = 2;              ///< 1..64
+  std::uint16_t members = 2;              ///< 1..64 (parse(): 2..64, what a run can use)
   std::uint16_t chunk = default_chunk;    ///< float32 values per packet, 1..max_chunk
   std::uint16_t slots = 128;              ///< sync: slots per set (the pool holds 2·slots)
   std::uint64_t elements = 0;             ///< async: model size (required); sync: 0 = any
@@ -144,7 +144,10 @@ struct group_config {
         return v;
       };
       if (key == "id") g.id = static_cast<std::uint16_t>(number(0, 65535));
-      else if (key == "members") g.members = static_cast<std::uint16_t>(number(1, 64));
+      else if (key == "members") {
+        if (value == "1") fail("a group of members=1 has no one to aggregate with: give the run's number of workers, 2..64");
+        g.members = static_cast<std::uint16_t>(number(2, 64));
+      }
       else if (key == "chunk") g.chunk = static_cast<std::uint16_t>(number(1, max_chunk));
       else if (key == "slots") g.slots = static_cast<std::uint16_t>(number(1, 4096));
       else if (key == "elements") g.elements = number(0, std::uint64_t{1} << 32);

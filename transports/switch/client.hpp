@@ -37,6 +37,7 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <atomic>
 #include <span>
 #include <string>
 #include <string_view>
@@ -63,6 +64,16 @@ struct client_config {
   double rto_max_s = 0.2;
   double timeout_s = 30;              ///< bound on one call
   std::uint32_t session = 0;          ///< 0: draw a random one
+  /// When set: a call under way checks it at least every 50 ms and, once it
+  /// reads true, gives up with sw::cancelled (its owner is shutting down).
+  const std::atomic<bool>* cancel = nullptr;
+};
+
+/// A call given up because client_config::cancel was set; what it had sent
+/// may have been applied in part.
+class cancelled : public transport_error {
+ public:
+  using transport_error::transport_error;
 };
 
 struct client_counters {
@@ -191,6 +202,7 @@ class client {
     h.session = m_session;
     double rto = m_cfg.rto_s;
     for (bool answered = false; !answered;) {
+      check_cancel("its leave");
       if (clock::now() > deadline)
         throw timeout_error(fmt::format("timed out after {:.1f} s waiting for the switch at {}:{} to answer the leave of worker {} (group {})",
                                         timeout_s, m_cfg.address, m_cfg.port, m_cfg.worker, m_cfg.group));
@@ -199,7 +211,7 @@ class client {
         m_counters.bytes_sent += sizeof h;
       }
       pollfd pfd{m_fd, POLLIN, 0};
-      if (::poll(&pfd, 1, std::max(1, static_cast<int>(rto * 1000))) > 0) {
+      if (::poll(&pfd, 1, poll_ms(std::max(1, static_cast<int>(rto * 1000)))) > 0) {
         std::array<std::byte, max_packet_bytes + 64> buf;
         for (ssize_t len; (len = ::recv(m_fd, buf.data(), buf.size(), MSG_DONTWAIT)) > 0;) {
           ++m_counters.packets_received;
@@ -242,6 +254,14 @@ class client {
     const std::uint32_t s = rd() ^ static_cast<std::uint32_t>(t ^ (t >> 32));
     return s ? s : 1;
   }
+
+  void check_cancel(std::string_view what) const {
+    if (m_cfg.cancel && m_cfg.cancel->load(std::memory_order_acquire))
+      throw cancelled(fmt::format("switch client (group {}, worker {}): {} was given up: the transport is shutting down", m_cfg.group,
+                                  m_cfg.worker, what));
+  }
+  // A poll's timeout, bounded so that a cancel is seen within 50 ms.
+  int poll_ms(int ms) const noexcept { return m_cfg.cancel ? std::min(ms, 50) : ms; }
 
   void close() noexcept {
     if (m_fd >= 0) ::close(m_fd);
@@ -399,6 +419,7 @@ class client {
     const std::size_t rstride = max_packet_bytes + 64;
     bool rejoin = false;
     while (done < chunks && !rejoin) {
+      check_cancel(sync ? "an all-reduce" : "a delta");
       // Earliest retransmission due decides how long to sleep.
       auto due = deadline;
       for (const auto& f : m_flight)
@@ -406,7 +427,7 @@ class client {
       now = clock::now();
       const int wait_ms = due > now ? static_cast<int>(std::chrono::duration_cast<std::chrono::microseconds>(due - now).count() / 1000) : 0;
       pollfd pfd{m_fd, POLLIN, 0};
-      const int pr = ::poll(&pfd, 1, wait_ms);
+      const int pr = ::poll(&pfd, 1, poll_ms(wait_ms));
       if (pr < 0 && errno != EINTR) throw transport_error(fmt::format("switch client: poll: {}", std::strerror(errno)));
       for (;;) {
         for (std::size_t i = 0; i < batch; ++i) {

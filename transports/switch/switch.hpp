@@ -103,7 +103,7 @@ class switch_transport {
   explicit switch_transport(settings s) : m_state(std::make_unique<state>()) { m_state->cfg = std::move(s); }
   switch_transport(switch_transport&&) noexcept = default;
   switch_transport& operator=(switch_transport&&) noexcept = default;
-  ~switch_transport() { stop(); }
+  ~switch_transport() { stop(/*cancel=*/true); }
 
   void attach(const transport_setup& s) {
     auto& st = *m_state;
@@ -120,6 +120,7 @@ class switch_transport {
     st.timeout = std::max(s.timeout, std::chrono::duration<double>(st.cfg.client.timeout_s + 1.0));
     st.cfg.client.worker = static_cast<std::uint16_t>(s.rank);
     st.cfg.client.members = static_cast<std::uint16_t>(s.world);
+    st.cfg.client.cancel = &st.cancel;
     st.client = std::make_unique<sw::client>(st.cfg.client);
     try {
       st.thread = std::thread([p = m_state.get()] { p->run(); });
@@ -206,17 +207,12 @@ class switch_transport {
   /// Stops the progress thread; in async mode also leaves the group (bounded
   /// by min(timeout_s, 5 s); best effort: if the switch does not answer, the
   /// member's part stays in S until this rank joins again).
-  void leave() {
-    if (!m_state) return;
-    stop();
-    auto& st = *m_state;
-    if (st.cfg.sync || !st.client || st.left || st.failed.load()) return;
-    st.left = true;
-    try {
-      st.client->leave(std::min(st.cfg.client.timeout_s, 5.0));
-    } catch (const timeout_error&) {
-    }
-  }
+  void leave() { leave(/*cancel=*/false); }
+
+  /// As leave(), for a rank that stops mid-run (the engine unwinds an
+  /// error): an all-reduce or delta under way is given up at once instead
+  /// of waiting for the switch up to [transport] timeout_s.
+  void abandon() { leave(/*cancel=*/true); }
 
   transport_capabilities capabilities() const noexcept {
     return {.deterministic = false, .copies_on_post = false, .emulates_network = false, .aggregates = true, .name = "switch"};
@@ -257,6 +253,7 @@ class switch_transport {
     std::array<job, 4> jobs{};
     std::atomic<std::uint64_t> head{0}, tail{0}, done{0};
     std::atomic<bool> stop{false}, failed{false};
+    std::atomic<bool> cancel{false};  // the client's call under way gives up (abandon, destruction)
     bool left = false;
     std::exception_ptr error;
     std::atomic<std::uint64_t> wire_bytes_sent{0}, wire_bytes_received{0}, retransmits{0}, rejoins{0};
@@ -318,6 +315,8 @@ class switch_transport {
           done.store(op + 1, std::memory_order_release);
           tail.store(op + 1, std::memory_order_release);
         }
+      } catch (const sw::cancelled&) {
+        // Given up at abandon() or destruction: nobody waits for it.
       } catch (...) {
         error = std::current_exception();
         failed.store(true, std::memory_order_release);
@@ -325,8 +324,24 @@ class switch_transport {
     }
   };
 
-  void stop() noexcept {
+  void leave(bool cancel) {
     if (!m_state) return;
+    stop(cancel);
+    auto& st = *m_state;
+    if (st.cfg.sync || !st.client || st.left || st.failed.load()) return;
+    st.left = true;
+    st.cancel.store(false);  // the thread is gone; the leave below is bounded on its own
+    try {
+      st.client->leave(std::min(st.cfg.client.timeout_s, 5.0));
+    } catch (const timeout_error&) {
+    }
+  }
+
+  // Stops the thread once the jobs queued are done, or with `cancel` at once
+  // (the operation under way is given up).
+  void stop(bool cancel = false) noexcept {
+    if (!m_state) return;
+    if (cancel) m_state->cancel.store(true, std::memory_order_release);
     m_state->stop.store(true);
     if (m_state->thread.joinable()) m_state->thread.join();
   }
