@@ -994,7 +994,12 @@ void check_config(const py::object& cfg_arg, std::optional<int> world, const std
   // What the engine checks against its transport: loopback for one rank, UCX between processes.
   const bool loopback = cfg.transport.name == "loopback" && id.world == 1;
   spec.settings.check_with(loopback ? "loopback" : "ucx", loopback, "gossip.check_config");
-  spec.settings.check_outputs(id.rank, id.world);
+  // Given world=, every rank's paths ("out/{rank}/stats.json" names a
+  // directory per rank); under torchrun each rank checks its own.
+  if (world)
+    for (int r = 0; r < id.world; ++r) spec.settings.check_outputs(r, id.world);
+  else
+    spec.settings.check_outputs(id.rank, id.world);
   // The topology against the world size, as the engine builds it (the switch builds none).
   if (cfg.transport.name != "switch") (void)topology_registry().make(spec.topology.name, spec.topology.opts, id.rank, id.world);
 }

@@ -41,6 +41,9 @@ refused "--bandwidth-gbps 1e-12: key 'bandwidth_gbps' of transport 'loopback' mu
   --bandwidth-gbps 1e-12
 refused "unknown transport 'tcp'; known transports: loopback, ucx, switch" --set transport.name=tcp
 refused "--json /nonexistent-dir/run.json: cannot write the report there" --json /nonexistent-dir/run.json
+# Every worker's report paths, not worker 0's alone.
+mkdir -p "$out/per-rank/0"
+refused "the directory $out/per-rank/1 does not exist or is not writable" --workers 2 --set "engine.stats=\"$out/per-rank/{rank}/stats.json\""
 refused "--set train.lr=inf: key 'lr' must be a number > 0 that a float holds" --set train.lr=inf
 refused "protocol 'switch-aggregate' needs transport 'switch'" --protocol switch-aggregate
 refused "--set policy.name=sometimes: unknown policy 'sometimes'" --set policy.name=sometimes

@@ -553,7 +553,10 @@ inline void check_components(const config& cfg, const train_settings& s) {
   const std::string where = cfg.protocol.opts.where("name");
   gossip::detail::check_protocol_carrier(spec.protocol.name, protocol.aggregated(), cfg.transport.name, cfg.transport.name == "switch", where);
   spec.settings.check_with(cfg.transport.name, cfg.transport.name == "loopback", cfg.engine.where("same_step_merge"));
-  spec.settings.check_outputs(0, s.workers);
+  // Every rank's paths ("out/{rank}/stats.json" names a directory per rank).
+  // Over UCX each process is one rank, and checks them all the same: the
+  // run fails if any rank cannot write.
+  for (int r = 0; r < s.workers; ++r) spec.settings.check_outputs(r, s.workers);
 }
 
 /// Trains with the gossip settings of `cfg` (policy, topology, protocol,

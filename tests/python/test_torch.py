@@ -472,6 +472,13 @@ def test_check_config_needs_no_model_or_peers(tmp_path, monkeypatch):
         gossip.check_config({"engine": {"stats": "stats.json"}}, world=4)
     with pytest.raises(gossip.ConfigError, match=r"stats = 'a\{rank\}' and trace = 'a\{rank\}' name the same file"):
         gossip.check_config({"engine": {"stats": "a{rank}", "trace": "a{rank}"}}, world=2)
+    # Every rank's directory, not rank 0's alone.
+    (tmp_path / "out" / "0").mkdir(parents=True)
+    (tmp_path / "out" / "1").mkdir()
+    per_rank = {"engine": {"stats": str(tmp_path / "out" / "{rank}" / "stats.json")}}
+    assert gossip.check_config(per_rank, world=2) is None
+    with pytest.raises(gossip.ConfigError, match=r"the directory .*/out/2 does not exist or is not writable"):
+        gossip.check_config(per_rank, world=3)
     # Settings that only push-sum would use.
     with pytest.raises(gossip.ConfigError, match=r"in_flight_makeup = true applies to protocol 'push-sum' .* not to 'pairwise'"):
         gossip.check_config({"protocol": {"name": "pairwise"}, "engine": {"in_flight_makeup": True}}, world=2)
