@@ -854,6 +854,45 @@ TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight t
   check_all_ok(out);
 }
 
+TEST_CASE("ucx: leave() while a live peer that merges nothing holds our rendezvous sends returns, and the worker is destroyed cleanly") {
+  // Rank 1 is alive but merges nothing (a training loop that stopped calling
+  // step, or an evaluation): its inbox fills and it holds rank 0's next
+  // rendezvous sends. Rank 0 then leaves (an engine destroyed by an error, or
+  // a flush that timed out). A graceful close left those sends on their
+  // endpoint, and UCX 1.13 aborted in ucp_worker_destroy (ucp_ep.c:437,
+  // proto_reqs); they are cancelled by a forced close after the goodbye.
+  require_ucx();
+  for (const std::string tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    ucx_options o;
+    o.close_timeout_s = 1.0;
+    const auto out = run_procs(2, tls.c_str(), 60, [&](int r) {
+      direct d(r, 2, port, std::size_t{1} << 20, 0, o);  // 4 MiB: rendezvous
+      d.attach();
+      final_barrier(*d.boot, "ready", {0, 1});
+      if (r == 1) {
+        std::this_thread::sleep_for(4s);  // alive, merging nothing: two messages fill the inbox, the next are held
+        std::vector<received> gone(1);
+        // Rank 0 left without the drain handshake: reported as failed (not departed), from its goodbye.
+        if (d.t.dead_peers(gone) != 1 || gone[0].sender != 0 || gone[0].departed) throw error("rank 1 was not told that rank 0 left");
+        d.t.leave();
+        return 0;
+      }
+      for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, d.others);
+      std::this_thread::sleep_for(200ms);
+      if (!d.t.busy(d.send[0].data()) && !d.t.busy(d.send[1].data())) throw error("rank 0 has no send held by rank 1: the test proves nothing");
+      const auto t0 = clock_type::now();
+      d.t.leave();
+      const double took = std::chrono::duration<double>(clock_type::now() - t0).count();
+      if (took > 10) throw error(fmt::format("leave() took {:.1f} s with close_timeout_s = 1", took));
+      return 0;
+    });
+    REQUIRE(out.size() == 2);
+    check_all_ok(out);
+  }
+}
+
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {
   require_ucx();
   const std::uint16_t port = free_port();

@@ -546,6 +546,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   // an error) they count it as failed at once, instead of stalling on it until
   // UCX notices the closed endpoint.
   const bye_header me{.rank = setup.rank, .drained = finishing ? 1 : 0};
+  std::vector<void*> byes;
   for (int j : neighbours) {
     auto& p = *peer(j);
     if (!p.ep || p.dead.load() || unanswered(p)) continue;
@@ -553,8 +554,30 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
     ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, bye_id, &me, sizeof me, nullptr, 0, &rp);
-    if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
+    if (r && !UCS_PTR_IS_ERR(r)) byes.push_back(r);
   }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                               std::chrono::duration<double>(opt.close_timeout_s));
+  const auto reap = [](std::vector<void*>& reqs) {
+    reqs.erase(std::remove_if(reqs.begin(), reqs.end(),
+                              [](void* r) {
+                                if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+                                ucp_request_free(r);
+                                return true;
+                              }),
+               reqs.end());
+  };
+  // A live peer that still holds a send of ours (its inbox is full: it is not
+  // merging) is closed by force below, which cancels that send; UCX 1.13
+  // asserts at ucp_worker_destroy when a graceful close leaves a rendezvous
+  // send on the endpoint (ucp_ep.c, proto_reqs). Its goodbye goes first.
+  const auto holds_ours = [&](const peer_state& p) { return p.inflight.load(std::memory_order_acquire) > 0; };
+  if (std::any_of(neighbours.begin(), neighbours.end(), [&](int j) { return peer(j)->ep && holds_ours(*peer(j)); }))
+    for (reap(byes); !byes.empty() && std::chrono::steady_clock::now() < deadline; reap(byes)) {
+      ucp_worker_progress(worker);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  closing.insert(closing.end(), byes.begin(), byes.end());
   for (int j : neighbours) {
     auto& p = *peer(j);
     if (!p.ep) continue;
@@ -565,13 +588,11 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     // answers nothing, and a small message still queued to a stopped peer on a
     // gracefully closed endpoint made UCX 1.13 assert when the worker was
     // destroyed (a pong sent as a hello at start, since removed).
-    rp.flags = p.dead.load() || unanswered(p) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    rp.flags = p.dead.load() || unanswered(p) || holds_ours(p) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
     if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
     p.ep = nullptr;
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                               std::chrono::duration<double>(opt.close_timeout_s));
   auto busy_recv = [&] {
     for (auto& src : sources)
       for (auto& rc : src.recv)
@@ -580,13 +601,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   };
   while (std::chrono::steady_clock::now() < deadline) {
     ucp_worker_progress(worker);
-    closing.erase(std::remove_if(closing.begin(), closing.end(),
-                                 [](void* r) {
-                                   if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
-                                   ucp_request_free(r);
-                                   return true;
-                                 }),
-                  closing.end());
+    reap(closing);
     if (closing.empty() && !busy_recv()) break;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
