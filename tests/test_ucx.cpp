@@ -893,6 +893,121 @@ TEST_CASE("ucx: leave() while a live peer that merges nothing holds our rendezvo
   }
 }
 
+TEST_CASE("ucx: two engines destroyed mid-transfer at the same moment (an error in both) do not abort") {
+  // Each rank may still be receiving the other's rendezvous message when it
+  // leaves, and the other force-closes its endpoint (it takes the goodbye as
+  // a failure). Over shared memory nothing failed the receive on the leaving
+  // side, and UCX 1.13 aborted in ucp_worker_destroy (ucp_ep.c:437,
+  // proto_reqs) in about half of the runs; endpoints with a receive under way
+  // are force-closed too now.
+  require_ucx();
+  for (const std::string tls : {"posix,self", "tcp"})
+    for (int rep = 0; rep < 3; ++rep) {
+      CAPTURE(tls);
+      CAPTURE(rep);
+      const std::uint16_t port = free_port();
+      check_all_ok(run_procs(2, tls.c_str(), 60, [&](int r) {
+        auto boot = std::make_shared<bootstrap>(r, 2, "127.0.0.1", port, std::chrono::duration<double>(20.0));
+        test::toy_model m({std::size_t{1} << 22}, static_cast<std::uint64_t>(r + 1));  // 16 MiB: rendezvous
+        {
+          auto spec = test::spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "complete", "push-sum", 20);
+          spec.codec.name = "none";
+          engine e(m.view, r, 2, std::move(spec), ucx_transport(boot));
+          // Both processes read one CLOCK_MONOTONIC: rank 0 names the moment both stop.
+          std::int64_t end_ticks = 0;
+          if (r == 0) {
+            end_ticks = (clock_type::now() + 1500ms).time_since_epoch().count();
+            boot->put("end", bootstrap::blob(reinterpret_cast<const std::byte*>(&end_ticks), reinterpret_cast<const std::byte*>(&end_ticks) + 8));
+          } else {
+            const auto b = boot->get("end", "the moment to stop");
+            std::memcpy(&end_ticks, b.data(), 8);
+          }
+          const auto end = clock_type::time_point(clock_type::duration(end_ticks));
+          while (clock_type::now() < end) {
+            e.step({.lr = 0.1});
+            std::this_thread::sleep_for(1ms);
+          }
+        }  // ~engine without finish(): abandon
+        if (r == 0) boot->get("done", "rank 1 to be done", std::chrono::duration<double>(30.0));
+        else boot->put("done", {});
+        return 0;
+      }));
+    }
+}
+
+TEST_CASE("ucx: a message landed after its sender left leaves no request behind: the thread idles, leave() returns at once") {
+  // Rank 1 merges nothing while rank 0 sends and leaves; the messages held
+  // in rank 1's backlog land after rank 0's endpoint closed. UCX 1.13 then
+  // completes the receive inside ucp_am_recv_data_nbx and still returns the
+  // (freed) request: it was kept as under way, the progress thread polled
+  // for good and rank 1's leave() waited out close_timeout_s.
+  require_ucx();
+  for (const std::string tls : {"tcp", "posix,self"}) {
+    CAPTURE(tls);
+    const std::uint16_t port = free_port();
+    check_all_ok(run_procs(2, tls.c_str(), 60, [&](int r) {
+      direct d(r, 2, port, std::size_t{1} << 18);  // 1 MiB: rendezvous
+      d.attach();
+      final_barrier(*d.boot, "ready", {0, 1});
+      if (r == 0) {
+        for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, {1});
+        std::this_thread::sleep_for(300ms);
+        d.t.leave();
+        d.boot->get("done", "rank 1 to be done", std::chrono::duration<double>(40.0));
+        return 0;
+      }
+      const auto t0 = clock_type::now();
+      std::vector<received> gone(2);
+      while (d.t.dead_peers(gone) == 0) {
+        if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0 was not reported gone");
+        std::this_thread::sleep_for(1ms);
+      }
+      if (d.t.backlog() == 0) throw error("rank 1 holds no message of rank 0: the test proves nothing");
+      for (int i = 0; i < 50; ++i) {
+        d.poll_once();
+        std::this_thread::sleep_for(2ms);
+      }
+      const auto t1 = clock_type::now();
+      d.t.leave();
+      const double took = std::chrono::duration<double>(clock_type::now() - t1).count();
+      d.boot->put("done", {});
+      if (took > 1.0) throw error(fmt::format("rank 1: leave() took {:.2f} s with nothing under way", took));
+      return 0;
+    }));
+  }
+}
+
+TEST_CASE("ucx: a rank that leaves without completing the drain handshake is counted as failed, not departed") {
+  // Its sources' messages may be unmerged (finish() timed out, or the
+  // rendezvous is gone); its goodbye said "drained" once the handshake had
+  // begun, and its peers counted nothing lost.
+  require_ucx();
+  const std::uint16_t port = free_port();
+  check_all_ok(run_procs(2, "tcp", 60, [&](int r) {
+    direct d(r, 2, port, std::size_t{1} << 18);
+    d.attach();
+    final_barrier(*d.boot, "ready", {0, 1});
+    for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, {1 - r});
+    if (r == 1) {
+      std::this_thread::sleep_for(500ms);
+      if (d.t.drained()) throw error("rank 1: drained() before rank 0 published its count");  // the handshake began
+      d.t.leave();
+      d.boot->put("done", {});
+      return 0;
+    }
+    const auto t0 = clock_type::now();
+    std::vector<received> gone(2);
+    while (d.t.dead_peers(gone) == 0) {
+      if (clock_type::now() - t0 > 20s) throw error("rank 0: rank 1 was not reported");
+      std::this_thread::sleep_for(1ms);
+    }
+    if (gone[0].sender != 1 || gone[0].departed) throw error("rank 0: rank 1 was reported as departed");
+    d.boot->get("done", "rank 1 to be done");
+    d.t.leave();
+    return 0;
+  }));
+}
+
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {
   require_ucx();
   const std::uint16_t port = free_port();

@@ -236,7 +236,8 @@ struct ucx_transport::impl {
   void discard(std::size_t si, double weight) noexcept;
   std::uint64_t generation = 0;
   bool drain_published = false, rendezvous_gone = false;
-  bool finishing = false;  // engine::finish reached the drain handshake: leaving is a departure
+  bool finishing = false;       // engine::finish reached the drain handshake
+  bool drain_complete = false;  // ... and it completed: every message the sources sent was merged; leaving is a departure
 
   ~impl() { teardown_now(); }
 

@@ -389,7 +389,7 @@ bool ucx_transport::impl::drained() {
   finishing = true;
   if (rendezvous_gone) return true;
   try {
-    return drained_through_rendezvous();
+    return drain_complete = drained_through_rendezvous();
   } catch (const error& e) {
     // Rank 0 is gone: no peer can publish or read drain counts any more.
     // Leave with what has been merged; messages still on their way are lost.
@@ -545,7 +545,10 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   // left rather than died; without it (an engine destroyed unfinished, or by
   // an error) they count it as failed at once, instead of stalling on it until
   // UCX notices the closed endpoint.
-  const bye_header me{.rank = setup.rank, .drained = finishing ? 1 : 0};
+  // A departure only when the drain handshake completed; a rank that leaves
+  // without it (finish() timed out, the rendezvous is gone) may not have
+  // merged what its sources sent, and they count it as failed.
+  const bye_header me{.rank = setup.rank, .drained = drain_complete ? 1 : 0};
   std::vector<void*> byes;
   for (int j : neighbours) {
     auto& p = *peer(j);
@@ -571,8 +574,19 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   // merging) is closed by force below, which cancels that send; UCX 1.13
   // asserts at ucp_worker_destroy when a graceful close leaves a rendezvous
   // send on the endpoint (ucp_ep.c, proto_reqs). Its goodbye goes first.
-  const auto holds_ours = [&](const peer_state& p) { return p.inflight.load(std::memory_order_acquire) > 0; };
-  if (std::any_of(neighbours.begin(), neighbours.end(), [&](int j) { return peer(j)->ep && holds_ours(*peer(j)); }))
+  // The same for a peer whose message this rank is still receiving: that
+  // peer may force-close its own endpoint (it leaves too, or it took this
+  // rank's goodbye as a failure), which over shared memory fails nothing on
+  // this side, and the receive left on a gracefully closed endpoint made
+  // ucp_worker_destroy assert the same way.
+  const auto under_way_with = [&](int j) {
+    if (peer(j)->inflight.load(std::memory_order_acquire) > 0) return true;
+    if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0)
+      for (const auto& rc : sources[static_cast<std::size_t>(si)].recv)
+        if (rc.request) return true;
+    return false;
+  };
+  if (std::any_of(neighbours.begin(), neighbours.end(), [&](int j) { return peer(j)->ep && under_way_with(j); }))
     for (reap(byes); !byes.empty() && std::chrono::steady_clock::now() < deadline; reap(byes)) {
       ucp_worker_progress(worker);
       std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -588,7 +602,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     // answers nothing, and a small message still queued to a stopped peer on a
     // gracefully closed endpoint made UCX 1.13 assert when the worker was
     // destroyed (a pong sent as a hello at start, since removed).
-    rp.flags = p.dead.load() || unanswered(p) || holds_ours(p) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    rp.flags = p.dead.load() || unanswered(p) || under_way_with(j) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     ucs_status_ptr_t r = ucp_ep_close_nbx(p.ep, &rp);
     if (r && !UCS_PTR_IS_ERR(r)) closing.push_back(r);
     p.ep = nullptr;
@@ -605,12 +619,24 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     if (closing.empty() && !busy_recv()) break;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+  // A forced close completes at once but leaves UCX work (the endpoint's
+  // discard) for the worker's next progress.
+  for (int i = 0; i < 64 && ucp_worker_progress(worker) != 0; ++i) {
+  }
   // Past the bound (a peer that stopped reading, e.g. SIGSTOP): the close
   // requests still in progress are released to UCX, which completes them
   // when the worker is destroyed; a request still held by us there is a
   // fatal assertion in UCX (ucp_ep.c: UCP_REQUEST_FLAG_RELEASED).
   for (void* r : closing) ucp_request_free(r);
   closing.clear();
+  // Sends a forced close did not complete (UCX 1.13 leaves some pending):
+  // counted as failed now, their push-sum share as lost, as for a dead peer.
+  for (int j : neighbours)
+    for (auto& c : peer(j)->ctx)
+      if (c.held && !c.abandoned) {
+        c.abandoned = true;
+        send_done(c.peer, c.entry, UCS_ERR_CANCELED, c.length);
+      }
   ucp_worker_destroy(worker);
   worker = nullptr;
 }

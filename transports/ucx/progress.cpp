@@ -408,12 +408,19 @@ void ucx_transport::impl::land(source_state& src, const pending& m, bool owned) 
   rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
   rp.cb.recv_am = &impl::on_recv_done;
   rp.user_data = &rc;
+  // UCX 1.13 may complete the receive inside the call (a sender whose
+  // endpoint is closed already: the callback runs and frees the request)
+  // and still return the request's pointer. The callback clears this mark;
+  // a pointer returned after that is not a request any more.
+  rc.request = &rc;
   ucs_status_ptr_t r = ucp_am_recv_data_nbx(worker, m.data, slot.data + sizeof m.h, m.length, &rp);
   if (r == nullptr) {
+    rc.request = nullptr;
     landed(slot, m.length);
   } else if (UCS_PTR_IS_ERR(r)) {
+    rc.request = nullptr;
     failed(slot);
-  } else {
+  } else if (rc.request != nullptr) {
     rc.request = r;
   }
 }
