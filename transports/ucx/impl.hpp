@@ -27,7 +27,12 @@ inline constexpr unsigned am_id = 0x47;                  // "G"
 inline constexpr unsigned bye_id = 0x48;                 // a rank leaving: header = bye_header
 struct bye_header {
   std::int32_t rank = -1;
-  std::int32_t drained = 0;  // 1: after the drain handshake (engine::finish), 0: without it
+  std::int32_t drained = 0;  // 1: engine::finish reached the drain handshake, 0: it did not (an error, no finish())
+  // With drained = 1: the push-sum weight of the receiver's messages that the
+  // leaving rank held and never merged (the handshake did not complete: it
+  // timed out, or the rendezvous was gone); the receiver takes it back, as
+  // for a send that failed.
+  double unmerged_weight = 0;
 };
 inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header
 inline constexpr unsigned ask_id = 0x4A;                 // a target waits on this rank (max_lead): header = its rank
@@ -236,8 +241,7 @@ struct ucx_transport::impl {
   void discard(std::size_t si, double weight) noexcept;
   std::uint64_t generation = 0;
   bool drain_published = false, rendezvous_gone = false;
-  bool finishing = false;       // engine::finish reached the drain handshake
-  bool drain_complete = false;  // ... and it completed: every message the sources sent was merged; leaving is a departure
+  bool finishing = false;  // engine::finish reached the drain handshake: leaving is a departure
 
   ~impl() { teardown_now(); }
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,7 +28,7 @@ using namespace ucx_detail;
 
 namespace {
 
-constexpr std::uint32_t blob_magic = 0x33435547;  // "GUC3": since the layout's matrix rows
+constexpr std::uint32_t blob_magic = 0x34435547;  // "GUC4": since the goodbye carries unmerged weight (GUC3: the layout's matrix rows)
 
 // Little serialiser for the rendezvous blob.
 struct writer {
@@ -389,7 +390,7 @@ bool ucx_transport::impl::drained() {
   finishing = true;
   if (rendezvous_gone) return true;
   try {
-    return drain_complete = drained_through_rendezvous();
+    return drained_through_rendezvous();
   } catch (const error& e) {
     // Rank 0 is gone: no peer can publish or read drain counts any more.
     // Leave with what has been merged; messages still on their way are lost.
@@ -524,6 +525,21 @@ std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
 void ucx_transport::impl::shutdown_ucx() noexcept {
   if (!worker) return;
   drain_sends();  // sends queued after the last flush: dropped
+  // What each source sent that this rank holds unmerged (its backlog, and
+  // slots the engine never collected): the goodbye gives the weight back.
+  std::vector<double> unmerged(sources.size(), 0.0);
+  const auto add = [&](std::size_t si, double w) {
+    if (std::isfinite(w)) unmerged[si] += w;
+  };
+  for (auto& src : sources) {
+    for (std::size_t k = 0; k < src.count; ++k) add(src.index, src.backlog[(src.head + k) % src.backlog.size()].h.weight);
+    for (const auto& rc : src.recv)
+      if (!rc.request && rc.slot->state.load(std::memory_order_acquire) == inbox::full && rc.slot->bytes >= sizeof(wire_header)) {
+        wire_header h;
+        std::memcpy(&h, rc.slot->data, sizeof h);
+        add(src.index, h.weight);
+      }
+  }
   for (auto& src : sources) {
     for (; src.count > 0; --src.count, src.head = (src.head + 1) % src.backlog.size()) {
       ucp_am_data_release(worker, src.backlog[src.head].data);
@@ -545,18 +561,21 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   // left rather than died; without it (an engine destroyed unfinished, or by
   // an error) they count it as failed at once, instead of stalling on it until
   // UCX notices the closed endpoint.
-  // A departure only when the drain handshake completed; a rank that leaves
-  // without it (finish() timed out, the rendezvous is gone) may not have
-  // merged what its sources sent, and they count it as failed.
-  const bye_header me{.rank = setup.rank, .drained = drain_complete ? 1 : 0};
+  // A rank that reached the drain handshake but did not complete it (it timed
+  // out, or the rendezvous is gone) may hold messages of its sources
+  // unmerged: each source's goodbye carries their weight back.
+  std::vector<bye_header> bye(neighbours.size());
   std::vector<void*> byes;
-  for (int j : neighbours) {
+  for (std::size_t k = 0; k < neighbours.size(); ++k) {
+    const int j = neighbours[k];
     auto& p = *peer(j);
     if (!p.ep || p.dead.load() || unanswered(p)) continue;
+    bye[k] = {.rank = setup.rank, .drained = finishing ? 1 : 0};
+    if (const int si = source_of[static_cast<std::size_t>(j)]; finishing && si >= 0) bye[k].unmerged_weight = unmerged[static_cast<std::size_t>(si)];
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, bye_id, &me, sizeof me, nullptr, 0, &rp);
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, bye_id, &bye[k], sizeof bye[k], nullptr, 0, &rp);
     if (r && !UCS_PTR_IS_ERR(r)) byes.push_back(r);
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(

@@ -103,6 +103,9 @@ ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::siz
       p->dead.store(true, std::memory_order_release);
       return UCS_OK;
     }
+    // Messages it held unmerged: their weight comes back as a failed send's.
+    if (std::isfinite(b.unmerged_weight) && b.unmerged_weight > 0)
+      p->failed_weight.store(p->failed_weight.load(std::memory_order_relaxed) + b.unmerged_weight, std::memory_order_relaxed);
     p->departed.store(true, std::memory_order_release);
     // It has finished: it paces no one, even if its last beacon was lost.
     if (const int si = self->source_of[static_cast<std::size_t>(b.rank)]; si >= 0)
