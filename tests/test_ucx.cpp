@@ -188,6 +188,24 @@ struct direct {
     return pid;
   }
 
+  // leave(), timed: seconds it took.
+  double timed_leave() {
+    const auto t0 = clock_type::now();
+    t.leave();
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+  }
+
+  // Waits (up to 20 s) until dead_peers() reports a peer gone; returns what it reported.
+  received wait_gone() {
+    const auto deadline = clock_type::now() + 20s;
+    std::vector<received> gone(static_cast<std::size_t>(world));
+    while (t.dead_peers(gone) == 0) {
+      if (clock_type::now() > deadline) throw error(fmt::format("rank {}: no peer was reported gone within 20 s", rank));
+      std::this_thread::sleep_for(1ms);
+    }
+    return gone[0];
+  }
+
   void receive_until(std::size_t total, std::chrono::seconds limit) {
     const auto deadline = clock_type::now() + limit;
     while (received_total < total) {
@@ -843,9 +861,7 @@ TEST_CASE("ucx: leave() while a peer is stopped (SIGSTOP) with sends in flight t
     const pid_t other = d.pid_of(1);
     std::this_thread::sleep_for(300ms);  // rank 1 is stopped by now
     for (std::uint64_t s = 0; s < 2; ++s) (void)d.post_step(s, d.others);
-    const auto t0 = clock_type::now();
-    d.t.leave();
-    const double took = std::chrono::duration<double>(clock_type::now() - t0).count();
+    const double took = d.timed_leave();
     ::kill(other, SIGCONT);
     if (took > 10) throw error(fmt::format("leave() took {:.1f} s with close_timeout_s = 1", took));
     return 0;
@@ -882,10 +898,7 @@ TEST_CASE("ucx: leave() while a live peer that merges nothing holds our rendezvo
       for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, d.others);
       std::this_thread::sleep_for(200ms);
       if (!d.t.busy(d.send[0].data()) && !d.t.busy(d.send[1].data())) throw error("rank 0 has no send held by rank 1: the test proves nothing");
-      const auto t0 = clock_type::now();
-      d.t.leave();
-      const double took = std::chrono::duration<double>(clock_type::now() - t0).count();
-      if (took > 10) throw error(fmt::format("leave() took {:.1f} s with close_timeout_s = 1", took));
+      if (const double took = d.timed_leave(); took > 10) throw error(fmt::format("leave() took {:.1f} s with close_timeout_s = 1", took));
       return 0;
     });
     REQUIRE(out.size() == 2);
@@ -956,20 +969,13 @@ TEST_CASE("ucx: a message landed after its sender left leaves no request behind:
         d.boot->get("done", "rank 1 to be done", std::chrono::duration<double>(40.0));
         return 0;
       }
-      const auto t0 = clock_type::now();
-      std::vector<received> gone(2);
-      while (d.t.dead_peers(gone) == 0) {
-        if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0 was not reported gone");
-        std::this_thread::sleep_for(1ms);
-      }
+      (void)d.wait_gone();
       if (d.t.backlog() == 0) throw error("rank 1 holds no message of rank 0: the test proves nothing");
       for (int i = 0; i < 50; ++i) {
         d.poll_once();
         std::this_thread::sleep_for(2ms);
       }
-      const auto t1 = clock_type::now();
-      d.t.leave();
-      const double took = std::chrono::duration<double>(clock_type::now() - t1).count();
+      const double took = d.timed_leave();
       d.boot->put("done", {});
       if (took > 1.0) throw error(fmt::format("rank 1: leave() took {:.2f} s with nothing under way", took));
       return 0;
@@ -1002,14 +1008,9 @@ TEST_CASE("ucx: a rank that leaves before its drain handshake completes gives it
         return 0;
       }
       for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, {1});  // weights 0.25, 1.25, 2.25, 3.25
-      const auto t0 = clock_type::now();
-      std::vector<received> gone(2);
-      while (d.t.dead_peers(gone) == 0) {
-        if (clock_type::now() - t0 > 20s) throw error("rank 0: rank 1 was not reported");
-        std::this_thread::sleep_for(1ms);
-      }
-      if (gone[0].sender != 1 || !gone[0].departed) throw error("rank 0: rank 1 was not reported as departed");
-      if (gone[0].weight != 7.0) throw error(fmt::format("rank 0: {} of the weight rank 1 never merged came back, expected 7", gone[0].weight));
+      const received gone = d.wait_gone();
+      if (gone.sender != 1 || !gone.departed) throw error("rank 0: rank 1 was not reported as departed");
+      if (gone.weight != 7.0) throw error(fmt::format("rank 0: {} of the weight rank 1 never merged came back, expected 7", gone.weight));
       d.boot->get("done", "rank 1 to be done");
       d.t.leave();
       return 0;
