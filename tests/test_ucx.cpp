@@ -1176,9 +1176,11 @@ namespace {
 // depends on them); set before `check` runs.
 std::uint64_t others_waits = 0;
 
-void never_group(const std::vector<int>& steps, const std::vector<std::chrono::microseconds>& pause,
+// Returns whether every rank passed `check`; with `require` (the default)
+// the test fails otherwise.
+bool never_group(const std::vector<int>& steps, const std::vector<std::chrono::microseconds>& pause,
                  const std::function<void(int, const engine_stats&, double)>& check,
-                 const std::function<void(engine_spec&)>& tweak = {}) {
+                 const std::function<void(engine_spec&)>& tweak = {}, bool require = true) {
   require_ucx();
   const int world = static_cast<int>(steps.size());
   const std::uint16_t port = free_port();
@@ -1214,7 +1216,9 @@ void never_group(const std::vector<int>& steps, const std::vector<std::chrono::m
     check(r, st, seconds);
     return 0;
   });
-  check_all_ok(out);
+  const bool ok = std::all_of(out.begin(), out.end(), [](const harness::child_end& c) { return c.exited && c.code == 0; });
+  if (require) check_all_ok(out);
+  return ok;
 }
 }  // namespace
 
@@ -1254,12 +1258,20 @@ TEST_CASE("ucx: ranks of the same speed, with steps shorter than the beacon inte
   // of the run here before asks existed). Long enough (about 0.7 s) that
   // the ranks' skewed start and a stall of a few tens of ms on a busy
   // machine stay well inside the bound.
-  never_group({2000, 2000}, {300us, 300us}, [](int r, const engine_stats& st, double seconds) {
+  // Alone, about 1 % of the run goes to waits; with both cores busy with other
+  // work (a build, the rest of the suite) a run sometimes waits a quarter of
+  // it, as any descheduled rank makes its peer wait. One more run then: the
+  // regression this guards against (a third of the run) fails both.
+  const auto check = [](int r, const engine_stats& st, double seconds) {
     std::fprintf(stderr, "rank %d: %llu lead waits, %.4f s of %.3f s\n", r, static_cast<unsigned long long>(st.lead_waits), st.lead_wait_seconds, seconds);
     if (st.lead_timeouts != 0 || st.lead_wait_seconds > 0.2 * seconds)
       throw error(fmt::format("rank {}: waited {:.3f} s of {:.3f} s in {} lead waits ({} timed out)", r, st.lead_wait_seconds, seconds,
                               st.lead_waits, st.lead_timeouts));
-  });
+  };
+  if (!never_group({2000, 2000}, {300us, 300us}, check, {}, /*require=*/false)) {
+    MESSAGE("the ranks waited more than a fifth of the run (above); once more, in case the machine was busy");
+    never_group({2000, 2000}, {300us, 300us}, check);
+  }
 }
 
 TEST_CASE("ucx: max_lead paces by the slowest source, not the fastest") {
