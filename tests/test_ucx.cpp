@@ -983,39 +983,44 @@ TEST_CASE("ucx: a message landed after its sender left leaves no request behind:
   }
 }
 
-TEST_CASE("ucx: a rank that leaves before its drain handshake completes gives its sources back the weight of what it never merged") {
+TEST_CASE("ucx: a rank that leaves before its drain handshake completes, or without one, gives its sources back the weight of what it never merged") {
   // finish() reached the handshake but it did not complete (it timed out, or
-  // the rendezvous was gone): the rank departs holding messages of its
-  // sources. Their push-sum weight was lost without a trace (the senders'
-  // sends had completed); the goodbye now carries it back.
+  // the rendezvous was gone), or the engine never finished (destroyed by an
+  // error): the rank leaves holding messages of its sources. Their push-sum
+  // weight was lost without a trace (the senders' sends had completed); the
+  // goodbye carries it back, to a source that counts the rank departed in the
+  // first case and failed in the second.
   require_ucx();
-  for (const std::string tls : {"tcp", "posix,self"}) {
-    CAPTURE(tls);
-    const std::uint16_t port = free_port();
-    check_all_ok(run_procs(2, tls.c_str(), 60, [&](int r) {
-      direct d(r, 2, port, std::size_t{1} << 18);  // 1 MiB: two land in the slots, two wait in the backlog
-      d.attach();
-      final_barrier(*d.boot, "ready", {0, 1});
-      if (r == 1) {
-        const auto t0 = clock_type::now();
-        while (d.t.backlog() < 2) {  // rank 0's four messages: merged none
-          if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0's messages did not arrive");
-          std::this_thread::sleep_for(1ms);
+  for (const std::string tls : {"tcp", "posix,self"})
+    for (const bool handshake : {true, false}) {
+      CAPTURE(tls);
+      CAPTURE(handshake);
+      const std::uint16_t port = free_port();
+      check_all_ok(run_procs(2, tls.c_str(), 60, [&](int r) {
+        direct d(r, 2, port, std::size_t{1} << 18);  // 1 MiB: two land in the slots, two wait in the backlog
+        d.attach();
+        final_barrier(*d.boot, "ready", {0, 1});
+        if (r == 1) {
+          const auto t0 = clock_type::now();
+          while (d.t.backlog() < 2) {  // rank 0's four messages: merged none
+            if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0's messages did not arrive");
+            std::this_thread::sleep_for(1ms);
+          }
+          if (handshake && d.t.drained()) throw error("rank 1: drained() before rank 0 published its count");  // the handshake began
+          d.t.leave();
+          d.boot->put("done", {});
+          return 0;
         }
-        if (d.t.drained()) throw error("rank 1: drained() before rank 0 published its count");  // the handshake began
+        for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, {1});  // weights 0.25, 1.25, 2.25, 3.25
+        const received gone = d.wait_gone();
+        if (gone.sender != 1 || gone.departed != handshake)
+          throw error(fmt::format("rank 0: rank 1 was reported as {}", gone.departed ? "departed" : "failed"));
+        if (gone.weight != 7.0) throw error(fmt::format("rank 0: {} of the weight rank 1 never merged came back, expected 7", gone.weight));
+        d.boot->get("done", "rank 1 to be done");
         d.t.leave();
-        d.boot->put("done", {});
         return 0;
-      }
-      for (std::uint64_t s = 0; s < 4; ++s) (void)d.post_step(s, {1});  // weights 0.25, 1.25, 2.25, 3.25
-      const received gone = d.wait_gone();
-      if (gone.sender != 1 || !gone.departed) throw error("rank 0: rank 1 was not reported as departed");
-      if (gone.weight != 7.0) throw error(fmt::format("rank 0: {} of the weight rank 1 never merged came back, expected 7", gone.weight));
-      d.boot->get("done", "rank 1 to be done");
-      d.t.leave();
-      return 0;
-    }));
-  }
+      }));
+    }
 }
 
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {

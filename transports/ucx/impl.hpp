@@ -28,10 +28,9 @@ inline constexpr unsigned bye_id = 0x48;                 // a rank leaving: head
 struct bye_header {
   std::int32_t rank = -1;
   std::int32_t drained = 0;  // 1: engine::finish reached the drain handshake, 0: it did not (an error, no finish())
-  // With drained = 1: the push-sum weight of the receiver's messages that the
-  // leaving rank held and never merged (the handshake did not complete: it
-  // timed out, or the rendezvous was gone); the receiver takes it back, as
-  // for a send that failed.
+  // The push-sum weight of the receiver's messages that the leaving rank held
+  // and never merged (its drain handshake did not complete, or it never
+  // finished); the receiver takes it back, as for a send that failed.
   double unmerged_weight = 0;
 };
 inline constexpr unsigned step_id = 0x49;                // a step beacon: header = step_beacon_header

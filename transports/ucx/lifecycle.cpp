@@ -561,9 +561,10 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
   // left rather than died; without it (an engine destroyed unfinished, or by
   // an error) they count it as failed at once, instead of stalling on it until
   // UCX notices the closed endpoint.
-  // A rank that reached the drain handshake but did not complete it (it timed
-  // out, or the rendezvous is gone) may hold messages of its sources
-  // unmerged: each source's goodbye carries their weight back.
+  // A rank that leaves holding messages of its sources unmerged (it reached
+  // the drain handshake but did not complete it, or it never finished) gives
+  // their weight back in each source's goodbye: their sends completed, so
+  // nothing else tells the sources that weight was never merged.
   std::vector<bye_header> bye(neighbours.size());
   std::vector<void*> byes;
   for (std::size_t k = 0; k < neighbours.size(); ++k) {
@@ -571,7 +572,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     auto& p = *peer(j);
     if (!p.ep || p.dead.load() || unanswered(p)) continue;
     bye[k] = {.rank = setup.rank, .drained = finishing ? 1 : 0};
-    if (const int si = source_of[static_cast<std::size_t>(j)]; finishing && si >= 0) bye[k].unmerged_weight = unmerged[static_cast<std::size_t>(si)];
+    if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0) bye[k].unmerged_weight = unmerged[static_cast<std::size_t>(si)];
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_AM_SEND_FLAG_EAGER;

@@ -96,6 +96,9 @@ ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::siz
   if (header_length != sizeof b) return UCS_OK;  // foreign: ignored
   std::memcpy(&b, header, sizeof b);
   if (peer_state* p = self->peer(b.rank)) {
+    // Messages it held unmerged: their weight comes back as a failed send's.
+    if (std::isfinite(b.unmerged_weight) && b.unmerged_weight > 0)
+      p->failed_weight.store(p->failed_weight.load(std::memory_order_relaxed) + b.unmerged_weight, std::memory_order_relaxed);
     if (!b.drained) {
       // Gone without the drain handshake: a failure, known now rather than
       // when UCX notices the endpoint (seconds over shared memory).
@@ -103,9 +106,6 @@ ucs_status_t ucx_transport::impl::on_bye(void* arg, const void* header, std::siz
       p->dead.store(true, std::memory_order_release);
       return UCS_OK;
     }
-    // Messages it held unmerged: their weight comes back as a failed send's.
-    if (std::isfinite(b.unmerged_weight) && b.unmerged_weight > 0)
-      p->failed_weight.store(p->failed_weight.load(std::memory_order_relaxed) + b.unmerged_weight, std::memory_order_relaxed);
     p->departed.store(true, std::memory_order_release);
     // It has finished: it paces no one, even if its last beacon was lost.
     if (const int si = self->source_of[static_cast<std::size_t>(b.rank)]; si >= 0)
@@ -475,7 +475,7 @@ void ucx_transport::impl::close_dead() noexcept {
       if (p.left_early.load(std::memory_order_acquire))
         std::fprintf(stderr,
                      "libgossip ucx (%s): peer %s left before its drain handshake (its engine was destroyed without finish(), or by an "
-                     "error); what it had not merged is lost, and training goes on without it\n",
+                     "error); its own push-sum weight is lost (what it held of this rank's comes back), and training goes on without it\n",
                      self_name.c_str(), p.name.c_str());
       else if (p.unresponsive.load(std::memory_order_relaxed))
         std::fprintf(stderr,
