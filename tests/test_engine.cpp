@@ -228,6 +228,39 @@ TEST_CASE("push-sum: finish(0) merges the last step's messages, so no mass is lo
   CHECK(std::accumulate(mass.begin(), mass.end(), 0.0) == doctest::Approx(0 + 1 + 2 + 3).epsilon(1e-6));
 }
 
+TEST_CASE("push-sum over loopback: a rank that leaves steps ahead of its source, or without finish(), gives back the shares it never merged") {
+  // Rank 1 stops after 3 steps while rank 0 goes on to 20: rank 0's message of
+  // rank 1's last step (and of the next) sits in rank 1's inbox unmerged. Its
+  // weight comes back to rank 0, when rank 1 finished and when it was
+  // destroyed without finish() (then rank 1's own weight is what is lost).
+  for (const bool finishes : {true, false}) {
+    CAPTURE(finishes);
+    loopback_fabric fabric(2);
+    std::vector<double> weights(2), mass(2);
+    std::vector<engine_stats> stats(2);
+    run_ranks(2, [&](int r) {
+      std::vector<float> x(4, static_cast<float>(r));
+      model_view v;
+      v.add("x", x);
+      engine e(v, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+      for (int s = 0; s < (r == 0 ? 20 : 3); ++s) e.step();
+      if (r == 1 && !finishes) {
+        weights[r] = e.weight();  // lost with the rank
+        mass[r] = e.weight() * x[0];
+        return;
+      }
+      e.finish(0);
+      weights[r] = e.weight();
+      mass[r] = e.weight() * x[0];
+      stats[r] = e.stats();
+    });
+    CHECK(weights[0] + weights[1] == doctest::Approx(2.0).epsilon(1e-12));
+    CHECK(mass[0] + mass[1] == doctest::Approx(1.0).epsilon(1e-6));
+    CHECK(stats[0].lost_weight == 0.0);
+    CHECK(stats[0].dead_peers == (finishes ? std::vector<int>{} : std::vector<int>{1}));
+  }
+}
+
 TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer step of a push-sum sender in full") {
   // Every rank adds 1 to its model before each step, as an optimizer step
   // would, and gossips at every step. Merged at the next step, each share is

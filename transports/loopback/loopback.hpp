@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -75,6 +76,10 @@ struct loopback_rank {
   std::atomic<bool> attached{false};
   std::atomic<bool> departed{false};     // left, or killed
   std::atomic<bool> killed{false};
+  // 0 running, 1 settling, 2 settled: a departed rank has stopped its
+  // writers and filled `unmerged`, and its peers report it then.
+  std::atomic<int> phase{0};
+  std::vector<double> unmerged;          // by source rank: weight of its messages left in the inbox when this rank left
   std::atomic<int> writers{0};
   gossip::inbox* in = nullptr;
   model_layout layout;
@@ -85,7 +90,9 @@ struct loopback_rank {
 };
 
 struct loopback_shared {
-  explicit loopback_shared(int world, link_emulation l) : ranks(static_cast<std::size_t>(world)), link(l) {}
+  explicit loopback_shared(int world, link_emulation l) : ranks(static_cast<std::size_t>(world)), link(l) {
+    for (auto& r : ranks) r.unmerged.assign(static_cast<std::size_t>(world), 0.0);
+  }
   std::vector<loopback_rank> ranks;
   link_emulation link;
 };
@@ -275,15 +282,17 @@ class loopback_transport {
         }
       }
     }
-    depart();
+    depart(true);
   }
 
   /// The engine goes without finish() (an error, or destroyed early): its
   /// peers count this rank failed, as fabric.kill() makes them, not departed.
+  /// Either way the messages of its sources left unmerged in its inbox give
+  /// their push-sum weight back to those sources (dead_peers()).
   void abandon() noexcept {
     if (!m_shared) return;
-    self().killed.store(true);
-    depart();
+    if (!self().departed.load()) self().killed.store(true);
+    depart(true);
   }
 
   transport_capabilities capabilities() const noexcept {
@@ -294,12 +303,15 @@ class loopback_transport {
   std::size_t dead_peers(std::span<received> out) {
     std::size_t n = 0;
     for (int j : m_neighbours) {
-      if (m_reported[static_cast<std::size_t>(j)] || !peer(j).departed.load(std::memory_order_acquire)) continue;
+      auto& p = peer(j);
+      if (m_reported[static_cast<std::size_t>(j)] || !p.departed.load(std::memory_order_acquire) || p.phase.load(std::memory_order_acquire) != 2)
+        continue;
       if (n == out.size()) break;
       m_reported[static_cast<std::size_t>(j)] = 1;
-      // weight 0: nothing to take back. A rank that left on its own (not
-      // killed) finished normally: departed, not a failure.
-      out[n++] = received{.sender = j, .departed = !peer(j).killed.load(std::memory_order_acquire)};
+      // The weight of this rank's messages that it never merged comes back
+      // (a rank killed by fabric.kill() gives none back). A rank that left
+      // on its own (not killed) finished normally: departed, not a failure.
+      out[n++] = received{.sender = j, .weight = p.unmerged[static_cast<std::size_t>(m_rank)], .departed = !p.killed.load(std::memory_order_acquire)};
     }
     return n;
   }
@@ -337,11 +349,24 @@ class loopback_transport {
 
   // Peers stop waiting for us; wait out any writer still copying into our inbox,
   // since the inbox belongs to an engine that is about to go away.
-  void depart() noexcept {
+  // Stops being written to. With `give_back` (leave(), abandon(): the
+  // engine's inbox is still there) it first sums, per source, the weight of
+  // the messages left in the inbox unmerged; then peers may report it.
+  void depart(bool give_back = false) noexcept {
     if (!m_shared) return;
     auto& me = self();
     me.departed.store(true);
     while (me.writers.load() != 0) std::this_thread::yield();
+    if (int running = 0; !me.phase.compare_exchange_strong(running, 1)) return;  // settled already (or by fabric.kill())
+    if (give_back && me.in)
+      for (std::size_t i = 0; i < me.in->sources().size(); ++i)
+        for (std::size_t k = 0; k < me.in->depth(); ++k)
+          if (auto& slot = me.in->at(i, k); slot.state.load(std::memory_order_acquire) == inbox::full && slot.bytes >= sizeof(wire_header)) {
+            wire_header h;
+            std::memcpy(&h, slot.data, sizeof h);
+            if (std::isfinite(h.weight) && h.weight > 0) me.unmerged[static_cast<std::size_t>(me.in->sources()[i])] += h.weight;
+          }
+    me.phase.store(2, std::memory_order_release);
   }
 
   std::shared_ptr<detail::loopback_shared> m_shared;
@@ -372,6 +397,8 @@ class loopback_fabric {
     auto& r = m_shared->ranks.at(static_cast<std::size_t>(rank));
     r.killed.store(true);
     r.departed.store(true);
+    // A crash gives nothing back; a rank settling on its own finishes first.
+    if (int running = 0; !r.phase.compare_exchange_strong(running, 2)) return;
   }
   int world() const noexcept { return static_cast<int>(m_shared->ranks.size()); }
   const link_emulation& link() const noexcept { return m_shared->link; }
