@@ -490,7 +490,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   };
   for (unsigned attempt = 0;; ++attempt) {
     if (attempt > 0) {
-      if (m_contacted && last == std::strerror(ECONNREFUSED) && clock::now() >= refused_since_limit) throw transport_error(gone());
+      if (m_contacted && last == std::strerror(ECONNREFUSED) && clock::now() >= refused_since_limit) throw rendezvous_gone(gone());
       if (clock::now() >= deadline) throw timeout_error(describe());
       detail::check_interrupt();
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20u * attempt, 200u)));

@@ -586,15 +586,36 @@ class py_engine {
     check_storage();
     busy_guard guard(m_busy, m_busy_owner, "finish");
     if (!m_engine || m_finished || m_dropped) return;  // another thread finished or released it meanwhile
-    waiting_call unlocked;  // final rounds, the drain handshake, the finish barrier
-    m_engine->finish(rounds);
-    // Rank 0 serves the rendezvous: it stays until every rank is through.
-    // Not waiting for a rank that died: a peer of it that got through says so.
-    // Rank 0 found dead (it dropped its Engine, or its process died) serves no
-    // rendezvous any more: nobody is left to wait for, or to wait on.
-    const auto& dead = m_engine->stats().dead_peers;
-    if (m_boot && !m_finished && std::find(dead.begin(), dead.end(), 0) == dead.end()) m_boot->barrier(finish_barrier, dead);
+    std::string gone;
+    {
+      waiting_call unlocked;  // final rounds, the drain handshake, the finish barrier
+      m_engine->finish(rounds);
+      // Rank 0 serves the rendezvous: it stays until every rank is through.
+      // Not waiting for a rank that died: a peer of it that got through says so.
+      // Rank 0 found dead (it dropped its Engine, or its process died) serves no
+      // rendezvous any more: nobody is left to wait for, or to wait on. Nor
+      // when rank 0 turns out to have exited meanwhile (its own finish() timed
+      // out): this rank's engine has finished, and only the barrier is left.
+      const auto& dead = m_engine->stats().dead_peers;
+      if (m_boot && !m_finished && std::find(dead.begin(), dead.end(), 0) == dead.end()) {
+        try {
+          m_boot->barrier(finish_barrier, dead);
+        } catch (const gossip::rendezvous_gone& e) {
+          gone = e.what();
+        }
+      }
+    }
     m_finished = true;
+    if (!gone.empty()) {
+      const std::string text = fmt::format(
+          "gossip.Engine.finish (rank {}): this rank has finished, but rank 0 exited before every rank was through, so the others "
+          "are not waited for ({})",
+          m_rank, gone);
+      if (PyErr_WarnEx(PyExc_RuntimeWarning, text.c_str(), 1) != 0) {
+        release(true);
+        throw py::error_already_set();
+      }
+    }
     // Every rank is through: nothing needs the rendezvous (rank 0's port) any
     // more, and a next Engine may be built while this one is still referenced.
     release(true);

@@ -969,14 +969,17 @@ inline void engine::finish(int rounds) {
     while ((1 << hops) < m_world) ++hops;
     rounds = 2 * hops;
   }
-  for (int r = 0; r < rounds; ++r) run_step({}, true);
-  // One more collect so the last step's messages are merged: a forced round's,
-  // or with no rounds the last training step's (a lockstep transport
-  // delivers nothing after this, and their push-sum mass would be lost).
-  if (m_step > 0) {
-    handle_failures();
-    if (!m_settings.same_step_merge) merge_inbound(m_step);  // else the last step merged it
-    m_transport.end_step(m_step);
+  if (!m_finish_merged) {
+    for (; m_finish_rounds_done < rounds; ++m_finish_rounds_done) run_step({}, true);
+    // One more collect so the last step's messages are merged: a forced round's,
+    // or with no rounds the last training step's (a lockstep transport
+    // delivers nothing after this, and their push-sum mass would be lost).
+    if (m_step > 0) {
+      handle_failures();
+      if (!m_settings.same_step_merge) merge_inbound(m_step);  // else the last step merged it
+      m_transport.end_step(m_step);
+    }
+    m_finish_merged = true;
   }
   flush();
   // Before leaving, merge everything peers sent us (asynchronous transports

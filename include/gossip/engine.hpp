@@ -201,7 +201,9 @@ class engine {
   /// Runs `rounds` forced exchange rounds without local updates (final
   /// averaging; -2, the default, uses the [engine] finish_rounds setting, any
   /// other negative value 2·⌈log2 world⌉), writes the stats
-  /// and trace files if configured, and leaves the fabric. Idempotent.
+  /// and trace files if configured, and leaves the fabric. Idempotent; a call
+  /// that an exception cut short (a timeout, an interrupt) is taken up where
+  /// it stopped by the next one, without sending its rounds again.
   void finish(int rounds = -2);
 
   /// Counters, refreshed from the transport. Like every member but the
@@ -346,6 +348,11 @@ class engine {
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
   bool m_copies_on_post = false, m_finished = false;
+  // How far a finish() that an exception (a Ctrl-C in a wait) cut short got:
+  // the next call goes on from there rather than sending its rounds again,
+  // which the drain handshake, once begun, would not count.
+  int m_finish_rounds_done = 0;
+  bool m_finish_merged = false;  // the rounds and the last collect are done
   std::uint64_t m_skips_seen = 0;  // skipped steps so far, for trace_skips_every
   bool m_beacon_pacing = false;  // the transport reports its slowest source's step (capabilities().step_beacons)
 };

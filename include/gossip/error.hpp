@@ -40,6 +40,13 @@ class timeout_error : public transport_error {
   using transport_error::transport_error;
 };
 
+/// Rank 0's rendezvous answered before and refuses connections now: rank 0
+/// has exited or died.
+class rendezvous_gone : public transport_error {
+ public:
+  using transport_error::transport_error;
+};
+
 /// A dataset file is missing or corrupt: names the path and the package to install.
 class data_error : public error {
  public:

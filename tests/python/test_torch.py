@@ -249,6 +249,24 @@ def test_ctrl_c_ends_a_wait_on_a_peer(tmp_path):
     assert r0["seconds"] < 5, (r0, out)
 
 
+def test_finish_called_again_after_an_interrupt_loses_no_weight(tmp_path):
+    status, out = torchrun(2, WORKER, "refinish", tmp_path, 3)
+    assert status == 0, out
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["outcome"] == "interrupted", (r0, out)
+    assert r0["stats"]["dead_peers"] == [] and r1["stats"]["dead_peers"] == [], out
+    assert abs(r0["weight"] + r1["weight"] - 2.0) < 1e-9, (r0["weight"], r1["weight"], out)
+
+
+def test_finish_after_rank_0_timed_out_and_exited_warns_and_returns(tmp_path, monkeypatch):
+    monkeypatch.setenv("GOSSIP_TIMEOUT_S", "3")  # rank 0's finish() gives up on rank 1 after 3 s
+    status, out = torchrun(2, WORKER, "late", tmp_path, 5)
+    assert status == 0, out
+    assert torch.load(tmp_path / "rank0.pt")["outcome"] == "timed out", out
+    r1 = torch.load(tmp_path / "rank1.pt")
+    assert any("rank 0 exited before every rank was through" in w for w in r1["warnings"]), (r1, out)
+
+
 def test_world_size_disagreeing_with_config(tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('[policy]\nname = "periodic"\n\n[train]\nworkers = 4\n')

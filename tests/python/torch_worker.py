@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
@@ -201,6 +202,46 @@ def main():
         except KeyboardInterrupt:
             outcome = "interrupted"
         torch.save({"outcome": outcome, "seconds": time.monotonic() - t0}, os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "refinish":
+        # Rank 0's finish() is interrupted (SIGINT) while it waits on rank 1,
+        # which is late; rank 0 calls finish() again. The second call must not
+        # send the final rounds again: rank 0's message count is published by
+        # then, and rank 1 would leave with the extra messages unmerged.
+        w = torch.full((8,), float(rank))
+        eng = gossip.Engine({"w": w}, config={"policy": {"name": "periodic", "every": 1}, "engine": {"timeout_s": 20.0}})
+        for _ in range(10):
+            eng.step(lr=0.1)
+        outcome = "finished"
+        if rank == 1:
+            time.sleep(steps)
+        else:
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                eng.finish()
+            except KeyboardInterrupt:
+                outcome = "interrupted"
+        eng.finish()
+        torch.save({"outcome": outcome, "weight": eng.weight, "stats": eng.stats()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    elif mode == "late":
+        # Rank 1 reaches finish() after rank 0's finish() timed out and rank 0
+        # exited: rank 1's finish() returns with a warning instead of raising
+        # at the finish barrier that rank 0 no longer serves.
+        eng = gossip.Engine({"w": torch.full((8,), float(rank))}, config={"policy": {"name": "periodic", "every": 1}})
+        for _ in range(5):
+            eng.step(lr=0.1)
+        if rank == 0:
+            try:
+                eng.finish()
+                outcome = "finished"
+            except gossip.TimeoutError:
+                outcome = "timed out"
+            torch.save({"outcome": outcome}, os.path.join(out_dir, f"rank{rank}.pt"))
+            return
+        time.sleep(steps)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            eng.finish()
+        torch.save({"outcome": "finished", "warnings": [str(w.message) for w in caught]}, os.path.join(out_dir, f"rank{rank}.pt"))
     else:
         sys.exit(f"torch_worker.py: unknown mode '{mode}'")
 
