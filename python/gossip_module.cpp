@@ -177,18 +177,21 @@ std::string toml_string(const std::string& s) {
 
 // A str of a config dict (a section name, a key, a value) as UTF-8: a lone
 // surrogate cannot be encoded, and a NUL would cut the messages that quote it.
-std::string dict_text(const py::handle& h, const std::string& what) {
-  std::string s;
-  bool encoded = false;
+// str(h) as UTF-8, or nothing when it cannot be encoded.
+std::optional<std::string> utf8_text(const py::handle& h) {
   try {
-    s = py::str(h).cast<std::string>();
-    encoded = true;
+    return py::str(h).cast<std::string>();
   } catch (const py::error_already_set&) {
   } catch (const py::cast_error&) {
   }
-  if (!encoded) throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
-  if (s.find('\0') != std::string::npos) throw config_error(fmt::format("config dict: {} holds a NUL character", what));
-  return s;
+  return std::nullopt;
+}
+
+std::string dict_text(const py::handle& h, const std::string& what) {
+  const auto text = utf8_text(h);
+  if (!text) throw config_error(fmt::format("config dict: {} is not text that UTF-8 can encode (a lone surrogate?)", what));
+  if (text->find('\0') != std::string::npos) throw config_error(fmt::format("config dict: {} holds a NUL character", what));
+  return *text;
 }
 
 // A Python value as TOML (for a config given as a dict).
@@ -400,7 +403,12 @@ class py_engine {
         throw py::type_error("gossip.Engine: expected (name, tensor) pairs, as model.named_parameters() yields");
       const auto pair = item.cast<py::tuple>();
       registered_tensor r;
-      r.name = py_str(pair[0]);
+      const auto name = utf8_text(pair[0]);
+      if (!name)
+        throw py::value_error(fmt::format("gossip.Engine: parameter {} has a name that UTF-8 cannot encode (a lone surrogate?); give it "
+                                          "a name of plain text",
+                                          py::repr(pair[0]).cast<std::string>()));
+      r.name = *name;
       r.tensor = pair[1];
       const auto [n, place] = check_tensor(fmt::format("parameter '{}'", r.name), r.tensor);
       r.storage = r.tensor.attr("detach")();
@@ -683,8 +691,9 @@ class py_engine {
   engine& live(const char* what) {
     if (forked())
       throw error(fmt::format("gossip.Engine.{}: this process was forked from the one that built the Engine (pid {}), whose engine it "
-                              "is; build a new Engine here if this process trains",
-                              what, m_pid));
+                              "is (rank {}); a process that trains as a rank of its own needs its own RANK, WORLD_SIZE and "
+                              "MASTER_PORT before it builds an Engine (as a process that torchrun starts has)",
+                              what, m_pid, m_rank));
     if (!m_engine) throw error(fmt::format("gossip.Engine.{}: the engine was not constructed", what));
     return *m_engine;
   }

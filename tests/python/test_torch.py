@@ -304,6 +304,8 @@ def test_errors_name_the_parameter(one_rank):
         gossip.Engine([("fc.weight", torch.zeros(4)), ("fc.bias", torch.zeros(3, dtype=torch.float64))])
     with pytest.raises(TypeError, match=r"parameter 'x' is a list, not a torch tensor"):
         gossip.Engine([("x", [1.0, 2.0])])
+    with pytest.raises(ValueError, match=r"parameter 'layer\\ud800\.weight' has a name that UTF-8 cannot encode"):
+        gossip.Engine([("layer\ud800.weight", torch.zeros(4))])
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match=r"optimizer= takes torch\.optim\.SGD"):
         gossip.Engine(model.named_parameters(), optimizer=torch.optim.Adam(model.parameters()))
