@@ -198,17 +198,28 @@ config config::from_env(std::vector<std::string> app_sections) {
   return config(std::move(app_sections));
 }
 
+namespace {
+// Spaces around the key and the value, as a TOML file has them ("policy.threshold = 0.2"), are not part of either.
+std::string trimmed(std::string_view s) {
+  const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+  return b == std::string_view::npos ? std::string() : std::string(s.substr(b, e - b + 1));
+}
+}  // namespace
+
+std::string config::override_target(std::string_view text) {
+  const auto eq = text.find('=');
+  const auto dot = text.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq) return {};
+  const std::string section = trimmed(text.substr(0, dot)), key = trimmed(text.substr(dot + 1, eq - dot - 1));
+  return section.empty() || key.empty() ? std::string() : section + "." + key;
+}
+
 void config::apply_override(std::string_view assignment, std::string_view origin) {
   const std::string text(assignment);
   const auto eq = text.find('=');
   const auto dot = text.find('.');
   if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq)
     throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
-  // Spaces around the key and the value, as a TOML file has them ("policy.threshold = 0.2"), are not part of either.
-  const auto trimmed = [](std::string_view s) {
-    const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
-    return b == std::string_view::npos ? std::string() : std::string(s.substr(b, e - b + 1));
-  };
   const std::string section = trimmed(text.substr(0, dot)), key = trimmed(text.substr(dot + 1, eq - dot - 1)), value = trimmed(text.substr(eq + 1));
   if (section.empty() || key.empty())
     throw config_error(fmt::format("--set {}: expected section.key=value, e.g. policy.threshold=0.05 or train.epochs=2", text));
@@ -354,11 +365,15 @@ std::string settings_difference(std::string_view mine, std::string_view theirs, 
     return std::nullopt;
   };
   const auto show = [](const std::optional<std::string_view>& v) { return v ? std::string(*v) : std::string("not set"); };
-  for (const auto* list : {&a, &b})
-    for (const auto& [k, v] : *list) {
-      const auto va = find(a, k), vb = find(b, k);
-      if (va != vb) return fmt::format("{} is {} here but {} on {}", k, show(va), show(vb), their_name);
-    }
+  // A setting that differs first: the codec each rank resolved follows from
+  // its settings, so that difference is named only when nothing else differs.
+  for (const bool resolved : {false, true})
+    for (const auto* list : {&a, &b})
+      for (const auto& [k, v] : *list) {
+        if ((k == "codec.in_use") != resolved) continue;
+        const auto va = find(a, k), vb = find(b, k);
+        if (va != vb) return fmt::format("{} is {} here but {} on {}", k, show(va), show(vb), their_name);
+      }
   return {};
 }
 

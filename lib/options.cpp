@@ -1,9 +1,12 @@
 #include "gossip/options.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <optional>
+#include <string_view>
+#include <system_error>
 
 #include <fmt/ranges.h>
 
@@ -91,6 +94,16 @@ const int_list& options::integers(std::string_view key) const {
 namespace {
 option_value parse_env(const option_spec& s, const char* text) {
   const std::string t(text);
+  // A number in decimal, as TOML writes it: spaces around it are not part of
+  // it (on either side), and neither is a leading '+'; hex and words are refused.
+  const auto number = [&]<class T>(T& v) {
+    std::string_view n(t);
+    n.remove_prefix(std::min(n.find_first_not_of(" \t"), n.size()));
+    n.remove_suffix(n.size() - (n.find_last_not_of(" \t") + 1));
+    if (n.starts_with('+')) n.remove_prefix(1);
+    const auto [end, ec] = std::from_chars(n.data(), n.data() + n.size(), v);
+    return !n.empty() && ec == std::errc{} && end == n.data() + n.size();
+  };
   const auto bad = [&] {
     const std::string_view type = option_type_name(s.default_value);
     return config_error(fmt::format("environment variable {}={} (for key '{}'): expected {} {}", s.env, t, s.key,
@@ -103,15 +116,13 @@ option_value parse_env(const option_spec& s, const char* text) {
         if (t == "0" || t == "false") return false;
         throw bad();
       case 1: {
-        std::size_t used = 0;
-        auto v = std::stoll(t, &used);
-        if (used != t.size()) throw bad();
-        return static_cast<std::int64_t>(v);
+        std::int64_t v = 0;
+        if (!number(v)) throw bad();
+        return v;
       }
       case 2: {
-        std::size_t used = 0;
-        auto v = std::stod(t, &used);
-        if (used != t.size()) throw bad();
+        double v = 0;
+        if (!number(v)) throw bad();
         return v;
       }
       case 3: return t;

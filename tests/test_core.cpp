@@ -42,6 +42,26 @@ TEST_CASE("an environment variable overrides the file for specs that name one") 
   CHECK(o.resolved(specs, "[engine]").real("timeout_s") == 2.5);
   ::setenv("GOSSIP_TEST_TIMEOUT", "soon", 1);
   CHECK_THROWS_WITH_AS(o.resolved(specs, "[engine]"), doctest::Contains("GOSSIP_TEST_TIMEOUT=soon (for key 'timeout_s'): expected a number"), config_error);
+  // Decimal, as TOML writes numbers: spaces on either side and a '+' are taken, hex is not.
+  for (const char* text : {" 5", "5 ", "+5", "5e0"}) {
+    ::setenv("GOSSIP_TEST_TIMEOUT", text, 1);
+    CHECK(o.resolved(specs, "[engine]").real("timeout_s") == 5.0);
+  }
+  for (const char* text : {"0x10", "5s", " "}) {  // (an empty variable counts as unset)
+    ::setenv("GOSSIP_TEST_TIMEOUT", text, 1);
+    CHECK_THROWS_AS(o.resolved(specs, "[engine]"), config_error);
+  }
+  const std::vector<option_spec> counts = {{"max_lead", std::int64_t{4}, "bound", "GOSSIP_TEST_LEAD"}};
+  options c("x");
+  for (const char* text : {" 3", "3 ", "+3"}) {
+    ::setenv("GOSSIP_TEST_LEAD", text, 1);
+    CHECK(c.resolved(counts, "[engine]").integer("max_lead") == 3);
+  }
+  for (const char* text : {"0x10", "3.0", "3 4"}) {
+    ::setenv("GOSSIP_TEST_LEAD", text, 1);
+    CHECK_THROWS_AS(c.resolved(counts, "[engine]"), config_error);
+  }
+  ::unsetenv("GOSSIP_TEST_LEAD");
   // The variable overrides the file, but not a command-line override that says otherwise.
   ::setenv("GOSSIP_TEST_TIMEOUT", "2.5", 1);
   options cli("x");

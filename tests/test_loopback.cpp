@@ -272,6 +272,30 @@ TEST_CASE("ranks built from different configs are told which setting differs") {
   CHECK(messages[1].find("(codec.block is 128 here but 256 on rank 0)") != std::string::npos);
 }
 
+TEST_CASE("ranks whose config texts name different codecs are told of the setting, not of the codec it resolved to") {
+  loopback_fabric fabric(2);
+  std::vector<std::string> messages(2);
+  run_ranks(2, [&](int r) {
+    toy_model m({10}, 1);
+    const auto cfg = config::parse(r == 0 ? "[topology]\nname = \"ring\"\n" : "[topology]\nname = \"ring\"\n[codec]\nname = \"int8\"\n", "run.toml");
+    auto s = spec_of(any_policy(policies::periodic{}, "periodic"), "ring", "push-sum", 5);
+    s.config_settings = cfg.shared_settings();
+    s.config_fingerprint = cfg.fingerprint();
+    s.codec = cfg.codec;
+    try {
+      engine e(m.view, r, 2, std::move(s), fabric.endpoint(r));
+    } catch (const config_error& ex) {
+      messages[r] = ex.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(messages[r]);
+    CHECK(messages[r].find(r == 0 ? "(codec.name is not set here but \"int8\" on rank 1)" : "(codec.name is \"int8\" here but not set on rank 0)") !=
+          std::string::npos);
+    CHECK(messages[r].find("max_lead") == std::string::npos);
+  }
+}
+
 TEST_CASE("ranks whose codecs resolve differently refuse to connect, with the same config text") {
   // [codec] name = "auto" resolves on each rank from settings of its own
   // (max_lead, a device model): the codec in use is compared, not only the text.

@@ -109,15 +109,24 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
     flag(seed >= 0, "--seed", "train.seed", fmt::format("{}", seed));
     flag(!partition.empty(), "--partition", "train.partition", partition);
     for (const auto& o : overrides) {
-      const auto eq = o.find('=');
-      std::string key = o.substr(0, eq);
-      std::erase_if(key, [](char c) { return c == ' ' || c == '\t'; });
+      const std::string key = config::override_target(o);
       for (const auto& [k, name] : flagged)
         if (k == key)
           throw config_error(fmt::format("--set {} and {} both set {}; give one of them", o, name, k));
       cfg.apply_override(o);
     }
     const auto settings = train_settings::from(cfg.section("train", train_option_specs()));
+    // [train] average_every replaces the [policy]: a policy given on the
+    // command line would change nothing.
+    if (settings.average_every > 0) {
+      std::string given = policy.empty() ? std::string() : fmt::format("--policy {}", policy);
+      for (const auto& o : overrides)
+        if (given.empty() && config::override_target(o).starts_with("policy.")) given = fmt::format("--set {}", o);
+      if (!given.empty())
+        throw config_error(fmt::format("{}: [train] average_every = {} trains by local SGD's schedule and does not use the [policy]; it "
+                                       "would change nothing: leave it out, or set average_every = 0",
+                                       given, settings.average_every));
+    }
     // The bench's sections are not this program's to use, but a misspelt key is refused here as there.
     (void)cfg.section("bench", traffic_bench_specs());
     (void)cfg.section("baseline", traffic_baseline_specs());

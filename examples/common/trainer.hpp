@@ -93,6 +93,8 @@ struct train_settings {
   std::size_t train_limit = 0;
   std::string data_dir;
   int probe_every = 0;
+  std::string workers_from;       ///< where `workers` was set (file and section, or the command line)
+  std::string probe_every_from;   ///< where `probe_every` was set; empty when the config file set it (or nothing did)
 
   static train_settings from(const options& o) {
     train_settings s;
@@ -155,6 +157,8 @@ struct train_settings {
     s.train_limit = static_cast<std::size_t>(positive("train_limit", 0, 1 << 30));
     s.data_dir = o.string("data_dir");
     s.probe_every = positive("probe_every", 0, 1 << 30);
+    s.workers_from = o.where("workers");
+    if (o.where("probe_every") != o.where()) s.probe_every_from = o.where("probe_every");
     // A key given on the command line for a mode that does not read it would
     // change nothing (a config file may hold them all, to switch modes with --set).
     const auto unused = [&](const char* key, bool used, std::string_view needs) {
@@ -540,6 +544,12 @@ inline link_emulation check_transport(const config& cfg) {
 /// [policy], [topology], [protocol], [codec], [engine] or [transport] key is
 /// refused before any data is loaded or any run begins.
 inline void check_components(const config& cfg, const train_settings& s) {
+  // Only threads record the timeline; a key given on the command line for a
+  // mode that does not read it would change nothing (train_settings::from).
+  if (runs_as_processes(cfg) && s.probe_every > 0 && !s.probe_every_from.empty())
+    throw config_error(fmt::format("{}: [train] probe_every applies only with workers as threads (transport 'loopback' or 'switch'); "
+                                   "over 'ucx' it would change nothing: leave it out",
+                                   s.probe_every_from));
   const engine_spec spec = detail::engine_spec_for(cfg, s);
   (void)detail::check_transport(cfg);
   // The switch transport checks its own topology ('switch', which it registers), its protocol and its keys' ranges
@@ -579,9 +589,10 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
 #if defined(GOSSIP_HAVE_UCX)
     auto boot = std::make_shared<bootstrap>(bootstrap::from_env(base.settings.timeout));
     if (boot->world() != s.workers)
-      throw config_error(fmt::format("{} [train]: workers = {} but {} processes were started (rank {}); start as many ranks as workers, "
+      throw config_error(fmt::format("{}: workers = {} but {} processes were started (rank {}); start as many ranks as workers, "
                                      "e.g. gossip-run -n {} …",
-                                     cfg.source, s.workers, boot->world(), boot->rank(), s.workers));
+                                     s.workers_from.empty() ? cfg.source + " [train]" : s.workers_from, s.workers, boot->world(), boot->rank(),
+                                     s.workers));
     const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.partition_opts());
     bootstrap_exchange exchange(boot);
     train_rank(boot->rank(), boot->world(), base, ucx_transport(boot), s, data, shards, detail::steps_per_epoch(cfg, s, shards), exchange, report,

@@ -80,6 +80,10 @@ struct config {
   /// the override in messages instead (e.g. "--policy drift", for a
   /// program's own flag that sets a key).
   void apply_override(std::string_view assignment, std::string_view origin = {});
+  /// The "section.key" an apply_override() assignment sets, with the spaces
+  /// around each part left out as apply_override() leaves them; empty when
+  /// it is not of the form section.key=value.
+  static std::string override_target(std::string_view assignment);
 
   /// A section of the program's own, checked against `specs` (absent: all
   /// defaults). `name` must be one of app_sections.
