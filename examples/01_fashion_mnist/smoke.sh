@@ -52,6 +52,11 @@ refused "--set engine.finish_rounds=2: this program evaluates the ranks' exact p
 refused "--bandwidth-gbps: -1 is outside the range: give a number >= 0" --bandwidth-gbps -1
 refused "--set policy.name=drift and --policy both set policy.name; give one of them" --policy periodic --set policy.name=drift
 refused "--set train.epochs=2 and --epochs both set train.epochs" --set train.epochs=2
+refused "--set train.epo chs=2: unknown key 'epo chs' for [train]" --set "train.epo chs=2"
+refused "--set codec.block=64: [codec] name = \"auto\" sends uncompressed here (workers as threads), so [codec] block would change nothing" \
+  --set codec.block=64
+refused "--policy drift: [train] average_every = 4 trains by local SGD's schedule and does not use the [policy]" --set train.average_every=4 \
+  --policy drift
 # From the data on (a file's content, the run's length): the report's header may be out.
 after_header "the directory '$out/none' was given (as [train] data_dir, or to load_fashion_mnist)" --set "train.data_dir=\"$out/none\""
 after_header "warmup_steps = 1000 is longer than the whole run (1 epochs of 31 steps = 31 steps)" --set train.train_limit=4000 \

@@ -551,6 +551,15 @@ inline void check_components(const config& cfg, const train_settings& s) {
                                    "over 'ucx' it would change nothing: leave it out",
                                    s.probe_every_from));
   const engine_spec spec = detail::engine_spec_for(cfg, s);
+  // [codec] name = "auto" is int8 between paced processes only, and none
+  // elsewhere, where a codec key given on the command line would change
+  // nothing (a config file may hold them for the runs between processes).
+  if (cfg.codec.name == "auto" && !(runs_as_processes(cfg) && spec.settings.max_lead > 0))
+    for (const auto& [key, value] : cfg.codec.opts.values())
+      if (const auto& from = cfg.codec.opts.where(key); from != cfg.codec.opts.where())
+        throw config_error(fmt::format("{}: [codec] name = \"auto\" sends uncompressed here ({}), so [codec] {} would change nothing: "
+                                       "leave it out, or name the codec it is for (e.g. --set codec.name=int8)",
+                                       from, runs_as_processes(cfg) ? "[engine] max_lead = 0" : "workers as threads", key));
   (void)detail::check_transport(cfg);
   // The switch transport checks its own topology ('switch', which it registers), its protocol and its keys' ranges
   // (building it opens nothing).
