@@ -66,6 +66,16 @@ grep -q "signal 15 again: sending SIGKILL to 2 rank(s)" "$tmp/err7" || fail "no 
 [ $? = 1 ] || fail "a foreign --master-addr must fail"
 grep -q "master-addr 192.0.2.1: no free port there" "$tmp/err8" || fail "foreign --master-addr not named: $(cat "$tmp/err8")"
 
+# What a rank leaves running in the background does not outlive the job, the
+# rank finished or failed. (Its length, unique to this script, names it for pgrep.)
+mark="sleep 300.$$"
+"$run" -n 2 -- sh -c "$mark >/dev/null 2>&1 & if [ \$GOSSIP_RANK = 0 ]; then exit 1; fi; sleep 2" 2>"$tmp/err9"
+[ $? = 1 ] || fail "leftover: rank 0's exit 1 must be gossip-run's status"
+"$run" -n 1 -- sh -c "$mark >/dev/null 2>&1 & exit 0" 2>"$tmp/err10" || fail "leftover: a rank that exits 0 is a success"
+grep -q "stopping the processes that rank(s) 0 left running" "$tmp/err10" || fail "leftover: not said: $(cat "$tmp/err10")"
+sleep 0.5
+! pgrep -f "^$mark\$" >/dev/null || fail "leftover: processes left running after gossip-run exited: $(pgrep -af "^$mark\$")"
+
 # A program that does not exist is a clear error.
 "$run" -n 1 -- /nonexistent/program 2>"$tmp/err4"
 [ $? = 127 ] || fail "expected 127 for a missing program"

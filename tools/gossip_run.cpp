@@ -267,9 +267,10 @@ int main(int argc, char** argv) {
   int failed_rank = -1, failed_status = 0, forwarded = 0, signals_seen = 0;
   const bool keep_going = on_failure == "continue";
   auto stop_at = std::chrono::steady_clock::time_point::max();
+  // Each rank's process group, also of a rank that has exited: what it left
+  // running stops with the others.
   auto stop_others = [&](int sig) {
-    for (auto& k : kids)
-      if (!k.exited) ::kill(-k.pid, sig);
+    for (auto& k : kids) ::kill(-k.pid, sig);
   };
   std::size_t running = kids.size();
   std::vector<pollfd> fds;
@@ -354,6 +355,22 @@ int main(int argc, char** argv) {
   for (auto& k : kids) {
     flush_lines(k.out_buf, k.rank, stdout, true);
     flush_lines(k.err_buf, k.rank, stderr, true);
+  }
+  // What a rank started and left running in its process group (a helper in
+  // the background, a data loader it did not join) does not outlive the job:
+  // SIGTERM, then SIGKILL after the grace period.
+  const auto left_running = [&] {
+    std::string ranks;
+    for (const auto& k : kids)
+      if (::kill(-k.pid, 0) == 0) ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", k.rank);
+    return ranks;
+  };
+  if (const std::string ranks = left_running(); !ranks.empty()) {
+    note("gossip-run: stopping the processes that rank(s) {} left running (SIGTERM, SIGKILL after {:.1f} s)\n", ranks, grace);
+    for (const auto& k : kids) ::kill(-k.pid, SIGTERM);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(grace));
+    while (!left_running().empty() && std::chrono::steady_clock::now() < until) ::usleep(20000);
+    for (const auto& k : kids) ::kill(-k.pid, SIGKILL);
   }
   // The exit report: who finished, and who did not with how it ended.
   std::string finished, lost;

@@ -137,7 +137,8 @@ std::vector<std::string> check_report(const json& j) {
       if (!r.contains("perftest_gbps") || !positive(r["perftest_gbps"])) bad.push_back(id + ": perftest_gbps is not a positive number");
       if (!r.contains("ratio") || !positive(r["ratio"]))
         bad.push_back(id + ": ratio is not a positive number");
-      else if (std::abs(r["ratio"].get<double>() - r["gossip_gbps"].get<double>() / r["perftest_gbps"].get<double>()) > 1e-6 * r["ratio"].get<double>())
+      else if (r.contains("gossip_gbps") && positive(r["gossip_gbps"]) && r.contains("perftest_gbps") && positive(r["perftest_gbps"]) &&
+               std::abs(r["ratio"].get<double>() - r["gossip_gbps"].get<double>() / r["perftest_gbps"].get<double>()) > 1e-6 * r["ratio"].get<double>())
         bad.push_back(id + ": ratio != gossip_gbps / perftest_gbps");
     }
     if (!r.value("verified", false)) bad.push_back(id + ": payloads not verified");
@@ -166,7 +167,12 @@ int check_file(const std::string& path) {
     fmt::print(stderr, "bench/transport: {} is not JSON: {}\n", path, e.what());
     return 1;
   }
-  const auto bad = check_report(j);
+  std::vector<std::string> bad;
+  try {
+    bad = check_report(j);
+  } catch (const json::exception& e) {  // a field of another type than a report has (an array for the whole, a number for tls…)
+    bad = {fmt::format("not a transport report: {}", e.what())};
+  }
   for (const auto& b : bad) fmt::print(stderr, "bench/transport: {}: {}\n", path, b);
   if (bad.empty()) fmt::print("{}: {} runs and {} step-cost entries, all well formed\n", path, j["runs"].size(), j["step_cost"].size());
   return bad.empty() ? 0 : 1;
