@@ -69,8 +69,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $MAX_LEAD =~ ^[0-9]{1,7}$ ]] || { echo "bench/faults: --max-lead: '$MAX_LEAD' is not a number of steps in 0..9999999 (0: off)" >&2; exit 2; }
+MAX_LEAD=$((10#$MAX_LEAD))  # decimal, as TOML writes it: 0999 is 999
 [[ -z $SEEDS || ( $SEEDS =~ ^[1-9][0-9]{0,2}$ && $SEEDS -le 100 ) ]] || { echo "bench/faults: --seeds: '$SEEDS' is not a number of seeds in 1..100" >&2; exit 2; }
-[[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]+$ && $RTO_MAX_MS -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
+[[ -z $RTO_MAX_MS || ( $RTO_MAX_MS =~ ^[0-9]{1,9}$ && $((10#$RTO_MAX_MS)) -ge 1 ) ]] || { echo "bench/faults: --rto-max-ms: '$RTO_MAX_MS' is not a number of milliseconds >= 1" >&2; exit 2; }
+[[ -z $RTO_MAX_MS ]] || RTO_MAX_MS=$((10#$RTO_MAX_MS))
 ONLY=${ONLY//[[:space:]]/,}  # "a, b" and "a b" name a and b, as "a,b" does
 IFS=, read -ra only_names <<<"$ONLY"
 for s in "${only_names[@]}"; do

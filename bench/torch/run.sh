@@ -61,7 +61,7 @@ num() {  # FLAG VALUE [MAX]: a number in (0, MAX]
 while [[ $# -gt 0 ]]; do
   case $1 in
     --quick) QUICK=1; shift ;;
-    --out) [[ $# -ge 2 ]] || usage; OUT=$2; shift 2 ;;
+    --out) [[ $# -ge 2 && -n $2 ]] || { echo "bench/torch: --out takes a directory" >&2; exit 2; }; OUT=$2; shift 2 ;;
     --rate) [[ $# -ge 2 ]] || usage; num --rate "$2" 100000; awk -v v="$2" 'BEGIN{exit !(v >= 0.01)}' ||
       { echo "bench/torch: --rate below 0.01 Mbit/s would not finish" >&2; exit 2; }; RATE=$2; shift 2 ;;
     --seeds) [[ $# -ge 2 && $2 =~ ^[1-9][0-9]{0,2}$ ]] || { echo "bench/torch: --seeds takes an integer in 1..999" >&2; exit 2; }; SEEDS=$2; shift 2 ;;
@@ -111,7 +111,9 @@ if ((${#problems[@]} == 0)); then
   # --out: a directory this run can create or write.
   probe=$OUT; while [[ ! -e $probe ]]; do probe=$(dirname "$probe"); done
   if [[ -e $OUT && ! -d $OUT ]]; then problems+=("--out $OUT: is a file, not a directory")
-  elif [[ ! -w $probe ]]; then problems+=("--out $OUT: $probe is not writable"); fi
+  elif [[ ! -w $probe ]] || ! (t=$(mktemp -p "$probe" .gossip-probe.XXXXXX 2>/dev/null) && rm -f "$t"); then
+    problems+=("--out $OUT: $probe is not writable")  # (root passes -w anywhere: a file is made there and removed)
+  fi
 fi
 if ((${#problems[@]})); then
   printf 'bench/torch: %s\n' "${problems[@]}" >&2

@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
   std::string stats_path;
   double duration = 0, link_wait = 5;
   app.add_option("--ip", cfg.ip, "the switch's IPv4 address (answered in ARP; requests must be sent to it)");
-  app.add_option("--udp-port", cfg.udp_port, "UDP port of the protocol");
+  app.add_option("--udp-port", cfg.udp_port, "UDP port of the protocol")->check(gossip::cli::integer_range(std::uint16_t{1}, std::uint16_t{65535}));
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
   app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(gossip::cli::integer_range(1, 64));
@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", cfg.seed, "seed of the loss injection");
   app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
   app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(gossip::cli::number_range(0.0));
-  app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)");
+  app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)")->check(gossip::cli::number_range(0.0, 3600.0));
   app.footer(
       "DPDK's EAL options come first, then '--', then these, e.g.\n"
       "  gossip-switch -l 1 --no-huge -m 512 --no-pci --no-shconf --vdev=net_af_packet0,iface=gsw-s0 -- \\\n"

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   std::uint64_t seed = 1;
   int cpu = -1;
   app.add_option("--bind", bind, "IPv4 address to listen on");
-  app.add_option("--port", port, "UDP port (0: a free one, printed when serving)");
+  app.add_option("--port", port, "UDP port (0: a free one, printed when serving)")->check(gossip::cli::integer_range(std::uint16_t{0}, std::uint16_t{65535}));
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
       ->check(gossip::cli::number_range(0.0, 1.0));
