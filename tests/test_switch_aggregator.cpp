@@ -155,6 +155,9 @@ TEST_CASE("group_config parses and rejects with the key named") {
   CHECK_THROWS_AS(aggregator({group_config{.id = 1}, group_config{.id = 1}}), std::invalid_argument);
   // A key given twice is refused (the last one used to win), and idle_s on a sync group, where it does nothing.
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,members=2,members=3"), doctest::Contains("key 'members' is given twice"), std::invalid_argument);
+  // An empty item, in the middle or at the end, is refused alike.
+  for (const char* spec : {"id=1,,members=2", "id=1,members=2,"})
+    CHECK_THROWS_WITH_AS(group_config::parse(spec), doctest::Contains("item '' is not key=value"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(group_config::parse("id=1,mode=sync,idle_s=5"), doctest::Contains("key 'idle_s' applies to async groups only"),
                        std::invalid_argument);
 }

@@ -122,10 +122,11 @@ struct group_config {
     };
     if (text.find_first_not_of(" \t") == std::string_view::npos) fail("is empty");
     std::vector<std::string_view> seen;  // a key given twice is refused, not the last one taken
-    while (!text.empty()) {
+    for (bool more = true; more;) {
       const auto comma = text.find(',');
       const auto item = text.substr(0, comma);
-      text = comma == std::string_view::npos ? std::string_view{} : text.substr(comma + 1);
+      more = comma != std::string_view::npos;  // "members=2," ends in an empty item, refused as ",," is
+      text = more ? text.substr(comma + 1) : std::string_view{};
       const auto eq = item.find('=');
       if (eq == std::string_view::npos) fail("item '" + std::string(item) + "' is not key=value");
       const auto key = item.substr(0, eq), value = item.substr(eq + 1);

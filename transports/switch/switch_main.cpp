@@ -19,6 +19,7 @@
 #include <rte_launch.h>
 #include <rte_lcore.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cerrno>
@@ -121,6 +122,9 @@ int main(int argc, char** argv) {
   try {
     std::vector<group_config> groups;
     for (const auto& s : group_specs) groups.push_back(group_config::parse(s));
+    for (std::size_t i = 0; i < ports.size(); ++i)
+      if (std::find(ports.begin(), ports.begin() + static_cast<std::ptrdiff_t>(i), ports[i]) != ports.begin() + static_cast<std::ptrdiff_t>(i))
+        throw std::invalid_argument(fmt::format("--ports: port {} is given twice; name each port once", ports[i]));
     if (ports.empty()) {
       std::uint16_t pid;
       RTE_ETH_FOREACH_DEV(pid) ports.push_back(pid);
