@@ -34,6 +34,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -168,7 +169,16 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"abort", "continue"}));
   app.add_option("command", command, "the program and its arguments (after --)")->required();
   app.allow_extras(false);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    // The program's own options, given without '--', read as gossip-run's.
+    const bool separated = std::find_if(argv + 1, argv + argc, [](const char* a) { return std::string_view(a) == "--"; }) != argv + argc;
+    if (rc != 0 && !separated && !command.empty())
+      note("gossip-run: put the program and its arguments after '--', e.g. gossip-run -n 2 -- {} …\n", command.front());
+    return rc;
+  }
 
   if (master_port == 0) {
     std::string why;
