@@ -82,8 +82,12 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   // keys set here (the example refuses a key given twice). The run's policy
   // is given whole (the adaptive run's carries the --set policy keys
   // already); a control's must not inherit them.
-  std::vector<std::string> own = {"policy.name=" + policy.name};
-  for (const auto& [k, v] : policy.opts.values()) own.push_back(fmt::format("policy.{}={}", k, to_string(v)));
+  // (A local-SGD run, average_every > 0, uses no [policy]: the example refuses policy keys for it.)
+  std::vector<std::string> own;
+  if (s.average_every == 0) {
+    own.push_back("policy.name=" + policy.name);
+    for (const auto& [k, v] : policy.opts.values()) own.push_back(fmt::format("policy.{}={}", k, to_string(v)));
+  }
   own.push_back(fmt::format("train.seed={}", s.seed));
   own.push_back(fmt::format("train.epochs={}", s.epochs));
   own.push_back(fmt::format("train.train_limit={}", s.train_limit));
@@ -93,11 +97,7 @@ nlohmann::json run_processes(const std::string& config_path, const std::vector<s
   own.push_back(fmt::format("train.outer_lr={}", to_string(option_value{s.outer_lr})));
   own.push_back(fmt::format("train.outer_momentum={}", to_string(option_value{s.outer_momentum})));
   if (!momentum.empty()) own.push_back("engine.momentum=\"" + momentum + "\"");
-  const auto key_of = [](std::string_view kv) {
-    std::string k(kv.substr(0, kv.find('=')));
-    std::erase_if(k, [](char c) { return c == ' ' || c == '\t'; });
-    return k;
-  };
+  const auto key_of = [](std::string_view kv) { return config::override_target(kv); };
   for (const auto& o : overrides)
     if (!key_of(o).starts_with("policy.") && std::none_of(own.begin(), own.end(), [&](const std::string& kv) { return key_of(kv) == key_of(o); }))
       cmd += " --set " + shell_quoted(o);
