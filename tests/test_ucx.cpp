@@ -1023,6 +1023,56 @@ TEST_CASE("ucx: a rank that leaves before its drain handshake completes, or with
     }
 }
 
+TEST_CASE("ucx: the drain merges what a source that finished and left sent before its endpoint closed") {
+  // Rank 0 is far ahead: its drain handshake completes (it waits only for
+  // what is sent to it), it says goodbye and closes its endpoint, which over
+  // tcp fails on rank 1 — the source is dead to rank 1 from then on. Its four
+  // messages still sit in rank 1's slots and backlog: rank 1's drain must
+  // merge them, not count the source out and leave their weight behind.
+  require_ucx();
+  const std::uint16_t port = free_port();
+  check_all_ok(run_procs(2, "tcp", 60, [&](int r) {
+    direct d(r, 2, port, 64);  // 256 B: eager, held by UCX for the backlog
+    d.attach();
+    final_barrier(*d.boot, "ready", {0, 1});
+    if (r == 0) {
+      for (std::uint64_t s = 0; s < 4; ++s)
+        if (d.post_step(s, {1})[0] != post_status::ok) throw error("rank 0: post failed");  // weights 0.25, 1.25, 2.25, 3.25
+      d.t.flush(std::chrono::duration<double>(10.0));
+      const auto deadline = clock_type::now() + 20s;
+      while (!d.t.drained()) {  // rank 1 sent nothing: drained once rank 1 has said so
+        if (clock_type::now() > deadline) throw timeout_error("rank 0: the drain handshake did not complete");
+        std::this_thread::sleep_for(1ms);
+      }
+      d.t.leave();
+      return 0;
+    }
+    const auto t0 = clock_type::now();
+    while (d.t.backlog() < 2) {  // two in the slots, two in the backlog, none merged
+      if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0's messages did not arrive");
+      std::this_thread::sleep_for(1ms);
+    }
+    if (d.t.drained()) throw error("rank 1: drained() before rank 0 had published its count");  // publishes rank 1's
+    const received gone = d.wait_gone();
+    if (gone.sender != 0 || !gone.departed) throw error("rank 1: rank 0 was not reported as departed");
+    double weight = 0;
+    std::size_t merged = 0;
+    const auto deadline = clock_type::now() + 20s;
+    while (!d.t.drained()) {
+      const std::size_t n = d.t.collect(0, d.got);
+      for (std::size_t i = 0; i < n; ++i) weight += d.got[i].weight;
+      merged += n;
+      d.t.release(0);
+      if (clock_type::now() > deadline) throw timeout_error("rank 1: the drain did not complete");
+      std::this_thread::sleep_for(1ms);
+    }
+    if (merged != 4 || weight != 7.0)
+      throw error(fmt::format("rank 1: drained after merging {} of rank 0's 4 messages (weight {} of 7)", merged, weight));
+    d.t.leave();
+    return 0;
+  }));
+}
+
 TEST_CASE("ucx: when a source's slots and backlog are full, the newest message is kept, the rest counted as dropped, their weight handed on") {
   require_ucx();
   const std::uint16_t port = free_port();

@@ -148,6 +148,7 @@ struct ucx_transport::impl {
     std::uint64_t consumed = 0;         // engine thread: slots handed to the engine (or skipped as failed)
     std::uint64_t gaps_told = 0;        // engine thread: discarded messages already flagged by collect (received::gap)
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
+    std::chrono::steady_clock::time_point dead_drain{};  // engine thread: when the drain first found it dead
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
     std::uint64_t beacon = 0;           // progress thread: the step of its newest beacon
     std::uint32_t late = 0;             // progress thread: that beacon's `late` (the source may be that far past `beacon`)
@@ -277,6 +278,7 @@ struct ucx_transport::impl {
   bool drained();
   bool drained_through_rendezvous();
   std::string outstanding() const;
+  bool holds_from(std::size_t source_index) const noexcept;  // a message of that source in the backlog or a slot
 
   // What this rank still waits for, naming each peer and its host.
   std::string waiting_on() const;

@@ -415,7 +415,18 @@ bool ucx_transport::impl::drained_through_rendezvous() {
   for (std::size_t i = 0; i < sources.size(); ++i) {
     auto& src = sources[i];
     const peer_state* p = peer(src.rank);
-    if (p && p->dead.load(std::memory_order_acquire)) continue;
+    if (p && p->dead.load(std::memory_order_acquire)) {
+      // A dead source sends nothing more — also one that finished and left,
+      // whose endpoint then closed — but what it sent before may still be
+      // here: in the backlog, or in a slot not yet merged. Merged first, its
+      // push-sum weight is not lost. (Bounded: a receive from a dead peer
+      // that UCX never completes does not hold the drain.)
+      if (!holds_from(i)) continue;
+      const auto now = std::chrono::steady_clock::now();
+      if (src.dead_drain == std::chrono::steady_clock::time_point{}) src.dead_drain = now;
+      if (now - src.dead_drain >= std::chrono::duration<double>(opt.close_timeout_s)) continue;
+      return false;
+    }
     if (src.expected == ~0ull) {
       const auto b = boot->try_get(fmt::format("gossip/ucx/{}/drain/{}", generation, src.rank));
       if (!b) return false;
@@ -427,6 +438,13 @@ bool ucx_transport::impl::drained_through_rendezvous() {
     if (src.consumed + discarded[i].load(std::memory_order_acquire) < src.expected) return false;
   }
   return true;
+}
+
+bool ucx_transport::impl::holds_from(std::size_t si) const noexcept {
+  if (backlogged[si].load(std::memory_order_relaxed) > 0) return true;
+  for (std::size_t k = 0; k < setup.inbox->depth(); ++k)
+    if (setup.inbox->at(si, k).state.load(std::memory_order_acquire) != inbox::empty) return true;
+  return false;
 }
 
 std::string ucx_transport::impl::outstanding() const {
@@ -445,7 +463,11 @@ std::string ucx_transport::impl::waiting_on() const {
   for (std::size_t i = 0; i < sources.size(); ++i) {
     const auto& src = sources[i];
     const peer_state* p = peer(src.rank);
-    if (!drain_published || (p && p->dead.load())) continue;
+    if (!drain_published) continue;
+    if (p && p->dead.load()) {
+      if (holds_from(i)) who += fmt::format("{}{}: gone, its last messages still to merge", who.empty() ? "" : "; ", p->name);
+      continue;
+    }
     if (src.expected == ~0ull)
       who += fmt::format("{}{}: has not said how many messages it sent (it has not reached finish(), or it hangs)",
                          who.empty() ? "" : "; ", p->name);
