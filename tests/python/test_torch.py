@@ -7,6 +7,7 @@ network wait by the engine's timeout (GOSSIP_TIMEOUT_S).
 """
 import os
 import pathlib
+import random
 import re
 import signal
 import socket
@@ -28,16 +29,24 @@ RUN_TIMEOUT_S = 150
 
 
 def free_port_pair():
-    """A port P with P + 1 also free: torchrun's store takes P, the gossip rendezvous P + 1."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port >= 65535:
-            continue
+    """A port P with P + 1 also free: torchrun's store takes P, the gossip rendezvous P + 1.
+
+    Below the kernel's ephemeral range: a port from that range that is free now
+    may become the local port of some outgoing connection (the store's
+    clients, another test's) before rank 0 listens on it."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10002, low - 1))
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
             return port
         except OSError:
             continue
