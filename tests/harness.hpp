@@ -32,6 +32,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <random>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -44,16 +45,34 @@ namespace gossip::harness {
 using clock_type = std::chrono::steady_clock;
 
 /// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick).
+// A free port below the kernel's ephemeral range where there is one: a port
+// from that range, free now, may become the local port of some outgoing
+// connection (another test's) before rank 0 listens on it.
 inline std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
+  const auto bound = [](std::uint16_t port) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(port);
+    const bool ok = fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    socklen_t len = sizeof a;
+    if (ok) ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    if (fd >= 0) ::close(fd);
+    return ok ? ntohs(a.sin_port) : std::uint16_t{0};
+  };
+  unsigned low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%u", &low) != 1) low = 32768;
+    std::fclose(f);
+  }
+  if (low > 10100) {
+    std::mt19937 pick(std::random_device{}());
+    std::uniform_int_distribution<unsigned> in(10000, low - 1);
+    for (int i = 0; i < 200; ++i)
+      if (const auto port = bound(static_cast<std::uint16_t>(in(pick)))) return port;
+  }
+  return bound(0);  // the kernel's choice
 }
 
 /// "64K", "16M", "1G" or a plain byte count; must be a positive multiple of
