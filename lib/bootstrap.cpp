@@ -450,6 +450,26 @@ std::string bootstrap::where() const {
   return m_address.find(':') != std::string::npos ? fmt::format("[{}]:{}", m_address, m_port) : fmt::format("{}:{}", m_address, m_port);
 }
 
+std::string bootstrap::local_address() const {
+  std::string err;
+  for (const auto& a : resolve(m_address, m_port, false, err)) {
+    const bool wildcard = a.family == AF_INET    ? reinterpret_cast<const sockaddr_in&>(a.addr).sin_addr.s_addr == htonl(INADDR_ANY)
+                          : a.family == AF_INET6 ? IN6_IS_ADDR_UNSPECIFIED(&reinterpret_cast<const sockaddr_in6&>(a.addr).sin6_addr)
+                                                 : true;
+    if (wildcard) continue;
+    fd_guard s(::socket(a.family, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    if (s.fd < 0 || ::connect(s.fd, reinterpret_cast<const sockaddr*>(&a.addr), a.len) != 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    if (::getsockname(s.fd, reinterpret_cast<sockaddr*>(&local), &len) != 0) continue;
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* ip = local.ss_family == AF_INET ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in&>(local).sin_addr)
+                                                : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6&>(local).sin6_addr);
+    if (::inet_ntop(local.ss_family, ip, text, sizeof text)) return text;
+  }
+  return {};
+}
+
 bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* value, clock::time_point deadline, bool& found) {
   std::string err;
   const auto addrs = resolve(m_address, m_port, false, err);

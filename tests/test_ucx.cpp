@@ -51,10 +51,15 @@ void require_ucx() {
   checked = true;
 }
 
-// Runs fn(rank) in `world` forked processes with the given UCX_TLS; returns how each ended.
+// Runs fn(rank) in `world` forked processes with the given UCX_TLS; returns
+// how each ended. "tcp/listener" (or "tcp/worker"): UCX_TLS=tcp with
+// GOSSIP_UCX_CONNECT=listener (worker).
 std::vector<harness::child_end> run_procs(int world, const char* tls, int timeout_s, const std::function<int(int)>& fn) {
   harness::child_options o;
-  o.env = {{"UCX_TLS", tls}, {"UCX_NET_DEVICES", "lo"}};
+  const std::string_view t = tls;
+  const auto slash = t.find('/');
+  o.env = {{"UCX_TLS", std::string(t.substr(0, slash))}, {"UCX_NET_DEVICES", "lo"}};
+  if (slash != std::string_view::npos) o.env.emplace_back("GOSSIP_UCX_CONNECT", std::string(t.substr(slash + 1)));
   o.alarm_s = static_cast<unsigned>(timeout_s);
   o.label = fmt::format("UCX_TLS={}", tls);
   return harness::run_ranks(world, o, fn);
@@ -97,12 +102,13 @@ struct direct {
   std::size_t received_total = 0;
   double timeout_s = 20;  // transport_setup::timeout ([engine] timeout_s)
 
-  direct(int r, int w, std::uint16_t port, std::size_t n, std::size_t layout_extra = 0, ucx_options o = {})
+  direct(int r, int w, std::uint16_t port, std::size_t n, std::size_t layout_extra = 0, ucx_options o = {},
+         const std::string& address = "127.0.0.1")
       : rank(r),
         world(w),
         elements(n),
         message_bytes((sizeof(wire_header) + n * 4 + 63) / 64 * 64),
-        boot(std::make_shared<bootstrap>(r, w, "127.0.0.1", port, std::chrono::duration<double>(20.0))),
+        boot(std::make_shared<bootstrap>(r, w, address, port, std::chrono::duration<double>(20.0))),
         t(boot, o),
         got(static_cast<std::size_t>(4 * w)),
         next_step(static_cast<std::size_t>(w), 0) {
@@ -631,7 +637,7 @@ TEST_CASE("ucx: UCX_TLS from the environment or a ucx.conf is kept; left unset, 
 
 TEST_CASE("ucx: 2 and 4 processes exchange models bit for bit (eager and rendezvous sizes)") {
   require_ucx();
-  for (const char* tls : {"tcp", "posix,self"}) {
+  for (const char* tls : {"tcp", "tcp/listener", "posix,self"}) {
     for (int world : {2, 4}) {
       // 1 KiB-ish messages go eager; 1 MiB ones use rendezvous straight into the inbox slot.
       for (std::size_t elements : {std::size_t{300}, std::size_t{1} << 18}) {
@@ -643,6 +649,63 @@ TEST_CASE("ucx: 2 and 4 processes exchange models bit for bit (eager and rendezv
         check_all_ok(run_procs(world, tls, 60, [&](int r) { return exchange(r, world, port, elements, rounds); }));
       }
     }
+  }
+}
+
+TEST_CASE("ucx: endpoints go through listeners over tcp for models from 256 KiB, by worker address otherwise, and a listener that cannot serve is refused") {
+  require_ucx();
+  // Automatic: listeners over tcp alone for rendezvous-sized models; a
+  // wildcard rendezvous address names no route to listen on.
+  struct want {
+    const char* tls;
+    std::size_t elements;
+    const char* address;
+    bool listening;
+  };
+  for (const want& w : {want{"tcp", 300, "127.0.0.1", false}, want{"tcp", std::size_t{1} << 18, "127.0.0.1", true},
+                        want{"tcp/worker", std::size_t{1} << 18, "127.0.0.1", false}, want{"tcp/listener", 300, "127.0.0.1", true},
+                        want{"posix,self", std::size_t{1} << 18, "127.0.0.1", false}, want{"tcp", std::size_t{1} << 18, "0.0.0.0", false}}) {
+    CAPTURE(w.tls);
+    CAPTURE(w.elements);
+    CAPTURE(w.address);
+    const std::uint16_t port = free_port();
+    check_all_ok(run_procs(2, w.tls, 60, [&](int r) {
+      direct d(r, 2, port, w.elements, 0, {}, w.address);
+      d.attach();
+      if (d.t.listening() != w.listening) throw error(fmt::format("rank {}: listening() = {}", r, d.t.listening()));
+      for (std::uint64_t s = 0; s < 4; ++s)
+        for (auto st : d.post_step(s, d.others))
+          if (st != post_status::ok) throw error(fmt::format("rank {}: post failed at step {}", r, s));
+      d.receive_until(4, 20s);
+      d.t.flush(20s);
+      final_barrier(*d.boot, "end", {0, 1});
+      return 0;
+    }));
+  }
+  // Refused, naming what chose the listener and what to do.
+  struct refusal {
+    const char* tls;
+    const char* address;
+    ucx_connect connect;
+    std::vector<std::string> says;
+  };
+  for (const refusal& f : {refusal{"posix,self/listener", "127.0.0.1", ucx_connect::automatic, {"GOSSIP_UCX_CONNECT=listener", "UCX_TLS=posix,self", "add tcp"}},
+                           refusal{"tcp/bogus", "127.0.0.1", ucx_connect::automatic, {"GOSSIP_UCX_CONNECT='bogus'", "auto, worker or listener"}},
+                           refusal{"tcp", "0.0.0.0", ucx_connect::listener, {"ucx_connect::listener", "0.0.0.0", "GOSSIP_MASTER_ADDR"}}}) {
+    CAPTURE(f.tls);
+    const std::uint16_t port = free_port();
+    check_all_ok(run_procs(2, f.tls, 60, [&](int r) {
+      direct d(r, 2, port, 300, 0, {.connect = f.connect}, f.address);
+      try {
+        d.attach();
+      } catch (const config_error& e) {
+        for (const auto& part : f.says)
+          if (std::string(e.what()).find(part) == std::string::npos) throw error(fmt::format("rank {}: '{}' not in: {}", r, part, e.what()));
+        final_barrier(*d.boot, "refused", {0, 1});
+        return 0;
+      }
+      throw error(fmt::format("rank {}: attach accepted it", r));
+    }));
   }
 }
 
@@ -669,7 +732,7 @@ TEST_CASE("ucx: a layout mismatch is refused on both sides") {
 
 TEST_CASE("ucx: kill -9 of one rank; the others see it in dead_peers() and continue") {
   require_ucx();
-  for (const char* tls : {"tcp", "posix,self"}) {
+  for (const char* tls : {"tcp", "tcp/listener", "posix,self"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     const auto out = run_procs(3, tls, 60, [&](int r) {
@@ -742,7 +805,7 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
   // a ping unanswered for half of timeout_s is declared dead instead; one whose
   // progress thread answers is alive, however long its engine pauses.
   require_ucx();
-  for (const char* tls : {"posix,self", "tcp"}) {
+  for (const char* tls : {"posix,self", "tcp", "tcp/listener"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     const auto out = run_procs(3, tls, 60, [&](int r) {
@@ -878,7 +941,7 @@ TEST_CASE("ucx: leave() while a live peer that merges nothing holds our rendezvo
   // endpoint, and UCX 1.13 aborted in ucp_worker_destroy (ucp_ep.c:437,
   // proto_reqs); they are cancelled by a forced close after the goodbye.
   require_ucx();
-  for (const std::string tls : {"tcp", "posix,self"}) {
+  for (const std::string tls : {"tcp", "tcp/worker", "posix,self"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     ucx_options o;
@@ -991,7 +1054,7 @@ TEST_CASE("ucx: a rank that leaves before its drain handshake completes, or with
   // goodbye carries it back, to a source that counts the rank departed in the
   // first case and failed in the second.
   require_ucx();
-  for (const std::string tls : {"tcp", "posix,self"})
+  for (const std::string tls : {"tcp", "tcp/worker", "posix,self"})
     for (const bool handshake : {true, false}) {
       CAPTURE(tls);
       CAPTURE(handshake);
@@ -1149,7 +1212,7 @@ double drain_and_check_weight(engine& e, bootstrap& boot, int r) {
 
 TEST_CASE("ucx: two engines, periodic push-sum over 50 steps, conserve the total weight") {
   require_ucx();
-  for (const char* tls : {"tcp", "posix,self"}) {
+  for (const char* tls : {"tcp", "tcp/listener", "posix,self"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     const auto out = run_procs(2, tls, 60, [&](int r) {
@@ -1433,7 +1496,7 @@ TEST_CASE("ucx: two engines with int8, topk and lowrank codecs: weight conserved
 
 TEST_CASE("ucx: kill -9 of one rank mid-training; the other engines finish, exit 0 and report it") {
   require_ucx();
-  for (const char* tls : {"tcp", "posix,self"}) {
+  for (const char* tls : {"tcp", "tcp/listener", "posix,self"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     const auto out = run_procs(3, tls, 90, [&](int r) {
@@ -1483,7 +1546,7 @@ double get_double(bootstrap& b, const std::string& key, const std::string& what)
 // stand-in must be 1 (a rank it is connected to), not 3.
 TEST_CASE("ucx: kill -9 of rank 2 of 4 over the exponential topology; survivors keep mixing, finish and account the lost mass") {
   require_ucx();
-  for (const char* tls : {"tcp", "posix,self"}) {
+  for (const char* tls : {"tcp", "tcp/listener", "posix,self"}) {
     CAPTURE(tls);
     const std::uint16_t port = free_port();
     const auto out = run_procs(4, tls, 90, [&](int r) {

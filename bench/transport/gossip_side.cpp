@@ -92,6 +92,7 @@ struct rank_process {
     got.resize(static_cast<std::size_t>(s.depth) + 1);
     ucx_options o;
     o.backlog = s.backlog;
+    o.connect = s.connect == "worker" ? ucx_connect::worker_address : s.connect == "listener" ? ucx_connect::listener : ucx_connect::automatic;
     t.emplace(boot, o);
     transport_setup ts;
     ts.rank = r;

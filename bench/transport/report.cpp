@@ -108,6 +108,7 @@ std::string write_report(const settings& s, const results& r) {
                 {"send_buffers", s.send_buffers},
                 {"inbox_depth", s.depth},
                 {"backlog", s.backlog},
+                {"connect", s.connect},
                 {"wait", s.wait},
                 {"cpus", s.cpus},
                 {"steps", s.steps}}},

@@ -250,6 +250,9 @@ int main(int argc, char** argv) {
   app.add_option("--send-buffers", s.send_buffers, "rotating send buffers at rank 0")->check(gossip::cli::integer_range(1, 64));
   app.add_option("--depth", s.depth, "inbox slots per source at rank 1 (the engine uses 2)")->check(gossip::cli::integer_range(1, 64));
   app.add_option("--backlog", s.backlog, "ucx_options::backlog")->check(gossip::cli::integer_range(1, 100000));
+  app.add_option("--connect", s.connect, "ucx_options::connect: auto (listeners when UCX_TLS is tcp only), worker (worker addresses) or listener")
+      ->check(CLI::IsMember({"auto", "worker", "listener"}))
+      ->capture_default_str();
   app.add_option("--wait", s.wait, "how the bench's own loops wait: backoff (as gossip's waits: spin, yield, then 20 us sleeps), yield, sleep or spin")
       ->check(CLI::IsMember({"backoff", "yield", "sleep", "spin"}))
       ->capture_default_str();

@@ -40,6 +40,7 @@ struct settings {
   int send_buffers = 2;  // the engine's default (engine_settings::send_buffers)
   int depth = 2;  // inbox slots per source, as the engine allocates
   std::size_t backlog = 64;
+  std::string connect = "auto";  // ucx_options::connect: auto, worker or listener
   std::string wait = "backoff";
   std::vector<std::size_t> step_elements{std::size_t{1} << 20, std::size_t{16} << 20};
   int steps = 200;

@@ -101,6 +101,14 @@ class bootstrap {
   /// the others' barrier does not wait for it.
   void pass(const std::string& name);
 
+  /// The numeric address ("10.0.0.7", "127.0.0.1") of this host's end of
+  /// the route to rank 0's rendezvous, found by connecting a UDP socket
+  /// there (nothing is sent): the address ranks on other hosts reach this
+  /// one by, when they reach rank 0 the same way. Empty when the rendezvous
+  /// address is a wildcard (0.0.0.0, ::), which names no route, or does not
+  /// resolve.
+  std::string local_address() const;
+
   /// Per-bootstrap counter so that several transports built in one process
   /// (in the same order on every rank) use distinct keys.
   std::uint64_t next_generation() noexcept { return m_generation++; }

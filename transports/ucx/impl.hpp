@@ -5,6 +5,7 @@
 // the drain handshake, leaving and teardown) and progress.cpp (the progress
 // thread: sends, arrivals, goodbyes and endpoint errors). Only these files
 // include it; ucx.hpp keeps UCX out of users' builds.
+#include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
 #include <array>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -53,6 +55,9 @@ struct step_beacon_header {
   std::uint32_t late = 0;
   std::uint64_t step = 0;
 };
+// ucx_connect::automatic makes endpoints through listeners (over tcp alone)
+// for messages of at least this many bytes.
+inline constexpr std::size_t listener_from_bytes = std::size_t{256} << 10;
 inline constexpr std::size_t max_buffers = 64;           // distinct send buffers tracked by busy()
 inline constexpr std::size_t queue_capacity = 1024;
 
@@ -73,6 +78,12 @@ std::string effective_tls(const std::optional<std::string>& user);
 /// Turns it on for the transports `user` (user_tls()) may select, unless the
 /// user chose in the environment.
 void enable_shm_error_handling(const std::optional<std::string>& user);
+
+/// True when `tls` (a UCX_TLS value) lets UCX use tcp and nothing else but
+/// self: ucx_connect::automatic then connects through listeners.
+bool tcp_only(std::string_view tls);
+/// True when `tls` lets UCX use tcp at all (it names tcp or all, or excludes others).
+bool may_use_tcp(std::string_view tls);
 
 /// ucp_config_read with the above applied: error handling on shared memory,
 /// and TLS = effective_tls(user). Throws transport_error starting with `who`.
@@ -108,6 +119,10 @@ struct ucx_transport::impl {
     // Protocol weight stamped on sends to it that failed (written by the
     // progress thread before it decrements inflight; read once inflight is 0).
     std::atomic<double> failed_weight{0};
+    // It connects to our listener (ucx_connect::listener; it is the lower
+    // rank): attach waits until its connection request made `ep`.
+    bool accepts = false;
+    bool by_listener = false;  // its endpoint is made through a listener (ours or its own)
     bool reported = false;         // engine thread
     std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
     std::uint64_t posted = 0;      // engine thread: messages accepted by post()
@@ -175,6 +190,10 @@ struct ucx_transport::impl {
 
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
+  // ucx_connect::listener: where neighbours connect (listen_len 0: no listener).
+  ucp_listener_h listener = nullptr;
+  sockaddr_storage listen_addr{};
+  socklen_t listen_len = 0;
   int worker_fd = -1, wake_fd = -1;
   std::thread thread;
   std::atomic<bool> stop{false};
@@ -262,6 +281,12 @@ struct ucx_transport::impl {
   // it; true if it did.
   bool help() noexcept;
   void init_ucx();
+  // ucx_connect: makes the listener when this rank should listen (see
+  // ucx_connect::automatic); returns whether it listens.
+  bool start_listener();
+  // Waits (driving the worker) until every neighbour that connects to our
+  // listener has, up to setup.timeout.
+  void accept_neighbours();
   void attach(const transport_setup& s);
   int find_buffer(const std::byte* ptr) noexcept;
   post_status post(int to, std::span<const std::byte> msg, std::uint64_t step);
@@ -298,6 +323,8 @@ struct ucx_transport::impl {
   // ---- progress thread (and UCX callbacks, which run inside it) -----------
 
   static void on_ep_error(void* arg, ucp_ep_h, ucs_status_t status);
+  // A neighbour connects to our listener: its client id names it (generation, rank).
+  static void on_connect(ucp_conn_request_h request, void* arg);
   static void on_send_done(void* request, ucs_status_t status, void* user);
   void send_done(int to, int entry, ucs_status_t status, std::size_t length) noexcept;
   bool drain_sends() noexcept;

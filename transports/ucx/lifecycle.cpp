@@ -2,6 +2,7 @@
 // worker addresses through the bootstrap, endpoints to the topology's
 // neighbours, the drain handshake of engine::finish, leaving, teardown.
 #include <fmt/format.h>
+#include <netdb.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -28,7 +29,7 @@ using namespace ucx_detail;
 
 namespace {
 
-constexpr std::uint32_t blob_magic = 0x34435547;  // "GUC4": since the goodbye carries unmerged weight (GUC3: the layout's matrix rows)
+constexpr std::uint32_t blob_magic = 0x35435547;  // "GUC5": since it carries the listener's address (GUC4: the goodbye's unmerged weight)
 
 // Little serialiser for the rendezvous blob.
 struct writer {
@@ -78,6 +79,7 @@ struct peer_blob {
   std::vector<int> sources, targets;
   model_layout layout;
   std::vector<std::byte> address;
+  std::vector<std::byte> listener;  // its listener's sockaddr; empty: it does not listen
   std::string host;
 };
 
@@ -87,7 +89,8 @@ std::string host_name() {
   return h;
 }
 
-bootstrap::blob encode(const transport_setup& s, const void* address, std::size_t address_len, const std::string& host) {
+bootstrap::blob encode(const transport_setup& s, const void* address, std::size_t address_len, const void* listener, std::size_t listener_len,
+                       const std::string& host) {
   writer w;
   w.pod(blob_magic);
   w.pod<std::int32_t>(s.rank);
@@ -106,6 +109,7 @@ bootstrap::blob encode(const transport_setup& s, const void* address, std::size_
     w.pod<std::uint64_t>(e.rows);
   }
   w.bytes(address, address_len);
+  w.bytes(listener, listener_len);
   w.bytes(host.data(), host.size());
   w.bytes(s.config_settings.data(), s.config_settings.size());
   return std::move(w.b);
@@ -140,6 +144,8 @@ std::optional<peer_blob> decode(const bootstrap::blob& b) {
     p.layout.push_back(std::move(e));
   }
   p.address = r.bytes();
+  p.listener = r.bytes();
+  if (p.listener.size() > sizeof(sockaddr_storage)) return std::nullopt;
   const auto host = r.bytes();
   p.host.assign(reinterpret_cast<const char*>(host.data()), host.size());
   const auto settings = r.bytes();
@@ -178,6 +184,32 @@ std::optional<std::string> ucx_detail::user_tls() {
 }
 
 std::string ucx_detail::effective_tls(const std::optional<std::string>& user) { return user ? *user : "^sysv"; }
+
+bool ucx_detail::may_use_tcp(std::string_view tls) {
+  const bool excluding = tls.starts_with('^');
+  if (excluding) tls.remove_prefix(1);
+  while (!tls.empty()) {
+    const auto comma = tls.find(',');
+    const auto name = tls.substr(0, comma);
+    if (name == "tcp" || (!excluding && name == "all")) return !excluding;
+    tls = comma == std::string_view::npos ? std::string_view{} : tls.substr(comma + 1);
+  }
+  return excluding;
+}
+
+bool ucx_detail::tcp_only(std::string_view tls) {
+  bool tcp = false;
+  while (!tls.empty()) {
+    const auto comma = tls.find(',');
+    const auto name = tls.substr(0, comma);
+    if (name == "tcp")
+      tcp = true;
+    else if (name != "self")
+      return false;  // another transport, an alias ("sm", "all"), or an exclusion ("^...")
+    tls = comma == std::string_view::npos ? std::string_view{} : tls.substr(comma + 1);
+  }
+  return tcp;
+}
 
 void ucx_detail::enable_shm_error_handling(const std::optional<std::string>& user) {
   if (!user) {  // read_config then leaves sysv out
@@ -230,8 +262,11 @@ void ucx_transport::impl::init_ucx() {
                                       setup.rank, status_text(s), effective_tls(tls), tls ? "" : ": unset, so all but sysv"));
   }
   ucp_worker_params_t wp{};
-  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_CLIENT_ID;
   wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
+  // What a listener learns of who connects (on_connect): this transport's
+  // generation and this rank.
+  wp.client_id = generation << 32 | static_cast<std::uint32_t>(setup.rank);
   if (s = ucp_worker_create(context, &wp, &worker); s != UCS_OK) {
     worker = nullptr;
     throw transport_error(fmt::format("ucx (rank {}): cannot create a UCX worker: {}", setup.rank, status_text(s)));
@@ -265,6 +300,153 @@ void ucx_transport::impl::init_ucx() {
     if (s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK)
       throw transport_error(
           fmt::format("ucx (rank {}): cannot register the active-message handler {:#x}: {}", setup.rank, h.id, status_text(s)));
+  }
+}
+
+bool ucx_transport::impl::start_listener() {
+  ucx_connect mode = opt.connect;
+  const char* env = std::getenv("GOSSIP_UCX_CONNECT");
+  if (mode == ucx_connect::automatic && env && *env) {
+    const std::string_view v = env;
+    if (v == "worker")
+      mode = ucx_connect::worker_address;
+    else if (v == "listener")
+      mode = ucx_connect::listener;
+    else if (v != "auto")
+      throw config_error(fmt::format("ucx (rank {}): GOSSIP_UCX_CONNECT='{}' is not a way to connect; give auto, worker or listener", setup.rank, v));
+  }
+  const bool forced = mode == ucx_connect::listener;
+  const std::string chosen = opt.connect == ucx_connect::listener ? "ucx_connect::listener" : "GOSSIP_UCX_CONNECT=listener";
+  // Automatic: over tcp alone, for models from listener_from_bytes up, where
+  // the put lane pays; below it, a put's extra acknowledgement costs more
+  // than the fragments' copy (docs/ucx-small-messages.md, §7).
+  const std::string tls = effective_tls(user_tls());
+  if (mode == ucx_connect::worker_address || (!forced && (setup.message_bytes < listener_from_bytes || !tcp_only(tls)))) return false;
+  if (!may_use_tcp(tls))
+    throw config_error(fmt::format("ucx (rank {}): {} connects over tcp, which UCX_TLS={} leaves out; add tcp to UCX_TLS, or connect "
+                                   "by worker address (shared memory does)",
+                                   setup.rank, chosen, tls));
+  // The address ranks on other hosts reach this one by: the local end of the
+  // route to rank 0's rendezvous. A wildcard rendezvous address names none.
+  const std::string ip = boot->local_address();
+  if (ip.empty()) {
+    if (!forced) return false;
+    throw config_error(fmt::format("ucx (rank {}): {} needs an address to listen on, and the rendezvous address {} names no route "
+                                   "(a wildcard, or it does not resolve); give rank 0's address (GOSSIP_MASTER_ADDR), or connect by "
+                                   "worker address",
+                                   setup.rank, chosen, boot->where()));
+  }
+  addrinfo hints{};
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(ip.c_str(), "0", &hints, &res) != 0 || !res) return false;  // inet_ntop's own text: not expected
+  ucp_listener_params_t lp{};
+  lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
+  lp.sockaddr.addr = res->ai_addr;
+  lp.sockaddr.addrlen = res->ai_addrlen;
+  lp.conn_handler.cb = &impl::on_connect;
+  lp.conn_handler.arg = this;
+  const ucs_status_t st = ucp_listener_create(worker, &lp, &listener);
+  ::freeaddrinfo(res);
+  if (st != UCS_OK) {
+    listener = nullptr;
+    if (!forced) return false;  // no connection manager: worker addresses serve
+    throw transport_error(fmt::format("ucx (rank {}): cannot listen on {} ({}): {}; UCX needs a connection manager (its tcp or "
+                                      "rdmacm component) for it, or connect by worker address",
+                                      setup.rank, ip, chosen, status_text(st)));
+  }
+  ucp_listener_attr_t la{};
+  la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+  if (ucp_listener_query(listener, &la) != UCS_OK) {
+    ucp_listener_destroy(std::exchange(listener, nullptr));
+    if (!forced) return false;
+    throw transport_error(fmt::format("ucx (rank {}): cannot tell which port the listener on {} took", setup.rank, ip));
+  }
+  listen_addr = la.sockaddr;
+  listen_len = la.sockaddr.ss_family == AF_INET6 ? sizeof(sockaddr_in6) : sizeof(sockaddr_in);
+  return true;
+}
+
+void ucx_transport::impl::on_connect(ucp_conn_request_h request, void* arg) {
+  auto* self = static_cast<impl*>(arg);
+  ucp_conn_request_attr_t a{};
+  a.field_mask = UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ID;
+  peer_state* p = nullptr;
+  // Only a neighbour of this transport's generation, once: anything else (a
+  // stranger on the port, a second request) is turned away.
+  if (ucp_conn_request_query(request, &a) == UCS_OK && a.client_id >> 32 == (self->generation & 0xffffffffu))
+    if (peer_state* q = self->peer(static_cast<int>(a.client_id & 0xffffffffu)); q && q->accepts && !q->ep) p = q;
+  if (!p) {
+    ucp_listener_reject(self->listener, request);
+    return;
+  }
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.conn_request = request;
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = &impl::on_ep_error;
+  ep.err_handler.arg = p;
+  if (const ucs_status_t st = ucp_ep_create(self->worker, &ep, &p->ep); st != UCS_OK) {
+    p->ep = nullptr;
+    on_ep_error(p, nullptr, st);
+  }
+}
+
+void ucx_transport::impl::accept_neighbours() {
+  const auto pending = [&] {
+    for (int j : neighbours)
+      if (const peer_state* p = peer(j); p->accepts && !p->ep && !p->dead.load(std::memory_order_relaxed)) return true;
+    return false;
+  };
+  // Then each such connection is flushed before attach returns: UCX 1.13
+  // reorders active messages sent on an endpoint made through its
+  // connection manager while the endpoint's wire-up is still under way (the
+  // first model arrived after the second), and the transport delivers in
+  // order. A flush completes once the wire-up has.
+  std::vector<void*> flushes;
+  bool flushed = false;
+  try {
+    detail::wait_for(
+        [&] {
+          ucp_worker_progress(worker);
+          if (pending()) return false;
+          if (!flushed) {
+            flushed = true;
+            for (int j : neighbours) {
+              peer_state& p = *peer(j);
+              if (!p.by_listener || !p.ep || p.dead.load(std::memory_order_relaxed)) continue;
+              ucp_request_param_t rp{};
+              const ucs_status_ptr_t r = ucp_ep_flush_nbx(p.ep, &rp);
+              if (UCS_PTR_IS_PTR(r)) flushes.push_back(r);
+            }
+          }
+          std::erase_if(flushes, [](void* r) {
+            if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
+            ucp_request_free(r);
+            return true;
+          });
+          return flushes.empty();
+        },
+        setup.timeout, [&] {
+          std::string who;
+          for (int j : neighbours)
+            if (const peer_state* p = peer(j); p->accepts && !p->ep)
+              who += fmt::format("{}{}", who.empty() ? "" : ", ", p->name);
+          if (who.empty()) {
+            for (int j : neighbours)
+              if (const peer_state* p = peer(j); p->by_listener) who += fmt::format("{}{}", who.empty() ? "" : ", ", p->name);
+            return fmt::format("{}'s connections with {} to be established (UCX's wire-up through listeners; a peer that "
+                               "stopped or died holds it up)",
+                               self_name, who);
+          }
+          return fmt::format("{} to connect to {}'s listener (it published its addresses; it may have died since, or its "
+                             "UCX cannot reach this rank's address: GOSSIP_UCX_CONNECT=worker or ucx_connect::worker_address avoids listeners)",
+                             who, self_name);
+        });
+  } catch (...) {
+    for (void* r : flushes) ucp_request_free(r);  // UCX completes them when the endpoints close
+    throw;
   }
 }
 
@@ -309,7 +491,10 @@ void ucx_transport::impl::attach(const transport_setup& s) {
     source_of[static_cast<std::size_t>(src.rank)] = static_cast<int>(i);
   }
 
+  const std::uint64_t gen = boot->next_generation();
+  generation = gen;
   init_ucx();
+  const bool listening = start_listener();
 
   ucp_address_t* addr = nullptr;
   std::size_t addr_len = 0;
@@ -317,11 +502,9 @@ void ucx_transport::impl::attach(const transport_setup& s) {
     throw transport_error(fmt::format("ucx (rank {}): cannot get the worker address: {}", s.rank, status_text(st)));
   const std::string host = host_name();
   self_name = fmt::format("rank {} (host {})", s.rank, host);
-  const auto blob = encode(s, addr, addr_len, host);
+  const auto blob = encode(s, addr, addr_len, &listen_addr, listen_len, host);
   ucp_worker_release_address(worker, addr);
 
-  const std::uint64_t gen = boot->next_generation();
-  generation = gen;
   boot->put_once(fmt::format("gossip/ucx/{}/{}", gen, s.rank), blob, fmt::format("rank {}'s UCX address", s.rank));
   for (int j : neighbours) {
     const auto b = boot->get(fmt::format("gossip/ucx/{}/{}", gen, j),
@@ -351,9 +534,26 @@ void ucx_transport::impl::attach(const transport_setup& s) {
     if (const int si = source_of[static_cast<std::size_t>(j)]; si >= 0 && !contains(pb->targets, s.rank))
       sources[static_cast<std::size_t>(si)].heard = ~std::uint64_t{0};
 
+    // Both listen: one connection, made by the lower rank (see ucx_connect::listener).
+    const bool by_listener = listening && !pb->listener.empty();
+    p.by_listener = by_listener;
+    if (by_listener && j < s.rank) {
+      p.accepts = true;
+      continue;
+    }
+    sockaddr_storage remote{};
     ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(pb->address.data());
+    if (by_listener) {
+      std::memcpy(&remote, pb->listener.data(), pb->listener.size());
+      ep.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+      ep.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER | UCP_EP_PARAMS_FLAGS_SEND_CLIENT_ID;
+      ep.sockaddr.addr = reinterpret_cast<const sockaddr*>(&remote);
+      ep.sockaddr.addrlen = static_cast<socklen_t>(pb->listener.size());
+    } else {
+      ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+      ep.address = reinterpret_cast<const ucp_address_t*>(pb->address.data());
+    }
+    ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = &impl::on_ep_error;
     ep.err_handler.arg = &p;
@@ -366,6 +566,7 @@ void ucx_transport::impl::attach(const transport_setup& s) {
                       self_name, p.name, status_text(st), p.name));
     }
   }
+  if (listening) accept_neighbours();
   // max_lead's slowest source before anything is heard: 0 while some source
   // has yet to speak, ~0 when none ever will (no sources at all).
   int slowest = -1;
@@ -546,6 +747,7 @@ std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
 
 void ucx_transport::impl::shutdown_ucx() noexcept {
   if (!worker) return;
+  if (listener) ucp_listener_destroy(std::exchange(listener, nullptr));
   drain_sends();  // sends queued after the last flush: dropped
   // What each source sent that this rank holds unmerged (its backlog, and
   // slots the engine never collected): the goodbye gives the weight back.

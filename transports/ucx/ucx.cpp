@@ -204,6 +204,8 @@ transport_counters ucx_transport::counters() const noexcept {
           m->beacons_sent.load(), m->heard_step.load(std::memory_order_acquire)};
 }
 
+bool ucx_transport::listening() const noexcept { return m->listen_len > 0; }
+
 std::string ucx_transport::describe() const {
   unsigned major = 0, minor = 0, release = 0;
   ucp_get_version(&major, &minor, &release);

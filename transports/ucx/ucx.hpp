@@ -7,10 +7,11 @@
 ///
 /// Connect. attach() creates one ucp_context + ucp_worker (UCX_TLS,
 /// UCX_NET_DEVICES and every other UCX_* variable are honoured), publishes
-/// the worker address together with the model layout and the config
+/// the worker address (and, over tcp, a listener's socket address: see
+/// ucx_connect) together with the model layout and the config
 /// fingerprint at the bootstrap rendezvous, fetches the blobs of its
 /// neighbours only (sources ∪ targets — no full mesh), refuses a neighbour
-/// whose layout or settings differ (both sides throw), and creates one
+/// whose layout or settings differ (both sides throw), and makes one
 /// endpoint per neighbour with peer error handling. A failed endpoint marks
 /// the peer dead: dead_peers() reports it once and post() to it returns
 /// post_status::peer_dead.
@@ -69,6 +70,32 @@
 
 namespace gossip {
 
+/// How a rank makes its endpoints (ucx_options::connect).
+enum class ucx_connect {
+  /// `listener` when UCX_TLS names tcp (and self) only and a model message
+  /// is at least 256 KiB, else `worker_address`: below that size a put's
+  /// extra acknowledgement costs more than the fragments' copy (tcp over
+  /// loopback, 2 send buffers: 0.6 against 0.8 of ucx_perftest at 64 KiB,
+  /// 0.9 against 0.8 at 256 KiB). GOSSIP_UCX_CONNECT=auto|worker|listener
+  /// chooses for a transport built with `automatic`.
+  automatic,
+  /// From the worker addresses published at the rendezvous: every UCX
+  /// transport, shared memory included. Over tcp, peer error handling then
+  /// costs the endpoint its rendezvous put lane (docs/ucx-small-messages.md,
+  /// §7): messages above UCX's eager limit go as active-message fragments.
+  worker_address,
+  /// Each rank listens on a socket address (the local address of its route
+  /// to rank 0's rendezvous, a port the kernel picks) and publishes it; of a
+  /// pair of neighbours that both listen, the lower rank connects to the
+  /// higher one's listener and both use that one connection. UCX's
+  /// connection manager keeps the put lane under peer error handling. Not
+  /// for shared memory, which a connection manager does not serve; a pair
+  /// where either rank does not listen connects by worker address. Forced,
+  /// attach throws when the listener cannot be made (a rendezvous address
+  /// that is a wildcard, or no connection manager in UCX).
+  listener,
+};
+
 struct ucx_options {
   /// Messages per source held inside UCX beyond the inbox slots. Cheap: an eager
   /// message is small, a rendezvous one is only a descriptor (its data waits at the sender);
@@ -95,6 +122,7 @@ struct ucx_options {
   /// Steps longer than interval / (max_lead/2) are paced exactly. 0: a
   /// beacon every max_lead/2 steps, however short. 0 to 60000.
   double beacon_interval_ms = 5;
+  ucx_connect connect = ucx_connect::automatic;  ///< how endpoints are made
 };
 
 class ucx_transport {
@@ -125,6 +153,9 @@ class ucx_transport {
   std::string waiting_on() const;
   /// The longest backlog of any source: messages UCX delivered that wait for a slot.
   std::size_t backlog() const noexcept;
+  /// Whether attach made a listener (ucx_connect): endpoints to neighbours
+  /// that listen too go through it.
+  bool listening() const noexcept;
   /// The model fingerprint neighbour `rank` attached with (0: none, or not a neighbour).
   std::uint64_t peer_model(int rank) const noexcept;
   transport_counters counters() const noexcept;
