@@ -112,7 +112,8 @@ struct rank_process {
     return clock_type::now() + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(s.timeout_s));
   }
 
-  // Rank 0: W + N posts of `bytes` payload, then flush. Reply: "ok HELD" (bytes the transport holds per peer).
+  // Rank 0: W + N posts of `bytes` payload, then flush. Reply: "ok HELD LISTENING" (bytes the transport holds per
+  // peer; 1 when its endpoints go through listeners, ucx_connect).
   std::string send(std::size_t bytes, std::uint64_t count) {
     const std::size_t words = bytes / 8;
     for (std::size_t b = 0; b < bufs.size(); ++b) {  // untimed
@@ -143,7 +144,7 @@ struct rank_process {
       }
     }
     t->flush(std::chrono::duration<double>(s.timeout_s));
-    return fmt::format("ok {}", t->held_bytes_per_peer());
+    return fmt::format("ok {} {}", t->held_bytes_per_peer(), t->listening() ? 1 : 0);
   }
 
   // Rank 1: consumes W + N messages. Reply: "ok SECONDS HELD" (last warm-up to last timed message consumed; bytes
@@ -306,6 +307,9 @@ int rank_main(int rank, std::uint16_t port, const settings& s, int cmd_fd, int r
     // then sends tells the other it left, rather than failed.
     detail::wait_for([&] { return p.t->drained(); }, std::chrono::duration<double>(s.timeout_s),
                      [&] { return fmt::format("rank {}'s drain handshake (waiting on {})", rank, p.t->waiting_on()); });
+    // Rank 0 serves the rendezvous: it leaves once rank 1 has read its drain record.
+    if (rank == 1) p.boot->put("bench/drained/1", {});
+    else p.boot->get("bench/drained/1", "rank 1's drain handshake");
     p.t->leave();
     return 0;
   } catch (const std::exception& e) {

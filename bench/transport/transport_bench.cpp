@@ -121,8 +121,10 @@ int run(settings& s) {
              "            perftest -e: the same with peer error handling on its endpoints, as the transport creates them.\n"
              "  N = clamp({} MiB / S, {}, {}); each size runs {} time(s), alternating gossip and perftest; table: best of them,\n"
              "  best ratio = best gossip / best perftest, median ratio = median gossip / median perftest.\n"
+             "  A fresh pair of ranks per size, with a model of that size; L after the size: their endpoints went through\n"
+             "  listeners (ucx_options::connect, which is {}), else by worker address.\n"
              "  {}\n\n",
-             s.perftest_test, s.send_buffers, s.depth, s.wait, s.warmup, s.bytes_per_run >> 20, s.min_messages, s.max_messages, s.reps,
+             s.perftest_test, s.send_buffers, s.depth, s.wait, s.warmup, s.bytes_per_run >> 20, s.min_messages, s.max_messages, s.reps, s.connect,
              s.cpus.empty() ? std::string("not pinned (--pin off)")
                             : fmt::format("pinned: sender (rank 0, perftest client) on CPU {}, receiver (rank 1, perftest server) on CPU {}",
                                           s.cpus[0], s.cpus[1]));
@@ -134,23 +136,32 @@ int run(settings& s) {
     fmt::print("note: load average {:.2f} on {} CPUs before the run: other work shares these cores, and ucx_perftest (which "
                "busy-polls) suffers from it more than the transport (which sleeps when it waits); compare runs at similar load.\n\n",
                load_before, cpus_here);
-  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "", "", "", "gossip", "perftest", "best", "median",
+  fmt::print("{:<11} {:>5}  {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "", "", "", "gossip", "perftest", "best", "median",
              "perftest", "", "every run, GB/s");
-  fmt::print("{:<11} {:>5} {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "UCX_TLS", "size", "N", "GB/s", "GB/s", "ratio", "ratio",
+  fmt::print("{:<11} {:>5}  {:>5} {:>8} {:>9} {:>6} {:>6} {:>9} {:>6}   {}\n", "UCX_TLS", "size", "N", "GB/s", "GB/s", "ratio", "ratio",
              s.perftest_eh ? "-e GB/s" : "", s.perftest_eh ? "ratio" : "", "(g: gossip, p: perftest, e: perftest -e)");
   for (const auto& tls : s.tls) {
-    rank_pair pair(tls, s);
     for (std::size_t bytes : s.sizes) {
+      // A pair of ranks per size, whose model is that size: the transport
+      // chooses its endpoints by the message size (ucx_connect::automatic),
+      // as an engine with a model of that size would.
+      settings one = s;
+      one.sizes = {bytes};
+      rank_pair pair(tls, one);
       const std::uint64_t n = messages_for(s, bytes);
       std::vector<double> g, p, pe;
       std::size_t held = 0;
+      bool listening = false;
       for (int rep = 0; rep < s.reps; ++rep) {
         const auto replies = pair.both(fmt::format("xfer {} {} {}", bytes, s.warmup, n), fmt::format("{} messages of {} bytes", n, bytes));
-        std::istringstream rx(replies[1].substr(3));
+        std::istringstream rx(replies[1].substr(3)), tx(replies[0].substr(3));
         double seconds = 0;
-        std::size_t rx_held = 0;
+        std::size_t rx_held = 0, tx_held = 0;
+        int tx_listening = 0;
         rx >> seconds >> rx_held;
-        held = std::max<std::size_t>(rx_held, std::stoull(replies[0].substr(3)));  // the larger side: the receiver's backlog
+        tx >> tx_held >> tx_listening;
+        held = std::max(rx_held, tx_held);  // the larger side: the receiver's backlog
+        listening = tx_listening != 0;
         g.push_back(static_cast<double>(n * bytes) / seconds / 1e9);
         if (!perftest_exe.empty()) {
           p.push_back(perftest(s, perftest_exe, tls, bytes, static_cast<std::uint64_t>(s.warmup), n, false));
@@ -165,13 +176,14 @@ int run(settings& s) {
              {"gossip_gbps", best(g)},
              {"gossip_median_gbps", median(g)},
              {"gossip_all_gbps", g},
-             {"transport_bytes_per_peer", held}};
+             {"transport_bytes_per_peer", held},
+             {"endpoints", listening ? "listener" : "worker_address"}};
       auto list = [](const char* tag, const std::vector<double>& v) {
         std::string out;
         for (double x : v) out += fmt::format(" {:.2f}", x);
         return v.empty() ? std::string() : fmt::format("  {}:{}", tag, out);
       };
-      std::string row = fmt::format("{:<11} {:>5} {:>5} {:>8.2f}", tls, size_name(bytes), n, best(g));
+      std::string row = fmt::format("{:<11} {:>5}{} {:>5} {:>8.2f}", tls, size_name(bytes), listening ? "L" : " ", n, best(g));
       if (!p.empty()) {
         r["perftest_gbps"] = best(p);
         r["perftest_median_gbps"] = median(p);
@@ -196,6 +208,10 @@ int run(settings& s) {
       std::fflush(stdout);
       runs.push_back(std::move(r));
     }
+    if (s.step_elements.empty()) continue;
+    settings smallest = s;  // the step cost builds its own engines: this pair's transport carries nothing
+    smallest.sizes = {*std::min_element(s.sizes.begin(), s.sizes.end())};
+    rank_pair pair(tls, smallest);
     for (std::size_t elements : s.step_elements) {
       const auto replies = pair.both(fmt::format("step {} {}", elements, s.steps), fmt::format("step cost at {} elements", elements));
       for (int rank = 0; rank < 2; ++rank) {
