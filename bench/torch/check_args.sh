@@ -26,7 +26,7 @@ expect 2 "--epochs takes an integer in 1..9999" "$BUILD" --epochs 99999999999999
 expect 2 "--seeds takes an integer" "$BUILD" --seeds 0
 expect 2 "--epochs takes an integer" "$BUILD" --epochs x
 expect 2 "--momentum takes" "$BUILD" --momentum global
-expect 2 "usage|run.sh" "$BUILD" --out
+expect 2 "--out takes a directory" "$BUILD" --out
 expect 2 "--set takes section.key=value" "$BUILD" --set codec
 expect 2 "--set takes section.key=value" "$BUILD" --set "codec.name=int 8"
 expect 2 "--set train.epochs=5: \[train\] keys are not used here.*--epochs, --train-limit" "$BUILD" --set train.epochs=5

@@ -51,7 +51,7 @@ int fashion_mnist_main(int argc, char** argv, const std::string& description, st
   // An empty value would leave the config's choice in place without a word.
   const CLI::Validator not_empty([](std::string& v) { return v.empty() ? std::string("an empty value names nothing") : std::string(); }, "");
   app.add_option("--policy", policy, "override [policy] name (" + policy_registry().names_joined() + ")")->check(not_empty);
-  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + ")")->check(not_empty);
+  app.add_option("--topology", topology, "override [topology] name (" + topology_registry().names_joined() + "; switch with transport 'switch')")->check(not_empty);
   app.add_option("--protocol", protocol, "override [protocol] name (" + protocol_registry().names_joined() + ")")->check(not_empty);
   app.add_option("-n,--workers", workers, "override [train] workers")->check(gossip::cli::integer_range(1, 256));
   app.add_option("--epochs", epochs, "override [train] epochs")->check(gossip::cli::integer_range(1, 10000));

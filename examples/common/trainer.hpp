@@ -52,7 +52,7 @@ inline const std::vector<option_spec>& train_option_specs() {
       {"workers", std::int64_t{4}, "number of workers (threads, one rank each)"},
       {"epochs", std::int64_t{3}, "passes over each worker's shard"},
       {"batch", std::int64_t{32}, "minibatch size per worker"},
-      {"hidden", int_list{128}, "hidden layer widths, e.g. [256, 128]"},
+      {"hidden", int_list{128}, "hidden layer widths, e.g. [256, 128] (the CNN: one width, its fully connected layer)"},
       {"lr", 0.05, "base learning rate"},
       {"momentum", 0.9, "heavy-ball momentum"},
       {"weight_decay", 0.0, "L2 weight decay"},

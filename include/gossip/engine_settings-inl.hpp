@@ -211,7 +211,7 @@ inline engine_spec engine_spec::from(const config& cfg) {
     const bool staggered = staggered_policy(cfg.policy);
     if (staggered && requested == "sync")
       throw config_error(fmt::format("{}: mode 'sync' needs every member to send at the same steps, but policy 'periodic' has stagger = true; "
-                                     "use mode = \"async\" or \"auto\", or stagger = false", s.protocol.opts.where()));
+                                     "use mode = \"async\" or \"auto\", or stagger = false", request.where));
     // The shipped policies that decide on each member from what it alone sees:
     // their members post different numbers of all-reduces, and a sync round
     // would wait for the ones that never come.

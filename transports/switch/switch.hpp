@@ -86,7 +86,7 @@ inline const std::vector<option_spec>& switch_option_specs() {
       {"mode", std::string("auto"), "sync, async, or auto (periodic and consensus: sync; others: async)"},
       {"chunk", std::int64_t{sw::default_chunk}, fmt::format("float32 values per packet (the group's chunk; 1..{})", sw::max_chunk)},
       {"window", std::int64_t{128}, "packets in flight (sync: the group's slots; 1..4096)"},
-      {"rto_ms", 5.0, "first retransmission timeout in milliseconds (doubles up to 200)"},
+      {"rto_ms", 5.0, "first retransmission timeout in milliseconds (doubles up to 200, or stays at rto_ms when larger)"},
       {"timeout_s", 30.0, "bound on one operation before the run fails"},
       {"bind", std::string("0.0.0.0"), "local IPv4 address to send from"},
   };
@@ -398,6 +398,7 @@ inline switch_transport make_switch_transport(const config& cfg, int /*rank*/, i
   s.client.chunk = static_cast<std::uint16_t>(in_range("chunk", 1, sw::max_chunk));
   s.client.window = static_cast<std::uint16_t>(in_range("window", 1, 4096));
   s.client.rto_s = o.real("rto_ms") / 1000;
+  s.client.rto_max_s = std::max(s.client.rto_max_s, s.client.rto_s);  // backing off never shortens the first timeout
   s.client.timeout_s = o.real("timeout_s");
   s.client.bind_address = o.string("bind");
   for (const char* key : {"address", "bind"})
