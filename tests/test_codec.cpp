@@ -1150,6 +1150,30 @@ TEST_CASE("[codec] step with stale-copy, which has no lag-corrected merge, is re
                        config_error);
 }
 
+TEST_CASE("a codec whose min_elements exceeds every tensor is refused: it would compress nothing under its name") {
+  std::vector<float> w(100, 1.0f), b(10, 1.0f);
+  model_view view;
+  view.add("w", w).add("b", b);
+  for (const char* name : {"int8", "fp16", "topk"}) {
+    CAPTURE(name);
+    auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "exponential");
+    spec.codec.name = name;
+    spec.codec.opts.set("min_elements", std::int64_t{101});
+    loopback_fabric fabric(1);
+    CHECK_THROWS_WITH_AS(engine(view, 0, 1, std::move(spec), fabric.endpoint(0)),
+                         doctest::Contains(fmt::format("codec '{}' sends tensors of fewer than min_elements = 101 values in fp32, and the "
+                                                       "largest of this model's 2 tensors has 100",
+                                                       name)
+                                               .c_str()),
+                         config_error);
+    auto fits = spec_of(any_policy(policies::periodic{}, "periodic"), "exponential");
+    fits.codec.name = name;
+    fits.codec.opts.set("min_elements", std::int64_t{100});  // w is compressed, b goes in fp32
+    loopback_fabric fabric2(1);
+    CHECK_NOTHROW(engine(view, 0, 1, std::move(fits), fabric2.endpoint(0)));
+  }
+}
+
 TEST_CASE("lowrank with no matrix it can factor is refused, naming the fallback every tensor would go as") {
   std::vector<float> w(64 * 32, 1.0f), b(64, 1.0f);
   auto lowrank_spec = [] {

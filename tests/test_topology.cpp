@@ -167,6 +167,10 @@ TEST_CASE("bad topology settings are refused with the key named") {
   CHECK_THROWS_WITH_AS(topology_registry().make("torus", options("run.toml [topology]"), 0, 4),
                        doctest::Contains("unknown topology 'torus'; known topologies: ring, exponential, random, complete, edges"),
                        config_error);
+  options none("run.toml [topology]");  // no edges: only a world of one, like every other topology
+  none.set("edges", int_list{});
+  CHECK(topology_registry().make("edges", none, 0, 1).peers(0).empty());
+  CHECK_THROWS_WITH_AS(topology_registry().make("edges", none, 0, 2), doctest::Contains("key 'edges' must list pairs of ranks"), config_error);
   options bad("run.toml [topology]");
   bad.set("edges", int_list{0, 1, 1, 9});
   CHECK_THROWS_WITH_AS(topology_registry().make("edges", bad, 0, 4), doctest::Contains("edge [1, 9] is invalid"), config_error);

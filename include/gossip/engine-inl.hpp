@@ -141,6 +141,13 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
                                       declared, m_codec.settings().rank, m_codec.settings().min_elements),
           to_string(m_codec.settings().fallback), to_string(m_codec.settings().fallback)));
     }
+    // The same for a codec whose min_elements exceeds every tensor: each would
+    // go in fp32 under the codec's name, with the codec's copies of the model.
+    if (m_codec.settings().kind != codec_kind::lowrank && largest > 0 && largest < m_codec.settings().min_elements)
+      throw config_error(fmt::format("engine (rank {}): codec '{}' sends tensors of fewer than min_elements = {} values in fp32, and the "
+                                     "largest of this model's {} tensors has {}: it would compress nothing; lower [codec] "
+                                     "min_elements, or set [codec] name = \"none\"",
+                                     rank, m_codec.name(), m_codec.settings().min_elements, m_slots.size(), largest));
     m_codec.prepare(largest, side);
     m_message_bytes = std::max(m_message_bytes, sizeof(wire_header) + m_codec.payload_capacity(m_counts));
     // One message per target: each stream encodes against its own x̂.
