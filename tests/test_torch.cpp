@@ -101,6 +101,16 @@ TEST_CASE("torch_momentum registers SGD's buffers, which the optimizer then upda
 
   torch::optim::SGD nesterov(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
   DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(view, net, nesterov), doctest::Contains("Nesterov"), gossip::config_error);
+
+  // The module and optimizer of another network with the same names and
+  // shapes: refused before the optimizer's state or the view change.
+  two_layers other;
+  torch::optim::SGD theirs(other.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto fresh = gossip::torch_model(net);
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(fresh, other, theirs),
+                               doctest::Contains("the view's tensor 'fc1.weight' is not the module's parameter of that name"), gossip::config_error);
+  DOCTEST_CHECK(theirs.state().empty());
+  for (const auto& t : fresh.tensors()) DOCTEST_CHECK(t.momentum == nullptr);
 }
 
 TEST_CASE("two engines average two libtorch modules in place") {
@@ -230,4 +240,11 @@ TEST_CASE("add_buffers averages BatchNorm's running statistics with the paramete
     return v;
   });
   for (auto& net : nets) DOCTEST_CHECK(net.bn->running_mean.mean().item<float>() == doctest::Approx(0.5).epsilon(1e-3));
+
+  // A float64 buffer is refused by name rather than left unaveraged.
+  struct with_double : torch::nn::Module {
+    torch::Tensor ema = register_buffer("ema", torch::zeros({3}, torch::kFloat64));
+  } d;
+  gossip::model_view dv;
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::add_buffers(dv, d), doctest::Contains("buffer 'ema' is Double"), gossip::config_error);
 }

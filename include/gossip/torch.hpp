@@ -26,6 +26,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -41,6 +42,20 @@
 namespace gossip {
 
 namespace detail {
+
+/// How torch::optim keys a parameter's state: libtorch 1.x by the text of
+/// its TensorImpl's address (c10::guts::to_string, an ostringstream), 2.1
+/// and later by the address itself; `Key` is the state map's key type.
+template <class Key>
+Key optimizer_state_key(const torch::Tensor& p) {
+  if constexpr (std::is_convertible_v<void*, Key>) {
+    return p.unsafeGetTensorImpl();
+  } else {
+    std::ostringstream text;
+    text << p.unsafeGetTensorImpl();
+    return text.str();
+  }
+}
 inline void check_torch_tensor(const std::string& what, const torch::Tensor& t) {
   if (!t.defined()) throw config_error(fmt::format("torch_model: {} is undefined", what));
   if (t.layout() != torch::kStrided) {
@@ -122,7 +137,8 @@ inline model_view& add_parameters(model_view& view, const torch::nn::Module& mod
 }
 
 /// Adds the module's float32 buffers (BatchNorm's running_mean and
-/// running_var; integer ones such as num_batches_tracked stay local), named
+/// running_var; integer ones such as num_batches_tracked stay local, and a
+/// floating buffer of another type is refused, naming it), named
 /// as named_buffers() names them after `prefix`, so that they are averaged
 /// with the parameters: without them every rank evaluates the averaged
 /// weights with running statistics of its own data.
@@ -131,8 +147,17 @@ inline model_view& add_buffers(model_view& view, const torch::nn::Module& module
   std::unordered_set<const void*> seen;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     const auto& t = item.value();
-    if (!t.defined() || t.scalar_type() != torch::kFloat32 || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
+    if (!t.defined() || !seen.insert(t.unsafeGetTensorImpl()).second) continue;
     const std::string name = prefix + item.key();
+    if (t.scalar_type() != torch::kFloat32) {
+      // Integer counters stay local; a floating buffer of another type would
+      // silently go unaveraged.
+      if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()))
+        throw config_error(fmt::format("add_buffers: buffer '{}' is {}; the engine averages float32 tensors: convert the module "
+                                       "(module->to(torch::kFloat32)), or leave its buffers local (no add_buffers)",
+                                       name, c10::toString(t.scalar_type())));
+      continue;
+    }
     detail::check_torch_tensor(fmt::format("buffer '{}'", name), t);
     view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
     kept.push_back(detail::registered(fmt::format("buffer '{}'", name), t));
@@ -214,15 +239,20 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
       throw config_error(fmt::format("torch_momentum: the view has no tensor '{}'; add the module's parameters first (torch_model, or "
                                      "add_parameters with the same prefix)",
                                      name));
+    if (view[*t].data != p.data_ptr())
+      throw config_error(fmt::format("torch_momentum: the view's tensor '{}' is not the module's parameter of that name (a view of "
+                                     "another module, or of a copy?); give the module and optimizer the view was built from",
+                                     name));
     if (view[*t].momentum)
       throw config_error(fmt::format("torch_momentum: tensor '{}' has a momentum buffer already; register one optimizer's buffers per tensor",
                                      name));
   }
   auto& state = opt.state();
-  std::vector<std::pair<std::string, const void*>> keys;  // (state key, the buffer registered)
+  using state_key = typename std::remove_reference_t<decltype(state)>::key_type;
+  std::vector<std::pair<state_key, const void*>> keys;  // (state key, the buffer registered)
   std::vector<detail::torch_registration> kept;
   for (const auto& p : stepped) {
-    const std::string key = c10::guts::to_string(p.unsafeGetTensorImpl());  // how torch::optim::SGD keys its state
+    const state_key key = detail::optimizer_state_key<state_key>(p);  // how torch::optim::SGD keys its state
     auto it = state.find(key);
     if (it == state.end()) {
       auto s = std::make_unique<torch::optim::SGDParamState>();
