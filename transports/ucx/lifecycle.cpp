@@ -321,7 +321,9 @@ bool ucx_transport::impl::start_listener() {
   // the put lane pays; below it, a put's extra acknowledgement costs more
   // than the fragments' copy (docs/ucx-small-messages.md, §7).
   const std::string tls = effective_tls(user_tls());
-  if (mode == ucx_connect::worker_address || (!forced && (setup.message_bytes < listener_from_bytes || !tcp_only(tls)))) return false;
+  if (neighbours.empty() || mode == ucx_connect::worker_address ||
+      (!forced && (setup.message_bytes < listener_from_bytes || !tcp_only(tls))))
+    return false;
   if (!may_use_tcp(tls))
     throw config_error(fmt::format("ucx (rank {}): {} connects over tcp, which UCX_TLS={} leaves out; add tcp to UCX_TLS, or connect "
                                    "by worker address (shared memory does)",
