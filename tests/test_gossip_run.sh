@@ -21,6 +21,15 @@ for r in 0 1 2; do
 done
 [ "$(echo "$out" | sed -E 's/.* p=//' | sort -u | wc -l)" = 1 ] || fail "ranks disagree on the master port"
 
+# A line longer than 64 KiB comes out in pieces of at most 64 KiB (each with
+# its rank prefix), the piece that ends the line included, and nothing lost.
+"$run" -n 1 -- sh -c 'head -c 150000 /dev/zero | tr "\\0" x; echo; head -c 300000 /dev/zero | tr "\\0" y; echo' >"$tmp/long" ||
+  fail "long-line run exited $?"
+longest=$(awk '{ if (length($0) > m) m = length($0) } END { print m }' "$tmp/long")
+[ "$longest" -le $((65536 + 4)) ] || fail "a piece of $longest characters (the prefix '[0] ' included) is longer than 64 KiB"
+[ "$(sed 's/^\[0\] //' "$tmp/long" | tr -d '\n' | tr -d y | wc -c)" = 150000 ] || fail "x characters lost or added"
+[ "$(sed 's/^\[0\] //' "$tmp/long" | tr -d '\n' | tr -d x | wc -c)" = 300000 ] || fail "y characters lost or added"
+
 # One rank fails: the others are stopped within the grace period, the exit
 # status is the failing rank's, and the message names it.
 start=$(date +%s)

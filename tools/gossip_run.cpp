@@ -125,8 +125,13 @@ void flush_lines(std::string& buf, int rank, FILE* to, bool all) {
   bool& closed = to == stdout ? g_out_closed : g_err_closed;
   try {
     std::size_t start = 0;
+    // Every piece at most max_partial_line long, the end of a line included.
     for (std::size_t nl; !closed && (nl = buf.find('\n', start)) != std::string::npos; start = nl + 1)
-      fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, nl - start));
+      for (std::size_t at = start;; at += max_partial_line) {
+        const std::size_t end = std::min(nl, at + max_partial_line);
+        fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(at, end - at));
+        if (end == nl) break;
+      }
     for (; !closed && buf.size() - start > max_partial_line; start += max_partial_line)
       fmt::print(to, "[{}] {}\n", rank, std::string_view(buf).substr(start, max_partial_line));
     buf.erase(0, start);
