@@ -186,6 +186,19 @@ TEST_CASE("torch_momentum registers what the optimizer steps, with one β the en
     DOCTEST_CHECK_THROWS_WITH_AS(eng.step({.lr = 0.1}), doctest::Contains("the optimizer replaced the momentum buffer of parameter 'fc2.weight'"),
                                  gossip::config_error);
   }
+  {  // under local momentum the engine leaves the buffers alone: the optimizer may replace them
+    two_layers net;
+    torch::optim::SGD opt(net.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto view = gossip::torch_model(net);
+    gossip::torch_momentum(view, net, opt);
+    auto local = cfg;
+    local.engine.set("momentum", std::string("local"));
+    gossip::loopback_fabric fabric(1);
+    gossip::engine eng(view, 0, 1, local, fabric.endpoint(0));
+    eng.step({.lr = 0.1});
+    opt.state().clear();
+    DOCTEST_CHECK_NOTHROW(eng.step({.lr = 0.1}));
+  }
   two_layers net;
   auto view = gossip::torch_model(net);
   torch::optim::SGD plain(net.parameters(), torch::optim::SGDOptions(0.1));

@@ -73,6 +73,11 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   const bool stale_copy = m_protocol.type() == protocol::kind::stale_copy;
   const bool quasi_global = m_settings.momentum == mm::quasi_global ||
                             (m_settings.momentum == mm::automatic && lockstep && !every_step_pairwise && !sparse_corrected && !stale_copy);
+  if (quasi_global)
+    for (const auto& g : model.momentum_guards()) {
+      g();
+      m_guards.push_back(g);
+    }
   for (const auto& t : model.tensors()) {
     if (t.dtype != dtype::f32)
       throw config_error(fmt::format("engine (rank {}): tensor '{}' is {}; this engine exchanges f32 tensors", rank, t.name, to_string(t.dtype)));

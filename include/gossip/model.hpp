@@ -170,6 +170,16 @@ class model_view {
     return *this;
   }
   const std::vector<std::function<void()>>& guards() const noexcept { return m_guards; }
+  /// A guard of the registered momentum buffers: run as guard() checks are,
+  /// but only by an engine that rebuilds those buffers (quasi-global
+  /// momentum); under local momentum the engine never touches them, and the
+  /// optimizer may replace them (a checkpoint's state).
+  model_view& momentum_guard(std::function<void()> check) {
+    if (!check) throw error("model_view: momentum_guard() needs a callable");
+    m_momentum_guards.push_back(std::move(check));
+    return *this;
+  }
+  const std::vector<std::function<void()>>& momentum_guards() const noexcept { return m_momentum_guards; }
 
   /// Declares tensor `name` a row-major rows × cols matrix (a weight, or a
   /// convolution kernel as out_channels × the rest), so that codecs that
@@ -260,6 +270,7 @@ class model_view {
   std::shared_ptr<const device_backend> m_device;
   std::optional<double> m_momentum_beta;
   std::vector<std::function<void()>> m_guards;
+  std::vector<std::function<void()>> m_momentum_guards;
 };
 
 namespace detail {

@@ -182,8 +182,10 @@ inline model_view torch_model(const torch::nn::Module& module) {
 /// Records β in the view: an engine that makes the buffers quasi-global
 /// refuses an [engine] momentum_beta that differs (config::follow_momentum
 /// sets it). An optimizer with no momentum registers nothing. `opt` must
-/// outlive the engine: a buffer it replaced (torch::load(opt, …)) is refused
-/// at the next step, naming the parameter; it must stay where it is (not be
+/// outlive the engine: under quasi-global momentum a buffer it replaced
+/// (torch::load(opt, …)) is refused at the next step, naming the parameter
+/// (under local momentum the engine never touches the buffers, and a
+/// checkpoint's may replace them); it must stay where it is (not be
 /// moved into another object) while the engine runs. Groups that hold none of
 /// the module's parameters are the optimizer's own business and are not looked
 /// at. Everything is checked before the optimizer's state or the view change.
@@ -268,8 +270,10 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
     kept.push_back(detail::registered(what, buffer));
   }
   view.momentum_beta(*beta);
-  // A buffer the optimizer replaced (torch::load(opt, …)) would leave the engine rebuilding one nobody reads.
-  view.guard([&opt, keys = std::move(keys), kept = std::make_shared<const std::vector<detail::torch_registration>>(std::move(kept))] {
+  // A buffer the optimizer replaced (torch::load(opt, …)) would leave the
+  // engine rebuilding one nobody reads; under local momentum the engine
+  // leaves the buffers alone, and a replaced one is the optimizer's business.
+  view.momentum_guard([&opt, keys = std::move(keys), kept = std::make_shared<const std::vector<detail::torch_registration>>(std::move(kept))] {
     auto& now = opt.state();
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto it = now.find(keys[i].first);
