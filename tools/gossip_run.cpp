@@ -164,9 +164,9 @@ int main(int argc, char** argv) {
   std::vector<std::string> command;
   app.add_option("-n,--ranks", n, "number of ranks to start")->required()->check(gossip::cli::integer_range(1, 1024));
   app.add_option("--config", config, "config file, passed to every rank as GOSSIP_CONFIG")->check(CLI::ExistingFile);
-  app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)");
+  app.add_option("--master-addr", master_addr, "rendezvous address (rank 0 serves it)")->capture_default_str();
   app.add_option("--master-port", master_port, "rendezvous port (default: a free one)")->check(gossip::cli::integer_range(0, 65535));
-  app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")
+  app.add_option("--grace", grace, "seconds the other ranks get to stop after one fails, before SIGKILL")->capture_default_str()
       ->check(gossip::cli::number_range(0.0, 86400.0));
   app.add_option("--on-failure", on_failure,
                  "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "

@@ -111,11 +111,11 @@ int main(int argc, char** argv) {
   std::string out_dir;
   double ratio = 0.01;
   std::int64_t rank = 4, rows = 1024;
-  app.add_option("--sizes", sizes_mib, "model sizes in MiB (fp32)");
-  app.add_option("--repeats", repeats, "timed repeats per size and codec (after one warm-up)")->check(gossip::cli::integer_range(1, 1000));
-  app.add_option("--ratio", ratio, "topk/randomk ratio")->check(gossip::cli::number_range(1e-6, 1.0));
-  app.add_option("--rank", rank, "lowrank rank")->check(gossip::cli::integer_range(1, 256));
-  app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->check(gossip::cli::integer_range(1, 1 << 20));
+  app.add_option("--sizes", sizes_mib, "model sizes in MiB (fp32)")->capture_default_str();
+  app.add_option("--repeats", repeats, "timed repeats per size and codec (after one warm-up)")->capture_default_str()->check(gossip::cli::integer_range(1, 1000));
+  app.add_option("--ratio", ratio, "topk/randomk ratio")->capture_default_str()->check(gossip::cli::number_range(1e-6, 1.0));
+  app.add_option("--rank", rank, "lowrank rank")->capture_default_str()->check(gossip::cli::integer_range(1, 256));
+  app.add_option("--rows", rows, "lowrank: rows of the model seen as one matrix (must divide every size)")->capture_default_str()->check(gossip::cli::integer_range(1, 1 << 20));
   app.add_option("--out", out_dir, "write DIR/codec.json (empty: no file)")->capture_default_str();
   std::string isa = "best";
   app.add_option("--isa", isa, "instruction set of the fp16, int8 and topk kernels: best (this CPU's), avx512, avx2, scalar, or all "

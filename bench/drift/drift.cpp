@@ -147,11 +147,11 @@ int main(int argc, char** argv) {
   bool quick = false, host_only = false, device_only = false;
   std::size_t cold_from_mib = 16;
   app.add_option("--json", json_path, "write the runs here (empty: no file)")->capture_default_str();
-  app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->check(gossip::cli::number_range(0.0625, 4096.0));
-  app.add_option("--min-kib", min_kib, "smallest model in KiB")->check(gossip::cli::number_range(4.0, 1048576.0));
-  auto* seconds_opt = app.add_option("--seconds", seconds, "time spent per method and size")->check(gossip::cli::number_range(0.01, 60.0));
+  app.add_option("--max-mib", max_mib, "largest model in MiB (sizes go up by 4x from --min-kib)")->capture_default_str()->check(gossip::cli::number_range(0.0625, 4096.0));
+  app.add_option("--min-kib", min_kib, "smallest model in KiB")->capture_default_str()->check(gossip::cli::number_range(4.0, 1048576.0));
+  auto* seconds_opt = app.add_option("--seconds", seconds, "time spent per method and size")->capture_default_str()->check(gossip::cli::number_range(0.01, 60.0));
   app.add_flag("--quick", quick, "0.05 s per method and size (a smoke run)")->excludes(seconds_opt);
-  app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)")
+  app.add_option("--cold-from-mib", cold_from_mib, "also time host sizes from this many MiB with evicted caches (0: never)")->capture_default_str()
       ->check(gossip::cli::integer_range(std::size_t{0}, std::size_t{1} << 20));
   auto* host_only_flag = app.add_flag("--host-only", host_only, "skip the device part");
   app.add_flag("--device-only", device_only, "skip the host part")->excludes(host_only_flag);
