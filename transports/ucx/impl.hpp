@@ -285,7 +285,8 @@ struct ucx_transport::impl {
   // ucx_connect::automatic); returns whether it listens.
   bool start_listener();
   // Waits (driving the worker) until every neighbour that connects to our
-  // listener has, up to setup.timeout.
+  // listener has, then until every connection through a listener is
+  // flushed, up to setup.timeout in all.
   void accept_neighbours();
   void attach(const transport_setup& s);
   int find_buffer(const std::byte* ptr) noexcept;

@@ -185,30 +185,36 @@ std::optional<std::string> ucx_detail::user_tls() {
 
 std::string ucx_detail::effective_tls(const std::optional<std::string>& user) { return user ? *user : "^sysv"; }
 
-bool ucx_detail::may_use_tcp(std::string_view tls) {
-  const bool excluding = tls.starts_with('^');
-  if (excluding) tls.remove_prefix(1);
-  while (!tls.empty()) {
-    const auto comma = tls.find(',');
-    const auto name = tls.substr(0, comma);
-    if (name == "tcp" || (!excluding && name == "all")) return !excluding;
-    tls = comma == std::string_view::npos ? std::string_view{} : tls.substr(comma + 1);
+namespace {
+
+// The comma-separated names of a UCX_TLS value.
+std::vector<std::string_view> tls_names(std::string_view tls) {
+  std::vector<std::string_view> names;
+  for (std::size_t at = 0; at <= tls.size();) {
+    const auto comma = std::min(tls.find(',', at), tls.size());
+    if (comma > at) names.push_back(tls.substr(at, comma - at));
+    at = comma + 1;
   }
-  return excluding;
+  return names;
+}
+
+bool names_one_of(const std::vector<std::string_view>& names, std::initializer_list<std::string_view> of) {
+  return std::any_of(names.begin(), names.end(), [&](std::string_view n) { return std::find(of.begin(), of.end(), n) != of.end(); });
+}
+
+}  // namespace
+
+bool ucx_detail::may_use_tcp(std::string_view tls) {
+  const bool excluding = tls.starts_with('^');  // "^a,b": all but a and b
+  const auto names = tls_names(excluding ? tls.substr(1) : tls);
+  return excluding ? !names_one_of(names, {"tcp"}) : names_one_of(names, {"tcp", "all"});
 }
 
 bool ucx_detail::tcp_only(std::string_view tls) {
-  bool tcp = false;
-  while (!tls.empty()) {
-    const auto comma = tls.find(',');
-    const auto name = tls.substr(0, comma);
-    if (name == "tcp")
-      tcp = true;
-    else if (name != "self")
-      return false;  // another transport, an alias ("sm", "all"), or an exclusion ("^...")
-    tls = comma == std::string_view::npos ? std::string_view{} : tls.substr(comma + 1);
-  }
-  return tcp;
+  // Not another transport, an alias ("sm", "all") or an exclusion ("^...").
+  const auto names = tls_names(tls);
+  return names_one_of(names, {"tcp"}) &&
+         std::all_of(names.begin(), names.end(), [](std::string_view n) { return n == "tcp" || n == "self"; });
 }
 
 void ucx_detail::enable_shm_error_handling(const std::optional<std::string>& user) {
@@ -342,7 +348,10 @@ bool ucx_transport::impl::start_listener() {
   hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (::getaddrinfo(ip.c_str(), "0", &hints, &res) != 0 || !res) return false;  // inet_ntop's own text: not expected
+  if (::getaddrinfo(ip.c_str(), "0", &hints, &res) != 0 || !res) {  // inet_ntop's own text: not expected
+    if (!forced) return false;
+    throw transport_error(fmt::format("ucx (rank {}): cannot make a socket address of {} to listen on ({})", setup.rank, ip, chosen));
+  }
   ucp_listener_params_t lp{};
   lp.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR | UCP_LISTENER_PARAM_FIELD_CONN_HANDLER;
   lp.sockaddr.addr = res->ai_addr;
@@ -396,33 +405,40 @@ void ucx_transport::impl::on_connect(ucp_conn_request_h request, void* arg) {
 }
 
 void ucx_transport::impl::accept_neighbours() {
-  const auto pending = [&] {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(setup.timeout);
+  const auto names = [&](auto&& which) {
+    std::string who;
     for (int j : neighbours)
-      if (const peer_state* p = peer(j); p->accepts && !p->ep && !p->dead.load(std::memory_order_relaxed)) return true;
-    return false;
+      if (const peer_state* p = peer(j); which(*p)) who += fmt::format("{}{}", who.empty() ? "" : ", ", p->name);
+    return who;
   };
+  const auto unconnected = [](const peer_state& p) { return p.accepts && !p.ep && !p.dead.load(std::memory_order_relaxed); };
+  detail::wait_for(
+      [&] {
+        ucp_worker_progress(worker);
+        return std::none_of(neighbours.begin(), neighbours.end(), [&](int j) { return unconnected(*peer(j)); });
+      },
+      setup.timeout, [&] {
+        return fmt::format("{} to connect to {}'s listener (it published its addresses; it may have died since, or its "
+                           "UCX cannot reach this rank's address: GOSSIP_UCX_CONNECT=worker or ucx_connect::worker_address avoids listeners)",
+                           names(unconnected), self_name);
+      });
   // Then each such connection is flushed before attach returns: UCX 1.13
   // reorders active messages sent on an endpoint made through its
   // connection manager while the endpoint's wire-up is still under way (the
   // first model arrived after the second), and the transport delivers in
   // order. A flush completes once the wire-up has.
   std::vector<void*> flushes;
-  bool flushed = false;
+  for (int j : neighbours) {
+    peer_state& p = *peer(j);
+    if (!p.by_listener || !p.ep || p.dead.load(std::memory_order_relaxed)) continue;
+    ucp_request_param_t rp{};
+    if (const ucs_status_ptr_t r = ucp_ep_flush_nbx(p.ep, &rp); UCS_PTR_IS_PTR(r)) flushes.push_back(r);
+  }
   try {
     detail::wait_for(
         [&] {
           ucp_worker_progress(worker);
-          if (pending()) return false;
-          if (!flushed) {
-            flushed = true;
-            for (int j : neighbours) {
-              peer_state& p = *peer(j);
-              if (!p.by_listener || !p.ep || p.dead.load(std::memory_order_relaxed)) continue;
-              ucp_request_param_t rp{};
-              const ucs_status_ptr_t r = ucp_ep_flush_nbx(p.ep, &rp);
-              if (UCS_PTR_IS_PTR(r)) flushes.push_back(r);
-            }
-          }
           std::erase_if(flushes, [](void* r) {
             if (ucp_request_check_status(r) == UCS_INPROGRESS) return false;
             ucp_request_free(r);
@@ -430,21 +446,10 @@ void ucx_transport::impl::accept_neighbours() {
           });
           return flushes.empty();
         },
-        setup.timeout, [&] {
-          std::string who;
-          for (int j : neighbours)
-            if (const peer_state* p = peer(j); p->accepts && !p->ep)
-              who += fmt::format("{}{}", who.empty() ? "" : ", ", p->name);
-          if (who.empty()) {
-            for (int j : neighbours)
-              if (const peer_state* p = peer(j); p->by_listener) who += fmt::format("{}{}", who.empty() ? "" : ", ", p->name);
-            return fmt::format("{}'s connections with {} to be established (UCX's wire-up through listeners; a peer that "
-                               "stopped or died holds it up)",
-                               self_name, who);
-          }
-          return fmt::format("{} to connect to {}'s listener (it published its addresses; it may have died since, or its "
-                             "UCX cannot reach this rank's address: GOSSIP_UCX_CONNECT=worker or ucx_connect::worker_address avoids listeners)",
-                             who, self_name);
+        std::max(std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()), std::chrono::duration<double>(0)), [&] {
+          return fmt::format("{}'s connections with {} to be established (UCX's wire-up through listeners; a peer that stopped "
+                             "or died holds it up)",
+                             self_name, names([](const peer_state& p) { return p.by_listener; }));
         });
   } catch (...) {
     for (void* r : flushes) ucp_request_free(r);  // UCX completes them when the endpoints close
