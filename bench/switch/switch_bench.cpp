@@ -327,6 +327,8 @@ int report(const std::vector<std::string>& inputs, const std::string& out) {
 
 int main(int argc, char** argv) {
   CLI::App app{"All-reduce through gossip-switch vs the same protocol aggregated by kernel-UDP processes."};
+  app.name("switch_bench");
+  app.option_defaults()->always_capture_default();  // --help shows every default
   app.require_subcommand(1);
   run_options o;
   auto* r = app.add_subcommand("run", "run N workers against the aggregator at --address and write their timings");
@@ -340,14 +342,14 @@ int main(int argc, char** argv) {
   r->add_option("--sizes", o.sizes, "buffer sizes, e.g. 4K 64K 1M 16M 64M");
   r->add_option("--reps", o.reps, "timed repetitions per size (after one warm-up)")->check(gossip::cli::integer_range(1, 1000));
   r->add_option("--netns-prefix", o.netns_prefix, "worker i enters network namespace <prefix><i>");
-  r->add_option("--cpus", o.cpus, "pin worker i to cpus[i % len]");
+  r->add_option("--cpus", o.cpus, "pin worker i to cpus[i % len]")->default_str("");
   r->add_option("--timeout", o.timeout, "seconds before an all-reduce gives up")->check(gossip::cli::number_range(0.001, 86400));
   r->add_option("--rto-ms", o.rto_ms, "first retransmission timeout")->check(gossip::cli::number_range(0.01, 60000));
   r->add_option("-o,--out", o.out, "JSON output");
   std::vector<std::string> inputs;
   std::string out;
   auto* rep = app.add_subcommand("report", "merge run outputs into one table and JSON with speedup_vs_host");
-  rep->add_option("inputs", inputs, "JSON files written by run")->required();
+  rep->add_option("inputs", inputs, "JSON files written by run")->default_str("")->required();
   rep->add_option("-o,--out", out, "merged JSON output");
   std::size_t async_elements = 1000;
   int pushes = 20, fuzz_count = 1000;

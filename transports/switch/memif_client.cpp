@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string_view>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -266,6 +267,28 @@ int run(const options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  CLI::App app{"DPDK workers all-reducing through gossip-switch over net_memif client vdevs (one per worker); checks every sum."};
+  app.name("switch_memif_client");
+  app.option_defaults()->always_capture_default();  // --help shows every default
+  options o;
+  app.add_option("--ip", o.ip, "the switch's IPv4 address");
+  app.add_option("--group", o.group, "sync group id (members = the number of ports)");
+  app.add_option("--chunk", o.chunk, "float32 values per packet (the group's chunk)")->check(gossip::cli::integer_range(1, int{max_chunk}));
+  app.add_option("--window", o.window, "packets in flight per worker (the group's slots)")->check(gossip::cli::integer_range(1, 4096));
+  app.add_option("--elements", o.elements, "floats per all-reduce")->check(gossip::cli::integer_range(1, 1 << 26));
+  app.add_option("--reps", o.reps, "all-reduces")->check(gossip::cli::integer_range(1, 1000));
+  app.add_option("--timeout", o.timeout, "seconds before one all-reduce gives up")->check(gossip::cli::number_range(0.001));
+  app.add_option("--rto-ms", o.rto_ms, "retransmission timeout")->check(gossip::cli::number_range(0.001));
+  app.add_option("--link-wait", o.link_wait, "seconds to wait for the memif links")->check(gossip::cli::number_range(0.0, 3600.0));
+  app.footer(
+      "DPDK's EAL options come first (one net_memif client vdev per worker), then '--', then these;\n"
+      "the comment at the top of transports/switch/memif_client.cpp shows a full command line.\n");
+  // -h/--help before '--' is this program's help, not the EAL's.
+  for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i)
+    if (const std::string_view a = argv[i]; a == "-h" || a == "--help") {
+      fmt::print("{}", app.help());
+      return 0;
+    }
   const int eal = rte_eal_init(argc, argv);
   if (eal < 0) {
     fmt::print(stderr, "switch_memif_client: EAL init failed: {}\n", rte_strerror(rte_errno));
@@ -274,17 +297,6 @@ int main(int argc, char** argv) {
   argc -= eal;
   argv += eal;
   argv[0] = const_cast<char*>("switch_memif_client");
-  CLI::App app{"DPDK workers all-reducing through gossip-switch over net_memif client vdevs (one per worker); checks every sum."};
-  options o;
-  app.add_option("--ip", o.ip, "the switch's IPv4 address");
-  app.add_option("--group", o.group, "sync group id (members = the number of ports)");
-  app.add_option("--chunk", o.chunk, "float32 values per packet (the group's chunk)")->check(gossip::cli::integer_range(1, int{max_chunk}));
-  app.add_option("--window", o.window, "packets in flight per worker (the group's slots)")->check(gossip::cli::integer_range(1, 4096));
-  app.add_option("--elements", o.elements, "floats per all-reduce")->check(gossip::cli::integer_range(1, 1 << 26));
-  app.add_option("--reps", o.reps, "all-reduces")->check(gossip::cli::integer_range(1, 1000));
-  app.add_option("--timeout", o.timeout, "seconds before one all-reduce gives up");
-  app.add_option("--rto-ms", o.rto_ms, "retransmission timeout");
-  app.add_option("--link-wait", o.link_wait, "seconds to wait for the memif links");
   int rc = 0;
   try {
     app.parse(argc, argv);

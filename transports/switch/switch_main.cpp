@@ -68,6 +68,8 @@ int poll_loop(void* arg) {
 int main(int argc, char** argv) {
   using namespace gossip::sw;
   CLI::App app{"DPDK aggregation switch for libgossip (sync all-reduce and async shared aggregate over UDP)."};
+  app.name("gossip-switch");
+  app.option_defaults()->always_capture_default();  // --help shows every default
   dpdk_switch_config cfg;
   std::vector<std::string> group_specs;
   std::vector<std::uint16_t> ports;
@@ -75,8 +77,8 @@ int main(int argc, char** argv) {
   double duration = 0, link_wait = 5;
   app.add_option("--ip", cfg.ip, "the switch's IPv4 address (answered in ARP; requests must be sent to it)");
   app.add_option("--udp-port", cfg.udp_port, "UDP port of the protocol")->check(gossip::cli::integer_range(std::uint16_t{1}, std::uint16_t{65535}));
-  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
-  app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)");
+  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->default_str("")->required();
+  app.add_option("-p,--ports", ports, "ethdev port ids to serve (default: all)")->default_str("");
   app.add_option("--burst", cfg.burst, "rx/tx burst size")->check(gossip::cli::integer_range(1, 64));
   // DPDK wants a pool of at least 1.5 times its per-core cache (256 mbufs).
   app.add_option("--mbufs", cfg.mbufs, "mbufs in the pool (at least 384: 1.5 x the per-core cache of 256)")
@@ -91,7 +93,7 @@ int main(int argc, char** argv) {
       "DPDK's EAL options come first, then '--', then these, e.g.\n"
       "  gossip-switch -l 1 --no-huge -m 512 --no-pci --no-shconf --vdev=net_af_packet0,iface=gsw-s0 -- \\\n"
       "    --ip 10.77.0.1 --group id=1,mode=sync,members=2\n"
-      "The EAL's options: gossip-switch --eal-help");
+      "The EAL's options: gossip-switch --eal-help\n");
   // -h/--help before '--' is this program's help, not the EAL's (--eal-help).
   for (int i = 1; i < argc && std::string_view(argv[i]) != "--"; ++i) {
     const std::string_view a = argv[i];

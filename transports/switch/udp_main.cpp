@@ -34,6 +34,8 @@ namespace signals = gossip::sw::signals;
 int main(int argc, char** argv) {
   using namespace gossip::sw;
   CLI::App app{"Kernel-UDP aggregator running the gossip-switch aggregation code (sync all-reduce and async shared aggregate)."};
+  app.name("gossip-switch-udp");
+  app.option_defaults()->always_capture_default();  // --help shows every default
   std::string bind = "0.0.0.0", stats_path;
   std::uint16_t port = default_port;
   std::vector<std::string> group_specs;
@@ -42,7 +44,7 @@ int main(int argc, char** argv) {
   int cpu = -1;
   app.add_option("--bind", bind, "IPv4 address to listen on");
   app.add_option("--port", port, "UDP port (0: a free one, printed when serving)")->check(gossip::cli::integer_range(std::uint16_t{0}, std::uint16_t{65535}));
-  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->required();
+  app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->default_str("")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
       ->check(gossip::cli::number_range(0.0, 1.0));
   app.add_option("--seed", seed, "seed of the loss injection");
