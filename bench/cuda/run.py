@@ -71,13 +71,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--exe", default=os.path.join(SOURCE_ROOT, "build", "lib", "cuda", "fashion_mnist_cuda"),
                     help="the GPU example (default: build/lib/cuda/fashion_mnist_cuda)")
-    ap.add_argument("--config", default=os.path.join(SOURCE_ROOT, "examples", "01_fashion_mnist", "fashion_mnist.toml"))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--cases", default="iid4,label8", help=f"comma-separated, of {', '.join(CASES)}")
+    ap.add_argument("--config", default=os.path.join(SOURCE_ROOT, "examples", "01_fashion_mnist", "fashion_mnist.toml"),
+                    help="the example's config (default: examples/01_fashion_mnist/fashion_mnist.toml)")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per case (default: 3)")
+    ap.add_argument("--cases", default="iid4,label8", help=f"comma-separated, of {', '.join(CASES)} (default: iid4,label8)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="passed to every run, policy.* to the default run only (repeatable)")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
-    ap.add_argument("--out", default=".", help="directory for cuda.json")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run (default: 600)")
+    ap.add_argument("--out", default=".", help="directory for cuda.json (default: the current one)")
     a = ap.parse_args()
     if not os.access(a.exe, os.X_OK):
         sys.exit(f"bench/cuda: {a.exe} is not an executable; build with CUDA (meson setup -Dcuda=enabled) or pass --exe")

@@ -135,11 +135,11 @@ int main(int argc, char** argv) {
   std::string out_dir = "results";
   bool quick = false;
   int seeds = 0;
-  app.add_option("-c,--config", config_path, "bench config: [policy] is the adaptive policy; [train], [transport], [bench], [baseline]")
+  app.add_option("-c,--config", config_path, "bench config: [policy] is the adaptive policy; [train], [transport], [bench], [baseline] (default: bench/traffic/traffic.toml of the source tree)")
       ->check(CLI::ExistingFile);
   app.add_option("-o,--out", out_dir, "directory for traffic.json and traffic.png (created if missing)")->capture_default_str();
   app.add_flag("--quick", quick, "fewer epochs (the [bench] quick_* settings): a few minutes on 2 cores");
-  app.add_option("--seeds", seeds, "override [bench] seeds")->check(gossip::cli::integer_range(1, 100));
+  app.add_option("--seeds", seeds, "override [bench] seeds (traffic.toml: 3)")->check(gossip::cli::integer_range(1, 100));
   std::vector<std::string> overrides;
   app.add_option("--set", overrides, "section.key=value on top of the config, e.g. --set policy.threshold=0.1 --set train.workers=8");
   CLI11_PARSE(app, argc, argv);
