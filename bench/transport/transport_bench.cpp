@@ -251,15 +251,16 @@ namespace harness = gossip::harness;
 
 int main(int argc, char** argv) {
   CLI::App app{"UCX transport payload throughput against ucx_perftest, and the step cost of a silent engine over UCX."};
+  app.option_defaults()->always_capture_default();  // --help shows every default
   settings s;
   std::vector<std::string> sizes{"64K", "256K", "1M", "4M", "16M", "64M"}, step_sizes;
   std::string check;
   double mib_per_run = 256;
-  app.add_option("--out", s.out, "directory for transport.json")->capture_default_str();
-  app.add_option("--tls", s.tls, "UCX_TLS settings to compare (each runs both sides; default: posix,self and tcp)");
-  app.add_option("--sizes", sizes, "payload sizes in bytes, multiples of 64 (K, M, G suffixes)")->capture_default_str();
-  app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->capture_default_str()->check(gossip::cli::integer_range(1, 50));
-  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->capture_default_str()->check(gossip::cli::number_range(0.0625, 65536.0));
+  app.add_option("--out", s.out, "directory for transport.json");
+  app.add_option("--tls", s.tls, "UCX_TLS settings to compare (each runs both sides; default: posix,self and tcp)")->default_str("");
+  app.add_option("--sizes", sizes, "payload sizes in bytes, multiples of 64 (K, M, G suffixes)");
+  app.add_option("--reps", s.reps, "runs per size and side; the table shows the best")->check(gossip::cli::integer_range(1, 50));
+  app.add_option("--mib-per-run", mib_per_run, "timed payload per run in MiB (N = this / size, clamped)")->check(gossip::cli::number_range(0.0625, 65536.0));
   app.add_option("--min-messages", s.min_messages, "fewest timed messages per run")->check(gossip::cli::integer_range(1, 1000000));
   app.add_option("--max-messages", s.max_messages, "most timed messages per run")->check(gossip::cli::integer_range(1, 1000000));
   app.add_option("--warmup", s.warmup, "warm-up messages per run (both sides)")->check(gossip::cli::integer_range(1, 100000));
@@ -268,22 +269,22 @@ int main(int argc, char** argv) {
   app.add_option("--backlog", s.backlog, "ucx_options::backlog")->check(gossip::cli::integer_range(1, 100000));
   app.add_option("--connect", s.connect, "ucx_options::connect: auto (listeners when UCX_TLS is tcp only), worker (worker addresses) or listener")
       ->check(CLI::IsMember({"auto", "worker", "listener"}))
-      ->capture_default_str();
+      ;
   app.add_option("--wait", s.wait, "how the bench's own loops wait: backoff (as gossip's waits: spin, yield, then 20 us sleeps), yield, sleep or spin")
       ->check(CLI::IsMember({"backoff", "yield", "sleep", "spin"}))
-      ->capture_default_str();
-  app.add_option("--step-elements", step_sizes, "model sizes in floats, multiples of 64 (K, M, G suffixes) for the step cost; default 1M 16M");
+      ;
+  app.add_option("--step-elements", step_sizes, "model sizes in floats, multiples of 64 (K, M, G suffixes) for the step cost; default 1M 16M")->default_str("");
   app.add_option("--steps", s.steps, "timed steps per model size")->check(gossip::cli::integer_range(3, 100000));
-  app.add_option("--perftest", s.perftest, "ucx_perftest executable; none: gossip side only")->capture_default_str();
+  app.add_option("--perftest", s.perftest, "ucx_perftest executable; none: gossip side only");
   bool no_eh = false;
   app.add_flag("--no-perftest-e", no_eh, "skip the second baseline, ucx_perftest -e (peer error handling, as the transport's endpoints)");
   app.add_option("--perftest-test", s.perftest_test, "ucx_perftest test to compare with")
       ->check(CLI::IsMember({"tag_bw", "ucp_am_bw", "stream_bw"}))
-      ->capture_default_str();
-  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->capture_default_str()->check(gossip::cli::number_range(1.0, 3600.0));
+      ;
+  app.add_option("--timeout", s.timeout_s, "bound on every wait, seconds")->check(gossip::cli::number_range(1.0, 3600.0));
   std::string pin = "auto";
   app.add_option("--pin", pin, "CPUs for the sending and receiving side, e.g. 0,1 (the same for both benchmarks); auto: the first two "
-                 "CPUs this process may use (off for --smoke); off")->capture_default_str();
+                 "CPUs this process may use (off for --smoke); off");
   app.add_flag("--smoke", s.smoke, "tiny sizes, one rep, then check the JSON (the meson smoke test)");
   app.add_option("--check", check, "only check an existing transport.json");
   CLI11_PARSE(app, argc, argv);
