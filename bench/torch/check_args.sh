@@ -38,6 +38,8 @@ if compgen -G "$BUILD/python/gossip*.so" >/dev/null; then
   expect 0 "quick — 4 ranks.*1 seed.*250 Mbit/s" "$BUILD" --quick --rate 250 --check-args --out /tmp/unused
   expect 0 "gossip config: --set codec.name=int8 --set policy.name=periodic" "$BUILD" --check-args --set codec.name=int8 --set policy.name=periodic
   expect 1 "unknown codec 'bogus'" "$BUILD" --check-args --set codec.name=bogus
+  expect 0 "gossip config: --set codec.name=\"int8\"" "$BUILD" --check-args --set 'codec.name="int8"'
+  expect 1 "--set value '\[0,' is not one valid TOML value" "$BUILD" --check-args --set 'topology.edges=[0,'
   expect 1 "the default run's gossip config: .*unknown key 'evry' for policy 'periodic'" "$BUILD" --check-args --set policy.name=periodic --set policy.evry=2
   expect 1 "--out /etc/passwd: is a file" "$BUILD" --check-args --out /etc/passwd
   expect 0 "train_limit 128, " "$BUILD" --check-args --train-limit 128 --out /tmp/unused

@@ -14,7 +14,9 @@
 import argparse
 import gzip
 import os
+import re
 import time
+import tomllib
 
 import numpy as np
 import torch
@@ -74,13 +76,17 @@ def tx_bytes(dev):
 
 
 def config_value(text):
-    """A --set value as TOML would read it: integer, float, true/false, else a string."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text, text)
+    """A --set value as the C++ programs' --set reads it: one TOML value (a number,
+    true/false, a quoted string, an array or inline table), else a bare word as a string."""
+    try:
+        parsed = tomllib.loads("v = " + text)
+        if len(parsed) == 1:
+            return parsed["v"]
+    except tomllib.TOMLDecodeError:
+        pass
+    if not text or re.fullmatch(r"[0-9+\-._eE]+", text) or text[0] in "[{\"'" or "\n" in text:
+        raise SystemExit(f"worker: --set value '{text}' is not one valid TOML value (a string with such characters goes in single quotes)")
+    return text
 
 
 def apply_sets(cfg, sets):
