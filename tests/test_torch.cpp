@@ -79,6 +79,39 @@ TEST_CASE("torch_model refuses a parameter it cannot use, naming it") {
     strided.fc1->weight.set_data(torch::zeros({4, 3}).t());  // 3x4, transposed: not contiguous
   }
   DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_model(strided), doctest::Contains("parameter 'fc1.weight' is not contiguous"), gossip::config_error);
+
+  // All or nothing: a refused parameter after good ones leaves the view as it was.
+  two_layers mixed;
+  mixed.fc2->to(torch::kFloat64);
+  std::vector<float> own(3);
+  gossip::model_view view;
+  view.add("own", {own.data(), own.size()});
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::add_parameters(view, mixed, "m."), doctest::Contains("parameter 'm.fc2.weight' is Double"),
+                               gossip::config_error);
+  DOCTEST_CHECK(view.size() == 1);
+  DOCTEST_CHECK(view.guards().empty());
+  struct with_double : torch::nn::Module {
+    torch::Tensor good = register_buffer("good", torch::zeros({3}));
+    torch::Tensor ema = register_buffer("ema", torch::zeros({3}, torch::kFloat64));
+  } d;
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::add_buffers(view, d), doctest::Contains("buffer 'ema' is Double"), gossip::config_error);
+  DOCTEST_CHECK(view.size() == 1);
+
+  // An optimizer that stepped already, one of whose buffers the view cannot
+  // take (fc2.weight's, after fc1's good ones): nothing is registered.
+  two_layers stepped;
+  torch::optim::SGD opt(stepped.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  stepped.fc2->forward(stepped.fc1->forward(torch::ones({5, 4}))).sum().backward();
+  opt.step();
+  for (auto& [key, state] : opt.state()) {
+    auto& sgd = static_cast<torch::optim::SGDParamState&>(*state);
+    if (sgd.momentum_buffer().dim() == 2 && sgd.momentum_buffer().size(0) == 2) sgd.momentum_buffer(torch::zeros({3, 2}).t());
+  }
+  auto net_view = gossip::torch_model(stepped);
+  DOCTEST_CHECK_THROWS_WITH_AS(gossip::torch_momentum(net_view, stepped, opt),
+                               doctest::Contains("the momentum buffer of parameter 'fc2.weight' is not contiguous"), gossip::config_error);
+  for (const auto& t : net_view.tensors()) DOCTEST_CHECK(t.momentum == nullptr);
+  DOCTEST_CHECK(net_view.momentum_guards().empty());
 }
 
 TEST_CASE("torch_momentum registers SGD's buffers, which the optimizer then updates in place") {

@@ -122,17 +122,19 @@ inline std::vector<std::pair<std::string, torch::Tensor>> unique_parameters(cons
 /// names them, after `prefix`; a parameter shared by two submodules once,
 /// under its first name) to `view`.
 inline model_view& add_parameters(model_view& view, const torch::nn::Module& module, const std::string& prefix = "") {
+  model_view staged = view;  // all or nothing: a refused parameter leaves `view` as it was
   std::vector<detail::torch_registration> kept;
   for (const auto& item : detail::unique_parameters(module)) {
     const auto& t = item.second;
     const std::string name = prefix + item.first;
     detail::check_torch_tensor(fmt::format("parameter '{}'", name), t);
-    view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
+    staged.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
     // A weight (dim ≥ 2) is a matrix of size(0) rows, for codecs that factor them.
-    if (t.dim() >= 2 && t.numel() > 0) view.matrix(name, static_cast<std::size_t>(t.size(0)), static_cast<std::size_t>(t.numel() / t.size(0)));
+    if (t.dim() >= 2 && t.numel() > 0) staged.matrix(name, static_cast<std::size_t>(t.size(0)), static_cast<std::size_t>(t.numel() / t.size(0)));
     kept.push_back(detail::registered(fmt::format("parameter '{}'", name), t));
   }
-  detail::guard_registrations(view, std::move(kept));
+  detail::guard_registrations(staged, std::move(kept));
+  view = std::move(staged);
   return view;
 }
 
@@ -143,6 +145,7 @@ inline model_view& add_parameters(model_view& view, const torch::nn::Module& mod
 /// with the parameters: without them every rank evaluates the averaged
 /// weights with running statistics of its own data.
 inline model_view& add_buffers(model_view& view, const torch::nn::Module& module, const std::string& prefix = "") {
+  model_view staged = view;  // all or nothing: a refused buffer leaves `view` as it was
   std::vector<detail::torch_registration> kept;
   std::unordered_set<const void*> seen;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
@@ -159,10 +162,11 @@ inline model_view& add_buffers(model_view& view, const torch::nn::Module& module
       continue;
     }
     detail::check_torch_tensor(fmt::format("buffer '{}'", name), t);
-    view.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
+    staged.add(name, {t.data_ptr<float>(), static_cast<std::size_t>(t.numel())});
     kept.push_back(detail::registered(fmt::format("buffer '{}'", name), t));
   }
-  detail::guard_registrations(view, std::move(kept));
+  detail::guard_registrations(staged, std::move(kept));
+  view = std::move(staged);
   return view;
 }
 
@@ -251,6 +255,16 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
   }
   auto& state = opt.state();
   using state_key = typename std::remove_reference_t<decltype(state)>::key_type;
+  // Buffers the optimizer made already (it stepped before) are checked before
+  // any is created, so that a refused one leaves the optimizer as it was.
+  for (const auto& p : stepped)
+    if (const auto it = state.find(detail::optimizer_state_key<state_key>(p)); it != state.end()) {
+      const auto* s = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get());
+      if (s && s->momentum_buffer().defined())
+        detail::check_torch_tensor(fmt::format("the momentum buffer of parameter '{}'", name_of.at(p.unsafeGetTensorImpl())),
+                                   s->momentum_buffer());
+    }
+  model_view staged = view;  // all or nothing, as add_parameters
   std::vector<std::pair<state_key, const void*>> keys;  // (state key, the buffer registered)
   std::vector<detail::torch_registration> kept;
   for (const auto& p : stepped) {
@@ -265,15 +279,15 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
     const std::string& name = name_of.at(p.unsafeGetTensorImpl());
     const std::string what = fmt::format("the momentum buffer of parameter '{}'", name);
     detail::check_torch_tensor(what, buffer);
-    view.momentum(name, {buffer.data_ptr<float>(), static_cast<std::size_t>(buffer.numel())});
+    staged.momentum(name, {buffer.data_ptr<float>(), static_cast<std::size_t>(buffer.numel())});
     keys.emplace_back(key, buffer.data_ptr());
     kept.push_back(detail::registered(what, buffer));
   }
-  view.momentum_beta(*beta);
+  staged.momentum_beta(*beta);
   // A buffer the optimizer replaced (torch::load(opt, …)) would leave the
   // engine rebuilding one nobody reads; under local momentum the engine
   // leaves the buffers alone, and a replaced one is the optimizer's business.
-  view.momentum_guard([&opt, keys = std::move(keys), kept = std::make_shared<const std::vector<detail::torch_registration>>(std::move(kept))] {
+  staged.momentum_guard([&opt, keys = std::move(keys), kept = std::make_shared<const std::vector<detail::torch_registration>>(std::move(kept))] {
     auto& now = opt.state();
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto it = now.find(keys[i].first);
@@ -284,6 +298,7 @@ inline model_view& torch_momentum(model_view& view, const torch::nn::Module& mod
                                        (*kept)[i].what));
     }
   });
+  view = std::move(staged);
   return view;
 }
 
