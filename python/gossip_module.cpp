@@ -910,6 +910,7 @@ class py_engine {
   // not there. Waits (bounded) for it to go.
   static std::shared_ptr<bootstrap> fresh_rendezvous(const rank_identity& id, std::chrono::duration<double> timeout) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(timeout);
+    std::string cut;  // the last connection rank 0 closed unanswered, while it was replacing its store
     for (;;) {
       auto boot = make_bootstrap(id, timeout);
       try {
@@ -918,12 +919,21 @@ class py_engine {
           return boot;
       } catch (const rendezvous_replaced&) {
         // Rank 0 replaced the store between the two looks: the next client joins the new one.
+      } catch (const timeout_error&) {
+        throw;
+      } catch (const transport_error& e) {
+        // Rank 0 closing the previous Engine's store resets the connections
+        // it has not served yet: after an Engine of its own, this rank asks
+        // the next store. (Before one, a port that closes unanswered is not
+        // a gossip rendezvous, which the error says at once.)
+        if (!had_engine) throw;
+        cut = e.what();
       }
       if (std::chrono::steady_clock::now() >= deadline)
         throw timeout_error(
             had_engine ? fmt::format("gossip.Engine (rank {}): rank 0's rendezvous at {} still serves the previous Engine, which this rank "
-                                     "has left, after {:.1f} s; rank 0 must finish or drop it and build its new Engine too",
-                                     id.rank, boot->where(), timeout.count())
+                                     "has left, after {:.1f} s; rank 0 must finish or drop it and build its new Engine too{}",
+                                     id.rank, boot->where(), timeout.count(), cut.empty() ? "" : fmt::format(" (last: {})", cut))
                        : fmt::format("gossip.Engine (rank {}): the rendezvous at {} serves a job in which this rank has finished or left "
                                      "(another job, or an earlier run's rank 0 still running, on that port); after {:.1f} s it still "
                                      "does: check GOSSIP_MASTER_PORT / MASTER_PORT",
