@@ -40,7 +40,16 @@ using clock = std::chrono::steady_clock;
 constexpr char magic[4] = {'G', 'R', 'V', '4'};
 constexpr std::uint64_t max_blob = 64ull << 20;
 
+constexpr std::size_t max_key = 4096;
+
+void check_key_size(const std::string& key) {
+  if (key.size() > max_key)
+    throw config_error(fmt::format("bootstrap: key '{}…' of {} bytes exceeds the {} byte limit of the rendezvous's keys", key.substr(0, 64),
+                                   key.size(), max_key));
+}
+
 void check_blob_size(const std::string& key, const bootstrap::blob& value) {
+  check_key_size(key);
   if (value.size() > max_blob)
     throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
 }
@@ -296,7 +305,12 @@ struct bootstrap::server {
       if (pfd[1].revents) return;
       if (!(pfd[0].revents & POLLIN)) continue;
       const int c = ::accept(listen_fd, nullptr, nullptr);
-      if (c < 0) continue;
+      if (c < 0) {
+        // Out of descriptors or memory, the pending connection stays and
+        // poll() reports it again at once: wait a little (or for the stop).
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) ::poll(&pfd[1], 1, 50);
+        continue;
+      }
       set_nonblocking(c);
       {
         std::lock_guard lock(conn_mutex);
@@ -350,7 +364,7 @@ struct bootstrap::server {
     std::memcpy(&joined, hdr + 5, 8);
     std::uint32_t klen;
     std::memcpy(&klen, hdr + 13, 4);
-    if (klen > 4096) return;
+    if (klen > max_key) return;
     std::string key(klen, '\0');
     if (recv_all(c, key.data(), klen, clock::now() + idle, idle, stop) != io::ok) return;
     blob reply_value;
@@ -361,8 +375,14 @@ struct bootstrap::server {
     if (op == 'P' || op == 'O') {
       std::uint64_t vlen;
       if (recv_all(c, &vlen, 8, clock::now() + idle, idle, stop) != io::ok || vlen > max_blob) return;
-      blob v(vlen);
-      if (recv_all(c, v.data(), vlen, clock::now() + idle, idle, stop) != io::ok) return;
+      // Grown as the bytes come, so that a header alone (a stranger's, or a
+      // client that died) holds no more than a chunk.
+      blob v;
+      while (v.size() < vlen) {
+        const std::size_t at = v.size(), n = static_cast<std::size_t>(std::min<std::uint64_t>(vlen - at, std::uint64_t{1} << 20));
+        v.resize(at + n);
+        if (recv_all(c, v.data() + at, n, clock::now() + idle, idle, stop) != io::ok) return;
+      }
       if (stranger) {
         status = 'S';
       } else {
@@ -648,8 +668,15 @@ void bootstrap::put_once(const std::string& key, const blob& value, const std::s
 bootstrap::blob bootstrap::get(const std::string& key, const std::string& waiting_for) { return get(key, waiting_for, m_timeout); }
 
 bootstrap::blob bootstrap::get(const std::string& key, const std::string& waiting_for, std::chrono::duration<double> timeout) {
+  check_key_size(key);
   const auto deadline = deadline_after(timeout);
+  // A poll may take this much past the deadline to be answered: the last
+  // one, sent at the deadline, is then not cut short, and one that rank 0
+  // leaves unanswered that long says that rank 0 stalled, not that the key never came.
+  const auto grace = std::min(std::chrono::duration_cast<clock::duration>(std::chrono::seconds(1)),
+                              std::chrono::duration_cast<clock::duration>(timeout));
   for (unsigned i = 0;; ++i) {
+    const bool last = clock::now() >= deadline;
     if (m_server) {
       std::lock_guard lock(m_server->mutex);
       if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
@@ -657,27 +684,28 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
       bool found = false;
       blob b;
       try {
-        b = request('G', key, nullptr, deadline, found);
+        b = request('G', key, nullptr, std::max(deadline, clock::now() + grace), found);
       } catch (const timeout_error&) {
-        // Rank 0 answered this wait's earlier polls: what the wait ran out
-        // on is the key, not rank 0 (the last poll was still unanswered).
+        // Rank 0 answered this wait's earlier polls: it stalled on this one.
         if (i == 0) throw;
         throw timeout_error(fmt::format(
-            "timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}'; rank 0 answered {} polls, the last "
-            "one was still unanswered at the deadline)",
-            timeout.count(), waiting_for, where(), m_rank, key, i));
+            "timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}'; rank 0 answered {} polls, then left "
+            "the last one unanswered for {:.1f} s: is rank 0 stalled or overloaded?)",
+            timeout.count(), waiting_for, where(), m_rank, key, i, std::chrono::duration<double>(grace).count()));
       }
       if (found) return b;
     }
-    if (clock::now() >= deadline)
+    if (last)
       throw timeout_error(fmt::format("timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}')",
                                       timeout.count(), waiting_for, where(), m_rank, key));
     detail::check_interrupt();
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
+    const auto pause = std::chrono::duration_cast<clock::duration>(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
+    std::this_thread::sleep_for(std::min(pause, std::max(deadline - clock::now(), clock::duration::zero())));
   }
 }
 
 std::optional<bootstrap::blob> bootstrap::try_get(const std::string& key) {
+  check_key_size(key);
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
     if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
@@ -689,19 +717,30 @@ std::optional<bootstrap::blob> bootstrap::try_get(const std::string& key) {
   return std::nullopt;
 }
 
+// The store's name of the next barrier called `name`: the name itself the
+// first time, then name#1, name#2, … (a completed barrier's keys stay in the
+// store, and would let a later one of the same name through at once).
+std::string bootstrap::barrier_key(const std::string& name) const {
+  const auto it = m_barriers.find(name);
+  return it == m_barriers.end() ? name : fmt::format("{}#{}", name, it->second);
+}
+
 void bootstrap::barrier(const std::string& name) {
+  const std::string n = barrier_key(name);
   // Two phases, so that rank 0 — which serves the store — returns last and
   // may exit right after without stranding a rank still asking.
-  put(fmt::format("{}/arrive/{}", name, m_rank), blob{});
+  put(fmt::format("{}/arrive/{}", n, m_rank), blob{});
   for (int r = 0; r < m_world; ++r)
-    if (r != m_rank) get(fmt::format("{}/arrive/{}", name, r), fmt::format("rank {} to reach barrier '{}'", r, name));
-  put(fmt::format("{}/ack/{}", name, m_rank), blob{});
+    if (r != m_rank) get(fmt::format("{}/arrive/{}", n, r), fmt::format("rank {} to reach barrier '{}'", r, name));
+  put(fmt::format("{}/ack/{}", n, m_rank), blob{});
   if (m_rank == 0)
-    for (int r = 1; r < m_world; ++r) get(fmt::format("{}/ack/{}", name, r), fmt::format("rank {} to leave barrier '{}'", r, name));
+    for (int r = 1; r < m_world; ++r) get(fmt::format("{}/ack/{}", n, r), fmt::format("rank {} to leave barrier '{}'", r, name));
+  ++m_barriers[name];
 }
 
 void bootstrap::barrier(const std::string& name, std::span<const int> known_dead) {
-  const auto key = [&](const char* phase, int r) { return fmt::format("{}/{}/{}", name, phase, r); };
+  const std::string n = barrier_key(name);
+  const auto key = [&](const char* phase, int r) { return fmt::format("{}/{}/{}", n, phase, r); };
   blob mine(known_dead.size() * sizeof(int));
   if (!mine.empty()) std::memcpy(mine.data(), known_dead.data(), mine.size());
   put(key("arrive", m_rank), mine);
@@ -709,12 +748,13 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
     // Rank 0 decides who is through (it reads its own store); then it waits
     // for this rank's ack before it may exit.
     // Rank 0 may reach the barrier a whole timeout later and then wait its own.
-    (void)get(name + "/done", fmt::format("rank 0 to see every rank at barrier '{}' (or hear that it died)", name), 2 * m_timeout);
+    (void)get(n + "/done", fmt::format("rank 0 to see every rank at barrier '{}' (or hear that it died)", name), 2 * m_timeout);
     try {
       put(key("ack", m_rank), blob{});
     } catch (const transport_error&) {
       // Rank 0 decided and left without waiting: some rank reported this one dead.
     }
+    ++m_barriers[name];
     return;
   }
   // Each rank: arrived (its key is there), or found dead by one that arrived.
@@ -748,16 +788,19 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
     detail::check_interrupt();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(5u + 5u * i, 100u)));
   }
-  put(name + "/done", blob{});
+  put(n + "/done", blob{});
   // Rank 0 stays until every rank that arrived has read "done".
   for (int r = 1; r < m_world; ++r)
     if (arrived[static_cast<std::size_t>(r)]) (void)get(key("ack", r), fmt::format("rank {} to leave barrier '{}'", r, name));
+  ++m_barriers[name];
 }
 
 void bootstrap::pass(const std::string& name) {
   GOSSIP_ASSERT(m_rank != 0, "bootstrap: rank 0 serves the store and cannot pass barrier '{}' early", name);
-  put(fmt::format("{}/arrive/{}", name, m_rank), blob{});
-  put(fmt::format("{}/ack/{}", name, m_rank), blob{});
+  const std::string n = barrier_key(name);
+  put(fmt::format("{}/arrive/{}", n, m_rank), blob{});
+  put(fmt::format("{}/ack/{}", n, m_rank), blob{});
+  ++m_barriers[name];
 }
 
 }  // namespace gossip

@@ -594,6 +594,25 @@ TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank fo
                        timeout_error);
 }
 
+TEST_CASE("bootstrap: a barrier name used again is a new barrier") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  bootstrap b0(0, 2, "127.0.0.1", port, timeout), b1(1, 2, "127.0.0.1", port, timeout);
+  std::atomic<bool> late{false};
+  std::thread rank1([&] {
+    b1.barrier("sync");
+    std::this_thread::sleep_for(300ms);
+    late = true;
+    b1.barrier("sync");  // rank 0 must not be through the second one before this
+  });
+  b0.barrier("sync");
+  b0.barrier("sync");
+  CHECK(late.load());
+  rank1.join();
+  // A key longer than the rendezvous takes is refused by name, not sent.
+  CHECK_THROWS_WITH_AS(b1.put(std::string(5000, 'k'), {}), doctest::Contains("exceeds the 4096 byte limit"), config_error);
+}
+
 TEST_CASE("ucx: UCX_TLS from the environment or a ucx.conf is kept; left unset, sysv is left out") {
   require_ucx();
   // UCX reads ucx.conf when it loads, so each case runs gossip-info (which

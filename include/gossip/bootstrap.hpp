@@ -23,6 +23,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <thread>
 #include <vector>
 
@@ -88,6 +89,10 @@ class bootstrap {
   std::optional<blob> try_get(const std::string& key);
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.
+  /// A name may be used again: the k-th barrier of a name that returned on
+  /// this rank is the k-th on every rank (every rank calls them in the same
+  /// order), and one that threw (a timeout, Ctrl-C) may be called again to
+  /// go on where it stopped. Not thread-safe, as the rest of the class.
   void barrier(const std::string& name);
   /// The same, for ranks that may have lost peers: each arriving rank
   /// publishes the ranks it found dead (`known_dead`, e.g. stats::dead_peers),
@@ -116,6 +121,7 @@ class bootstrap {
  private:
   struct server;
   blob request(char op, const std::string& key, const blob* value, std::chrono::steady_clock::time_point deadline, bool& found);
+  std::string barrier_key(const std::string& name) const;
 
   int m_rank = 0, m_world = 1;
   std::string m_address;
@@ -126,6 +132,7 @@ class bootstrap {
   bool m_contacted = false;          // rank 0 has answered once: a refusal now means it is gone
   std::uint64_t m_store = 0;         // the identity of rank 0's store that answered first (0: none yet)
   std::unique_ptr<server> m_server;  // rank 0 only
+  std::unordered_map<std::string, unsigned> m_barriers;  // barriers of each name this rank got through (or passed)
 };
 
 }  // namespace gossip
