@@ -172,17 +172,29 @@ int main(int argc, char** argv) {
                  "abort: stop every rank when one fails (default); continue: let the survivors finish, exit 0 if they all do, "
                  "and name the dead ranks")
       ->check(CLI::IsMember({"abort", "continue"}));
-  app.add_option("command", command, "the program and its arguments (after --)")->required();
-  app.allow_extras(false);
+  // The program starts at the first argument that is not one of gossip-run's
+  // options (or after '--'): everything from there on is its own, options
+  // that gossip-run also has (-n, --config) included.
+  app.prefix_command();
+  app.name("gossip-run");
+  app.footer("The program and its arguments follow gossip-run's options (after '--' when the program's name starts with '-'):\n"
+             "  gossip-run -n 4 [OPTIONS] [--] program [its arguments...]\n");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    // The program's own options, given without '--', read as gossip-run's.
-    const bool separated = std::find_if(argv + 1, argv + argc, [](const char* a) { return std::string_view(a) == "--"; }) != argv + argc;
-    if (rc != 0 && !separated && !command.empty())
-      note("gossip-run: put the program and its arguments after '--', e.g. gossip-run -n 2 -- {} …\n", command.front());
-    return rc;
+    return app.exit(e);
+  }
+  command = app.remaining();
+  if (!command.empty() && command.front() == "--") command.erase(command.begin());
+  else if (!command.empty() && command.front().starts_with('-')) {  // not gossip-run's, and before any program
+    note("gossip-run: unknown option {}; the program to start and its arguments come after gossip-run's options (or after '--'); "
+         "see gossip-run --help\n",
+         command.front());
+    return 2;
+  }
+  if (command.empty()) {
+    note("gossip-run: no program to start: gossip-run -n N [OPTIONS] [--] program [its arguments...]\n");
+    return 2;
   }
 
   if (master_port == 0) {
