@@ -319,6 +319,27 @@ TEST_SUITE("idx") {
     CHECK(ds.images.size() == 8);
   }
 
+  TEST_CASE("a gzip stream whose checksum does not match is refused, naming the file") {
+    temp_dir dir;
+    const auto img = dir.file("img.gz"), lab = dir.file("lab.gz");
+    write_gz(img, idx_images(0x803, 5, 3, 4, 5 * 3 * 4));
+    write_gz(lab, idx_labels(0x801, 5, five_labels));
+    for (const auto& path : {img, lab}) {
+      // The stream decodes as before; only its CRC-32 (the trailer's first word) is off.
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(-8, std::ios::end);
+      const int c = f.get();
+      f.seekp(-8, std::ios::end);
+      f.put(static_cast<char>(c ^ 0x5a));
+      f.close();
+      const std::string msg = read_error(img, lab);
+      CHECK(msg.find(path) != std::string::npos);
+      CHECK(msg.find("incorrect data check") != std::string::npos);
+      write_gz(img, idx_images(0x803, 5, 3, 4, 5 * 3 * 4));
+      write_gz(lab, idx_labels(0x801, 5, five_labels));
+    }
+  }
+
   TEST_CASE("image and label counts must match") {
     temp_dir dir;
     write_gz(dir.file("img.gz"), idx_images(0x803, 5, 2, 2, 20));

@@ -20,9 +20,14 @@ def main() -> int:
     with open(sys.argv[1]) as f:
         doc = json.load(f)
     styles = {"never": ("tab:gray", "x"), "periodic-1": ("tab:red", "o"), "adaptive": ("tab:green", "*"),
-              "equal-traffic": ("tab:blue", "s"), "local-sgd": ("tab:purple", "D"), "diloco": ("tab:orange", "^")}
+              "equal-traffic": ("tab:blue", "s"), "local-sgd": ("tab:purple", "D"), "diloco": ("tab:orange", "^"),
+              "periodic-qgm": ("tab:cyan", "P"), "staggered-qgm": ("tab:olive", "v")}
     s = doc["summary"]
     baselines = s.get("baselines", {})
+    # A run that sent nothing (never) is drawn a decade below the smallest
+    # run that sent something, on the log axis; every other one where it is.
+    sent = [r["bytes_sent"] for r in doc["runs"] if r["bytes_sent"] > 0]
+    zero_at = (min(sent) if sent else 1e6) / 10
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for role in list(styles) + sorted({r.get("role") for r in doc["runs"]} - set(styles)):
         color, marker = styles.get(role, ("black", "."))
@@ -45,15 +50,15 @@ def main() -> int:
             part = [r for r in runs if r.get("eligible", True) == eligible]
             if not part:
                 continue
-            # never sends zero bytes: draw it at the left edge of the log axis
-            xs = [max(r["bytes_sent"], 1e6) / 1e6 for r in part]
+            xs = [(r["bytes_sent"] or zero_at) / 1e6 for r in part]
             ys = [100 * r["accuracy"] for r in part]
             if eligible:
                 ax.scatter(xs, ys, c=color, marker=marker, s=60, label=label)
-            else:  # overshot the adaptive run's bytes: shown hollow, not compared
-                ax.scatter(xs, ys, facecolors="none", edgecolors=color, marker=marker, s=60, label=f"{role} (overshoot)")
+            else:  # overshot the adaptive run's bytes, or never exchanged: shown hollow, not compared
+                why = "period longer than the run: never exchanges" if b.get("never_exchanges") else "overshoot"
+                ax.scatter(xs, ys, facecolors="none", edgecolors=color, marker=marker, s=60, label=f"{role} ({why})")
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent by all workers (MB, log scale; zero drawn at 1 MB)")
+    ax.set_xlabel(f"bytes sent by all workers (MB, log scale; zero drawn at {zero_at / 1e6:.3g} MB)")
     ax.set_ylabel("test accuracy of the average model (%)")
     delta = s.get("equal_traffic_accuracy_delta_pt")
     sub = f", vs best equal-bytes {delta:+.2f} pt" if delta is not None else ""

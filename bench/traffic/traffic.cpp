@@ -184,6 +184,12 @@ int main(int argc, char** argv) {
           it != base.sections.end() && it->second.has("epochs") && it->second.where("epochs").starts_with("--set"))
         throw config_error(fmt::format("{}: --quick runs [bench] quick_epochs instead; give --set bench.quick_epochs=N (or leave out --quick)",
                                        it->second.where("epochs")));
+      // Likewise train.train_limit, when [bench] quick_train_limit replaces it.
+      if (const auto it = base.sections.find("train"); quick_limit > 0 && it != base.sections.end() && it->second.has("train_limit") &&
+                                                       it->second.where("train_limit").starts_with("--set"))
+        throw config_error(fmt::format("{}: --quick trains on [bench] quick_train_limit = {} samples instead; give --set "
+                                       "bench.quick_train_limit=N (or leave out --quick)",
+                                       it->second.where("train_limit"), quick_limit));
       settings.epochs = static_cast<int>(quick_epochs);
       if (quick_limit > 0) settings.train_limit = static_cast<std::size_t>(quick_limit);
     }
@@ -245,7 +251,7 @@ int main(int argc, char** argv) {
     fmt::print("bench/traffic: Fashion-MNIST ({} train / {} test), {} workers, {} epochs, batch {}, {} data, topology '{}', "
                "protocol '{}', {} Gbit/s links, {} seed(s){}\n",
                data.train.size(), data.test.size(), settings.workers, settings.epochs, settings.batch, partition_label,
-               base.topology.name, base.protocol.name, base.transport.opts.has("bandwidth_gbps") ? to_string(base.transport.opts.values().at("bandwidth_gbps")) : "unlimited",
+               base.topology.name, base.protocol.name, base.transport.opts.has("bandwidth_gbps") && base.transport.opts.real("bandwidth_gbps") > 0 ? to_string(base.transport.opts.values().at("bandwidth_gbps")) : "unlimited",
                n_seeds, quick ? " (quick)" : "");
     fmt::print("{:<14} {:<34} {:>4} {:>12} {:>9} {:>9} {:>9} {:>8}\n", "role", "policy", "seed", "bytes", "messages", "acc-avg", "acc-local", "wall-s");
     std::fflush(stdout);
@@ -360,6 +366,7 @@ int main(int argc, char** argv) {
       int rounds = 0;
       int attempts = 0;
       bool eligible = false;
+      bool never_exchanges = false;  // no period within the run fits the adaptive run's bytes: it would be `never`
     };
     std::vector<baseline_result> baselines;
     for (const auto& role : roles) {
@@ -383,15 +390,21 @@ int main(int argc, char** argv) {
                               variant{.average_every = static_cast<int>(b.every), .average_rounds = avg_rounds,
                                       .outer_lr = role == "diloco" ? outer_lr : 1.0, .outer_momentum = role == "diloco" ? outer_momentum : 0.0}));
         }
-        double bytes = 0;
-        for (auto i : idx) bytes += static_cast<double>(rows[i].bytes_sent) / n_seeds;
-        b.eligible = bytes <= bytes_ad;
+        // Totals over the seeds, in integers: a control that sent exactly the
+        // adaptive run's bytes is "no more", whatever the rounding of a mean.
+        std::uint64_t bytes = 0, bytes_ad_total = 0;
+        for (auto i : idx) bytes += rows[i].bytes_sent;
+        for (auto i : by_role["adaptive"]) bytes_ad_total += rows[i].bytes_sent;
+        // A period longer than the run never exchanges: that is the `never` control, not this one.
+        b.never_exchanges = b.every > steps_per_worker;
+        b.eligible = bytes <= bytes_ad_total && !b.never_exchanges;
         for (auto i : idx) rows[i].eligible = b.eligible;
-        if (b.eligible || b.attempts >= max_attempts) {
+        if (b.eligible || b.never_exchanges || b.attempts >= max_attempts) {
           by_role[role] = idx;
           break;
         }
-        fmt::print("({} every {} sent {:.0f} bytes, more than the adaptive run's {:.0f}: trying every {})\n", role, b.every, bytes, bytes_ad, b.every + 1);
+        fmt::print("({} every {} sent {:.0f} bytes, more than the adaptive run's {:.0f}: trying every {})\n", role, b.every,
+                   static_cast<double>(bytes) / n_seeds, bytes_ad, b.every + 1);
       }
       baselines.push_back(b);
     }
@@ -416,6 +429,7 @@ int main(int argc, char** argv) {
     j["dataset"] = "fashion-mnist";
     j["workers"] = settings.workers;
     j["epochs"] = settings.epochs;
+    j["train_limit"] = settings.train_limit;  // training samples used (0: all)
     j["batch"] = settings.batch;
     j["partition"] = std::string(data::to_string(settings.partition));
     if (settings.partition == data::partition_kind::by_label) j["classes_per_worker"] = settings.classes_per_worker;
@@ -460,7 +474,7 @@ int main(int argc, char** argv) {
     sm["time_reduction"] = 1.0 - wall_ad / wall_p1;
     sm["baselines"] = nlohmann::json::object();
     for (const auto& b : baselines) {
-      nlohmann::json jb = {{"every", b.every}, {"eligible", b.eligible}, {"attempts", b.attempts},
+      nlohmann::json jb = {{"every", b.every}, {"eligible", b.eligible}, {"never_exchanges", b.never_exchanges}, {"attempts", b.attempts},
                            {"bytes_ratio", mean_of(field(b.role, &run_row::bytes_sent)) / bytes_ad},
                            {"accuracy", mean_of(field(b.role, &run_row::accuracy))},
                            {"accuracy_delta_pt", mean_of(deltas(b.role))}, {"accuracy_delta_sigma_pt", sigma_of(deltas(b.role))}};
@@ -488,7 +502,9 @@ int main(int argc, char** argv) {
       fmt::print("  vs {:<14} every {:>4}{}  {:+.2f}{}    ({:.2f}% at {:.2f}x the adaptive bytes{})\n", b.role, b.every,
                  b.rounds ? fmt::format(" ({} rounds)", b.rounds) : std::string(), jb["accuracy_delta_pt"].get<double>(),
                  pm(jb["accuracy_delta_sigma_pt"]), 100 * jb["accuracy"].get<double>(), jb["bytes_ratio"].get<double>(),
-                 b.eligible ? "" : ", overshoots: not compared");
+                 b.eligible           ? ""
+                 : b.never_exchanges ? fmt::format(", longer than the run's {} steps, so it never exchanges: not compared", steps_per_worker)
+                                     : ", overshoots: not compared");
     }
     if (best)
       fmt::print("  equal_traffic_accuracy_delta_pt  {:+.2f}{}    (vs the best equal-bytes baseline, {})\n",
@@ -503,8 +519,10 @@ int main(int argc, char** argv) {
                                           shell_quoted(json_path), shell_quoted(out));
       if (std::system(cmd.c_str()) == 0)
         fmt::print("wrote {}\n", out);
+      else if (std::system("/usr/bin/python3 -c 'import matplotlib' >/dev/null 2>&1") != 0)
+        fmt::print("(no {}: matplotlib is missing: apt-get install python3-matplotlib)\n", out);
       else
-        fmt::print("(no {}: {} failed; apt-get install python3-matplotlib)\n", out, cmd);
+        fmt::print("(no {}: {} failed; its error is above)\n", out, cmd);
     };
     plot("plot_traffic.py", png);
     // The instruments (consensus distance, sends, push-sum weights) of the first seed's runs; threads only.

@@ -100,6 +100,15 @@ class gz_file {
     return got;
   }
 
+  /// After the last byte the header promises: reads on to the end of the
+  /// file (what follows is ignored, as IDX readers do), which is what makes
+  /// zlib check the gzip stream's CRC-32 and length, so that a corrupted file
+  /// is refused, naming it, rather than trained on.
+  void check_to_end(std::size_t done_before, std::string_view what) {
+    unsigned char sink[4096];
+    while (const std::size_t got = read(sink, sizeof sink, done_before, what)) done_before += got;
+  }
+
   /// Why the data stopped early, when zlib knows (e.g. a cut-off gzip stream).
   std::string zlib_detail() {
     int errnum = Z_OK;
@@ -249,6 +258,7 @@ dataset read_idx(const std::string& images_gz, const std::string& labels_gz) {
           fmt::format("'{}': truncated labels: the header promises {} labels ({} bytes), read {} bytes{}",
                       labels_gz, n, n, got, lab.zlib_detail()));
   }
+  lab.check_to_end(8 + std::size_t{n}, "labels");
   for (std::size_t i = 0; i < n; ++i)
     if (ds.labels[i] >= 10)
       throw data_error(fmt::format("'{}': label {} at index {} is out of range (expected 0..9)", labels_gz,
@@ -273,6 +283,7 @@ dataset read_idx(const std::string& images_gz, const std::string& labels_gz) {
           "'{}': truncated images: the header promises {} x {} x {} = {} bytes of pixels, read {}{}",
           images_gz, n, rows, cols, expected, done, img.zlib_detail()));
   }
+  img.check_to_end(16 + expected, "images");
   return ds;
 }
 
@@ -330,8 +341,10 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
   const std::size_t n = ds.size();
   if (workers < 1 || static_cast<std::size_t>(workers) > n)
     throw config_error(
-        fmt::format("cannot partition {} samples among workers = {}: each worker needs at least one sample (workers in 1..{}, or more samples: "
-                    "[train] train_limit)", n, workers, n));
+        n == 0 ? fmt::format("cannot partition an empty training set among workers = {}: the training files hold no samples", workers)
+               : fmt::format("cannot partition {} samples among workers = {}: each worker needs at least one sample (workers in 1..{}, or "
+                             "more samples: [train] train_limit)",
+                             n, workers, n));
   if (n > UINT32_MAX) throw config_error(fmt::format("cannot partition {} samples: indices are 32-bit", n));
 
   std::mt19937_64 rng(seed);
@@ -358,7 +371,8 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
       throw config_error(fmt::format("dirichlet_alpha = {} for a dirichlet partition: expected a finite number of at least 1e-300", alpha));
     const std::size_t min_samples = std::max<std::size_t>(opts.min_samples, 1);
     if (min_samples > n / w_count)
-      throw config_error(fmt::format("dirichlet partition of {} samples among workers = {} with at least {} samples each: too few samples",
+      throw config_error(fmt::format("dirichlet partition of {} samples among workers = {} with at least {} samples each (a batch: [train] "
+                                     "batch): too few samples; raise [train] train_limit, or lower workers or batch",
                                      n, workers, min_samples));
     std::array<std::size_t, 257> start{};
     const auto sorted = sort_by_label(ds, order, start);
@@ -406,7 +420,7 @@ std::vector<std::vector<std::uint32_t>> partition(const dataset& ds, int workers
   if (shards > n)
     throw config_error(
         fmt::format("by_label partition of {} samples into workers * classes_per_worker = {} * {} = {} "
-                    "shards: too few samples",
+                    "shards: too few samples; raise [train] train_limit, or lower workers or classes_per_worker",
                     n, workers, classes_per_worker, shards));
 
   // Stable counting sort by label keeps the shuffled order inside each class.
