@@ -787,3 +787,33 @@ TEST_CASE("model_view::momentum names the tensor it cannot match") {
   CHECK_THROWS_WITH_AS(m.momentum("w", v), "model_view: momentum buffer of tensor 'w' has 3 elements but the tensor has 4", error);
   CHECK_THROWS_WITH_AS(m.momentum("b", v), doctest::Contains("no tensor has that name"), error);
 }
+
+TEST_CASE("model_view refuses a name with a control character and memory not aligned to its values") {
+  std::vector<float> w(4);
+  model_view m;
+  CHECK_THROWS_WITH_AS(m.add(std::string("w\0a", 3), w), doctest::Contains("named 'w\\x00a', with a control character"), error);
+  alignas(float) std::byte raw[5 * sizeof(float)]{};
+  CHECK_THROWS_WITH_AS(m.add(tensor_view{"odd", raw + 1, 4, dtype::f32, memory_kind::host}), doctest::Contains("not aligned to its 4-byte values"),
+                       error);
+  CHECK(m.size() == 0);
+}
+
+TEST_CASE("finish() tries both output files, and writes the one that failed when called again") {
+  namespace fs = std::filesystem;
+  const auto dir = fs::temp_directory_path() / fmt::format("gossip-finish-{}", ::getpid());
+  fs::create_directories(dir);
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "ring");
+  spec.settings.stats_path = (dir / "stats.json").string();
+  spec.settings.trace_path = (dir / "trace.json").string();
+  loopback_fabric fabric(1);
+  toy_model m({4}, 1);
+  engine e(m.view, 0, 1, spec, fabric.endpoint(0));
+  e.step();
+  fs::create_directories(dir / "stats.json");  // the stats path turns into a directory before finish()
+  CHECK_THROWS_WITH_AS(e.finish(), doctest::Contains("cannot write the stats report"), error);
+  CHECK(fs::is_regular_file(dir / "trace.json"));  // written all the same
+  fs::remove(dir / "stats.json");
+  e.finish();
+  CHECK(fs::is_regular_file(dir / "stats.json"));
+  fs::remove_all(dir);
+}

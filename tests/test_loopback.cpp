@@ -360,3 +360,71 @@ TEST_CASE("one endpoint attached by two engines at once is refused") {
   });
   CHECK(message.find("rank 0 is attached twice") != std::string::npos);
 }
+
+TEST_CASE("an engine refused before it attached leaves the rank to the engine that owns it") {
+  // Rank 0's second engine on its endpoint is refused; the first goes on
+  // gossiping with rank 1 as if nothing had happened.
+  loopback_fabric fabric(2);
+  std::vector<engine_stats> stats(2);
+  std::string refused;
+  run_ranks(2, [&](int r) {
+    toy_model m({16}, 1);
+    engine e(m.view, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+    if (r == 0) {
+      toy_model again({16}, 1);
+      try {
+        engine twice(again.view, 0, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(0));
+      } catch (const config_error& ex) {
+        refused = ex.what();
+      }
+    }
+    for (int s = 0; s < 10; ++s) e.step();
+    e.finish(0);
+    stats[static_cast<std::size_t>(r)] = e.stats();
+  });
+  CHECK(refused.find("rank 0 is attached twice") != std::string::npos);
+  for (const auto& s : stats) {
+    CHECK(s.messages_received >= 10);
+    CHECK(s.dead_peers.empty());
+    CHECK(s.dropped == 0);
+  }
+}
+
+TEST_CASE("a send that times out gives its shares back, and the engine takes no more steps") {
+  // Directed ring 0 -> 1 -> 2 -> 0: rank 1 stalls past the timeout at step 5,
+  // so rank 0's post of step 6 (which waits for rank 1 to merge step 5) fails.
+  const int world = 3;
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "edges", "push-sum", 0.5);
+  spec.topology.opts.set("edges", int_list{0, 1, 1, 2, 2, 0});
+  spec.topology.opts.set("directed", true);
+  loopback_fabric fabric(world);
+  double weight_before = 0, weight_after = 0;
+  std::string first, again;
+  run_ranks(world, [&](int r) {
+    toy_model m({4}, 1);
+    engine e(m.view, r, world, spec, fabric.endpoint(r));
+    try {
+      for (int s = 0; s < 12; ++s) {
+        if (r == 1 && s == 5) std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+        if (r == 0) weight_before = e.weight();
+        e.step();
+      }
+      e.finish(0);
+    } catch (const timeout_error& ex) {
+      if (r != 0) return;  // the others find their peers gone or late
+      first = ex.what();
+      weight_after = e.weight();
+      try {
+        e.step();
+      } catch (const error& ex2) {
+        again = ex2.what();
+      }
+    } catch (const error&) {
+    }
+  });
+  CHECK(first.find("to merge step") != std::string::npos);
+  // The step merged rank 2's share, then its own share to rank 1 never left
+  // and came back: more weight than before the step, not half of it.
+  CHECK(weight_after > weight_before);
+  CHECK(again.find("its send of step") != std::string::npos);
+}

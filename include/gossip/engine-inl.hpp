@@ -435,6 +435,10 @@ inline void engine::catch_up(std::uint64_t step, std::size_t& merged) {
 inline step_result engine::step(const step_info& info) {
   if (m_finished) [[unlikely]]
     throw error(fmt::format("engine (rank {}): step() after finish(); this rank has left its peers (train on with new engines on a new transport: over loopback a new loopback_fabric)", m_rank));
+  if (!m_send_failed.empty()) [[unlikely]]
+    throw error(fmt::format("engine (rank {}): {} (the error it threw said why); its peers cannot be sent to in step any more: destroy the "
+                            "engine (its peers then count this rank as failed) and stop, or train on with new engines on a new transport",
+                            m_rank, m_send_failed));
   check_guards();
   // Quasi-global momentum rebuilds the optimizer's buffers from the step's
   // displacement divided by lr: without it the buffers would silently stay local.
@@ -458,6 +462,19 @@ inline void engine::count_send(bool forced, double relative_drift, double lr, st
   m_stats.count_drift_at_send(relative_drift);
   m_stats.lr_at_send_sum += lr;
   m_stats.count_send_window(t);
+}
+
+// A post that threw (a target that made no room within timeout_s, a message
+// the emulated link cannot carry) leaves a send half done: the shares of the
+// targets not posted come back, and the engine takes no more steps.
+inline void engine::send_failed(std::span<const peer> targets, std::size_t at, double share, std::uint64_t t) noexcept {
+  if (m_protocol.type() == protocol::kind::push_sum)
+    for (std::size_t i = at; i < targets.size(); ++i) m_protocol.refund(share);
+  try {
+    m_send_failed = fmt::format("its send of step {} to rank {} failed", t, at < targets.size() ? targets[at].rank : -1);
+  } catch (...) {
+    m_send_failed = "a send failed";
+  }
 }
 
 inline step_result engine::run_step(const step_info& info, bool forced) {
@@ -701,24 +718,31 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       else
         std::memcpy(buf, &h, sizeof h);
       const std::span<const std::byte> msg(buf, sizeof(wire_header) + h.payload_bytes);
-      for (const auto& p : targets) {
-        auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(p.rank)])];
-        if (m_transport.post(p.rank, msg, t) == post_status::ok) {
-          bytes += msg.size();
-          ++sent_to;
-          ps.bytes_sent += msg.size();
-          ps.bytes_raw += msg.size();
-          ++ps.messages_sent;
-          if (m_protocol.type() == protocol::kind::push_sum) {
-            ps.weight_sent += h.weight;
-            ps.weight_unconfirmed += h.weight;
-            ps.last_weight_sent = h.weight;
+      std::size_t posting = 0;
+      try {
+        for (const auto& p : targets) {
+          auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(p.rank)])];
+          if (m_transport.post(p.rank, msg, t) == post_status::ok) {
+            bytes += msg.size();
+            ++sent_to;
+            ps.bytes_sent += msg.size();
+            ps.bytes_raw += msg.size();
+            ++ps.messages_sent;
+            if (m_protocol.type() == protocol::kind::push_sum) {
+              ps.weight_sent += h.weight;
+              ps.weight_unconfirmed += h.weight;
+              ps.last_weight_sent = h.weight;
+            }
+          } else {
+            m_protocol.refund(h.weight);  // the share never left: keep push-sum mass
+            ++ps.dropped;
+            ++m_stats.dropped;
           }
-        } else {
-          m_protocol.refund(h.weight);  // the share never left: keep push-sum mass
-          ++ps.dropped;
-          ++m_stats.dropped;
+          ++posting;
         }
+      } catch (...) {
+        send_failed(targets, posting, h.weight, t);
+        throw;
       }
       m_last_send_step = static_cast<std::int64_t>(t);
       ++m_round;
@@ -972,8 +996,34 @@ inline void engine::flush() {
   m_transport.flush(m_settings.timeout);
 }
 
+// The stats and trace files of finish(): both are tried, whichever fails;
+// a finish() called again after a failure tries the ones that failed again.
+inline void engine::write_outputs() {
+  std::string failed;
+  const auto attempt = [&](bool& pending, auto&& write) {
+    if (!pending) return;
+    try {
+      write();
+      pending = false;
+    } catch (const std::exception& e) {
+      failed += failed.empty() ? e.what() : fmt::format("; {}", e.what());
+    }
+  };
+  attempt(m_stats_pending, [&] { write_stats_file(m_settings.stats_path, stats()); });
+  attempt(m_trace_pending, [&] { write_chrome_trace(m_settings.trace_path, m_rank, m_trace, m_codec.name()); });
+  if (!failed.empty())
+    throw error(fmt::format("engine (rank {}): finished, but {} (call finish() again to write it again)", m_rank, failed));
+}
+
 inline void engine::finish(int rounds) {
-  if (m_finished) return;
+  if (m_finished) {
+    if (m_stats_pending || m_trace_pending) write_outputs();
+    return;
+  }
+  if (!m_send_failed.empty())
+    throw error(fmt::format("engine (rank {}): finish() after {}: it cannot take part in the final rounds; destroy the engine (its peers "
+                            "then count this rank as failed)",
+                            m_rank, m_send_failed));
   check_guards();
   if (rounds == -2) rounds = m_settings.finish_rounds;
   if (rounds < 0) {
@@ -1009,8 +1059,9 @@ inline void engine::finish(int rounds) {
   handle_failures();  // a peer found dead while draining is reported in the stats too
   m_finished = true;
   m_transport.leave();
-  if (!m_settings.stats_path.empty()) write_stats_file(m_settings.stats_path, stats());
-  if (!m_settings.trace_path.empty()) write_chrome_trace(m_settings.trace_path, m_rank, m_trace, m_codec.name());
+  m_stats_pending = !m_settings.stats_path.empty();
+  m_trace_pending = !m_settings.trace_path.empty();
+  write_outputs();
 }
 
 inline const engine_stats& engine::stats() {

@@ -233,6 +233,8 @@ class engine {
  private:
   step_result run_step(const step_info& info, bool forced);
   void count_send(bool forced, double relative_drift, double lr, std::uint64_t t) noexcept;
+  void send_failed(std::span<const peer> targets, std::size_t at, double share, std::uint64_t t) noexcept;
+  void write_outputs();
   std::byte* buffer(int i) noexcept {
     return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_stream_slots * m_message_bytes;
   }
@@ -290,6 +292,8 @@ class engine {
   std::vector<received> m_received;
   std::vector<int> m_peer_index;                // rank → index in m_stats.peers, or −1
   std::vector<trace_event> m_trace;
+  std::string m_send_failed;  // set when a post threw: no more steps (send_failed)
+  bool m_stats_pending = false, m_trace_pending = false;  // finish()'s files still to write (write_outputs)
   inbox m_inbox;
   // A model in device memory: x̂, x_{t−1} and the (pinned) send buffers live
   // in m_device. Destroyed after the transport has left, before the inbox it pins.

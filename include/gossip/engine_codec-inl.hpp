@@ -70,7 +70,15 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     const std::span<const std::byte> msg(msg_buf, sizeof(wire_header) + at);
     m_last_message_bytes = msg.size();
     auto& ps = m_stats.peers[static_cast<std::size_t>(m_peer_index[static_cast<std::size_t>(to)])];
-    if (m_transport.post(to, msg, t) == post_status::ok) {
+    post_status posted;
+    try {
+      posted = m_transport.post(to, msg, t);
+    } catch (...) {
+      m_out_primed[stream] = 0;
+      send_failed(targets, k, share, t);
+      throw;
+    }
+    if (posted == post_status::ok) {
       m_out_primed[stream] = 1;
       // x_s (the snapshot of this send) minus this stream's x̂ is now exactly
       // what the codec left unsent, and this x̂ is what the target holds (the

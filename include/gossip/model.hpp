@@ -7,9 +7,11 @@
 ///
 /// Peers compare layouts (names, element counts, dtypes) when they connect and
 /// refuse to exchange if they differ, naming the first differing tensor.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -101,7 +103,21 @@ class model_view {
   model_view& add(tensor_view t) {
     if (t.name.empty()) throw error(fmt::format("model_view: tensor #{} has an empty name; give every tensor a unique name", m_tensors.size()));
     if (m_index.contains(t.name)) throw error(fmt::format("model_view: tensor name '{}' is used twice; names must be unique", t.name));
+    // Names go into messages, the stats and the trace as they are.
+    if (const auto bad = std::find_if(t.name.begin(), t.name.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; });
+        bad != t.name.end()) {
+      std::string shown;
+      for (const char c : t.name) shown += static_cast<unsigned char>(c) < 0x20 || c == 0x7f ? fmt::format("\\x{:02x}", static_cast<unsigned char>(c)) : std::string(1, c);
+      throw error(fmt::format("model_view: tensor #{} is named '{}', with a control character; give it a printable name", m_tensors.size(), shown));
+    }
     if (t.count > 0 && t.data == nullptr) throw error(fmt::format("model_view: tensor '{}' has {} elements but a null pointer", t.name, t.count));
+    if (t.count > std::numeric_limits<std::size_t>::max() / 2 / dtype_size(t.dtype))
+      throw error(fmt::format("model_view: tensor '{}' has {} elements, more than any memory holds", t.name, t.count));
+    // The passes read whole values: a pointer into the middle of one is a caller's mistake.
+    if (t.count > 0 && reinterpret_cast<std::uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
+      throw error(fmt::format("model_view: tensor '{}' starts at {}, which is not aligned to its {}-byte values; pass the tensor's own "
+                              "storage",
+                              t.name, t.data, dtype_size(t.dtype)));
     // Memory seen twice would be merged twice at every exchange (and overshoot the average).
     if (const auto* r = first_overlap(t.memory, t.data, t.bytes(), npos))
       throw error(r->momentum ? fmt::format("model_view: tensor '{}' shares memory with the momentum buffer of tensor '{}'; register "

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -73,6 +74,7 @@ namespace detail {
 struct loopback_rank {
   std::atomic<std::int64_t> posted{-1};  // last step whose sends are all posted
   std::atomic<std::int64_t> merged{-1};  // last step whose inbound messages were merged
+  std::atomic<bool> claimed{false};      // an engine's transport owns this rank (attach() got past its checks)
   std::atomic<bool> attached{false};
   std::atomic<bool> departed{false};     // left, or killed
   std::atomic<bool> killed{false};
@@ -108,6 +110,7 @@ class loopback_transport {
       depart();
       m_shared = std::move(o.m_shared);
       m_rank = o.m_rank;
+      m_owner = std::exchange(o.m_owner, false);
       m_setup = std::move(o.m_setup);
       m_neighbours = std::move(o.m_neighbours);
       m_reported = std::move(o.m_reported);
@@ -132,15 +135,19 @@ class loopback_transport {
                                      "destroyed), and its peers count it out; a loopback_fabric serves one run: build a new fabric, "
                                      "and new engines on every rank, to train again",
                                      m_rank));
-    if (me.attached.load())
-      throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
-                                     "engine its own rank's endpoint",
-                                     m_rank));
     // Latency alone longer than the timeout fails every message: said now, not at the first send.
     if (m_shared->link.latency_us * 1e-6 > s.timeout.count())
       throw config_error(fmt::format("loopback (rank {}): the emulated latency ({} µs) is longer than the engine's timeout ({} s, [engine] "
                                      "timeout_s); lower latency_us or raise timeout_s",
                                      s.rank, m_shared->link.latency_us, s.timeout.count()));
+    // Claimed once checks no peer needs have passed: an engine refused
+    // before here (or one given another rank's endpoint) leaves the rank to
+    // the engine that owns it, or free for one built again.
+    if (bool free = false; !me.claimed.compare_exchange_strong(free, true))
+      throw config_error(fmt::format("loopback: rank {} is attached twice (two engines on one endpoint of a loopback_fabric); give each "
+                                     "engine its own rank's endpoint",
+                                     m_rank));
+    m_owner = true;
     m_setup = s;
     me.in = s.inbox;
     me.layout = s.layout;
@@ -268,7 +275,7 @@ class loopback_transport {
   /// posted our last step, so what they send us is delivered — and counted —
   /// the same way whatever the thread timing; then stop being waited for.
   void leave() {
-    if (!m_shared) return;
+    if (!m_shared || !m_owner) return;
     auto& me = self();
     const std::int64_t last = me.posted.load();
     if (me.in && !me.departed.load()) {
@@ -290,7 +297,7 @@ class loopback_transport {
   /// Either way the messages of its sources left unmerged in its inbox give
   /// their push-sum weight back to those sources (dead_peers()).
   void abandon() noexcept {
-    if (!m_shared) return;
+    if (!m_shared || !m_owner) return;
     if (!self().departed.load()) self().killed.store(true);
     depart(true);
   }
@@ -353,7 +360,7 @@ class loopback_transport {
   // engine's inbox is still there) it first sums, per source, the weight of
   // the messages left in the inbox unmerged; then peers may report it.
   void depart(bool give_back = false) noexcept {
-    if (!m_shared) return;
+    if (!m_shared || !m_owner) return;  // the rank is another engine's, or nobody's yet
     auto& me = self();
     me.departed.store(true);
     while (me.writers.load() != 0) std::this_thread::yield();
@@ -371,6 +378,7 @@ class loopback_transport {
 
   std::shared_ptr<detail::loopback_shared> m_shared;
   int m_rank = 0;
+  bool m_owner = false;  // this endpoint's attach() claimed the rank
   transport_setup m_setup;
   std::vector<int> m_neighbours;
   std::vector<char> m_reported;
