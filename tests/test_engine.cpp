@@ -261,6 +261,38 @@ TEST_CASE("push-sum over loopback: a rank that leaves steps ahead of its source,
   }
 }
 
+TEST_CASE("push-sum over loopback: mass is exact when ranks finish after different numbers of steps") {
+  // No training: Σ w·z must stay Σ z(0) = 1 + 2 + 3 + 4. A rank that
+  // finishes early takes what its sources sent after its last step with it
+  // (merged as it leaves), rather than handing the shares back to senders
+  // whose models have moved since.
+  const int world = 4;
+  for (const std::vector<int>& steps : {std::vector<int>{0, 10, 10, 10}, std::vector<int>{2, 10, 4, 10}, std::vector<int>{10, 10, 10, 1}})
+    for (const std::uint64_t every : {1, 2}) {
+    CAPTURE(steps);
+    CAPTURE(every);
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      loopback_fabric fabric(world);
+      std::vector<double> weights(world), mass(world);
+      std::vector<double> lost(world);
+      run_ranks(world, [&](int r) {
+        std::vector<float> x(4, static_cast<float>(r + 1));
+        model_view v;
+        v.add("x", x);
+        engine e(v, r, world, spec_of(any_policy(policies::periodic{.every = every}, "periodic"), "exponential"), fabric.endpoint(r));
+        for (int s = 0; s < steps[static_cast<std::size_t>(r)]; ++s) e.step();
+        e.finish();
+        weights[r] = e.weight();
+        mass[r] = e.weight() * x[0];
+        lost[r] = e.stats().lost_weight;
+      });
+      CHECK(std::accumulate(weights.begin(), weights.end(), 0.0) == doctest::Approx(world).epsilon(1e-12));
+      CHECK(std::accumulate(mass.begin(), mass.end(), 0.0) == doctest::Approx(1 + 2 + 3 + 4).epsilon(1e-6));
+      CHECK(std::accumulate(lost.begin(), lost.end(), 0.0) == 0.0);
+    }
+    }
+}
+
 TEST_CASE("engine: same_step_merge and in_flight_makeup count every optimizer step of a push-sum sender in full") {
   // Every rank adds 1 to its model before each step, as an optimizer step
   // would, and gossips at every step. Merged at the next step, each share is

@@ -917,6 +917,13 @@ inline void engine::wait_for_buffer(int i) {
 
 inline std::size_t engine::merge_inbound(std::uint64_t t) {
   const std::size_t n = m_transport.collect(t, m_received);
+  merge_collected(n, t);
+  m_transport.release(t);
+  return n;
+}
+
+// Merges m_received[0, n), which the transport delivered at step t.
+inline void engine::merge_collected(std::size_t n, std::uint64_t t) {
   if (n > 0) {
     if (m_corrected_merge && makeup_pending()) {
       // A corrected merge's estimate starts from z (decode_inbound): make up first.
@@ -974,8 +981,6 @@ inline std::size_t engine::merge_inbound(std::uint64_t t) {
       }
     }
   }
-  m_transport.release(t);
-  return n;
 }
 
 inline bool engine::buffer_busy(int i) noexcept {
@@ -1057,6 +1062,9 @@ inline void engine::finish(int rounds) {
                            m_transport.waiting_on());
       });
   handle_failures();  // a peer found dead while draining is reported in the stats too
+  // What is still in the inbox (sources that went on after this rank's last
+  // step) leaves with this rank, where the transport can hand it over.
+  while (const std::size_t n = m_transport.leftovers(m_received)) merge_collected(n, m_step);
   m_finished = true;
   m_transport.leave();
   m_stats_pending = !m_settings.stats_path.empty();

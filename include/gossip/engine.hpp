@@ -235,6 +235,7 @@ class engine {
   void count_send(bool forced, double relative_drift, double lr, std::uint64_t t) noexcept;
   void send_failed(std::span<const peer> targets, std::size_t at, double share, std::uint64_t t) noexcept;
   void write_outputs();
+  void merge_collected(std::size_t n, std::uint64_t t);
   std::byte* buffer(int i) noexcept {
     return (m_send_base ? m_send_base : m_send_storage.get()) + static_cast<std::size_t>(i) * m_stream_slots * m_message_bytes;
   }

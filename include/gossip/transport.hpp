@@ -230,6 +230,11 @@ class any_transport {
   /// them) sends it now, so that ranks waiting on each other hear it, and
   /// may ask its sources for theirs.
   void waiting() noexcept { m_self->waiting(); }
+  /// Before leave(), where the transport can: stops being written to and
+  /// returns the messages left undelivered in this rank's inbox (at most
+  /// out.size() per call; 0 when none are left), for the engine to merge, so
+  /// that their push-sum mass leaves with this rank (loopback). 0 for the others.
+  std::size_t leftovers(std::span<received> out) { return m_self->leftovers(out); }
 
  private:
   struct concept_t {
@@ -251,6 +256,7 @@ class any_transport {
     virtual std::size_t backlog() const noexcept = 0;
     virtual std::uint64_t peer_model(int) const = 0;
     virtual void waiting() noexcept = 0;
+    virtual std::size_t leftovers(std::span<received>) = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -298,6 +304,12 @@ class any_transport {
     }
     void waiting() noexcept override {
       if constexpr (requires { m_t.waiting(); }) m_t.waiting();
+    }
+    std::size_t leftovers(std::span<received> o) override {
+      if constexpr (requires { m_t.leftovers(o); })
+        return m_t.leftovers(o);
+      else
+        return 0;
     }
     T m_t;
   };

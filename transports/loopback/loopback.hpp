@@ -277,19 +277,38 @@ class loopback_transport {
   void leave() {
     if (!m_shared || !m_owner) return;
     auto& me = self();
-    const std::int64_t last = me.posted.load();
-    if (me.in && !me.departed.load()) {
-      for (int j : me.in->sources()) {
-        auto& p = peer(j);
-        try {
-          detail::wait_for([&] { return p.posted.load(std::memory_order_acquire) >= last || p.departed.load(); }, m_setup.timeout,
-                           [&] { return fmt::format("rank {} to finish step {} before rank {} leaves", j, last, m_rank); });
-        } catch (const timeout_error&) {
-          break;  // leaving anyway; the peer will see us gone
-        }
-      }
-    }
+    if (me.in && !me.departed.load()) wait_for_sources(me.posted.load());
     depart(true);
+  }
+
+  /// Before leave(): stops being written to (a later post to this rank is
+  /// refused, and its sender keeps its share) after the same bounded wait as
+  /// leave(), and hands the engine the messages still in its inbox, at most
+  /// out.size() per call, emptying their slots: merged here, their push-sum
+  /// mass leaves with this rank rather than going back to the senders at
+  /// whatever their models have become since (which would not be exact).
+  std::size_t leftovers(std::span<received> out) {
+    if (!m_shared || !m_owner || !self().in) return 0;
+    auto& me = self();
+    if (!me.departed.load()) {
+      wait_for_sources(me.posted.load());
+      me.departed.store(true);
+      while (me.writers.load() != 0) std::this_thread::yield();
+    }
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < me.in->sources().size() && n < out.size(); ++i)
+      for (std::size_t k = 0; k < me.in->depth() && n < out.size(); ++k) {
+        auto& slot = me.in->at(i, k);
+        if (slot.state.load(std::memory_order_acquire) != inbox::full) continue;
+        slot.state.store(inbox::empty, std::memory_order_release);
+        if (slot.bytes < sizeof(wire_header)) continue;
+        wire_header h;
+        std::memcpy(&h, slot.data, sizeof h);
+        if (slot.ready_at > std::chrono::steady_clock::now()) std::this_thread::sleep_until(slot.ready_at);
+        out[n++] = received{me.in->sources()[i], h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof(wire_header)),
+                            h.payload_bytes / sizeof(float)};
+      }
+    return n;
   }
 
   /// The engine goes without finish() (an error, or destroyed early): its
@@ -343,6 +362,19 @@ class loopback_transport {
  private:
   detail::loopback_rank& self() noexcept { return m_shared->ranks[static_cast<std::size_t>(m_rank)]; }
   detail::loopback_rank& peer(int j) noexcept { return m_shared->ranks[static_cast<std::size_t>(j)]; }
+
+  // Bounded: until every live source has posted step `last`.
+  void wait_for_sources(std::int64_t last) {
+    for (int j : self().in->sources()) {
+      auto& p = peer(j);
+      try {
+        detail::wait_for([&] { return p.posted.load(std::memory_order_acquire) >= last || p.departed.load(); }, m_setup.timeout,
+                         [&] { return fmt::format("rank {} to finish step {} before rank {} leaves", j, last, m_rank); });
+      } catch (const timeout_error&) {
+        return;  // leaving anyway; the peer will see us gone
+      }
+    }
+  }
 
   std::chrono::steady_clock::time_point arrival(std::size_t bytes) noexcept {
     const auto now = std::chrono::steady_clock::now();
