@@ -421,6 +421,14 @@ bootstrap::bootstrap(int rank, int world, std::string address, std::uint16_t por
   if (!(timeout.count() > 0)) throw config_error(fmt::format("bootstrap: timeout must be > 0 s, got {}", timeout.count()));
   if (world > 1 && port == 0)
     throw config_error(fmt::format("bootstrap: rank {} of {} needs a rendezvous port (GOSSIP_MASTER_PORT)", rank, world));
+  // A host name or an IP address alone: brackets, a port or spaces would only
+  // fail to resolve later, under a message that hides them.
+  if (world > 1 && (m_address.empty() || m_address.find_first_of(" \t\r\n[]/") != std::string::npos ||
+                    std::count(m_address.begin(), m_address.end(), ':') == 1))
+    throw config_error(fmt::format("bootstrap: rank {}: the rendezvous address \"{}\" ({}) is not a host name or an IP address alone; "
+                                   "give it without brackets, port or spaces (the port is set apart: {})",
+                                   rank, m_address, m_origin.substr(0, m_origin.find(':')),
+                                   m_origin.find(':') != std::string::npos ? m_origin.substr(m_origin.find(':') + 1) : "the port"));
   if (rank != 0) return;
   m_server = std::make_unique<server>();
   if (world == 1) return;  // no one to talk to; the store is used locally

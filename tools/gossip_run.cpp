@@ -50,7 +50,8 @@ void on_signal(int s) {
   if (g_signals < 1000) g_signals = g_signals + 1;
 }
 
-// A port free on `address` (where rank 0 will listen), or 0 with `why` set.
+// A port free on `address` (where rank 0 will listen), or 0 with `why` set
+// (-1 when the address does not resolve).
 int free_port(const std::string& address, std::string& why) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -58,8 +59,8 @@ int free_port(const std::string& address, std::string& why) {
   hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
   addrinfo* res = nullptr;
   if (const int rc = ::getaddrinfo(address.c_str(), "0", &hints, &res); rc != 0) {
-    why = ::gai_strerror(rc);
-    return 0;
+    why = fmt::format("it does not resolve: {}", ::gai_strerror(rc));
+    return -1;
   }
   int port = 0;
   for (addrinfo* a = res; a && port == 0; a = a->ai_next) {
@@ -200,6 +201,10 @@ int main(int argc, char** argv) {
   if (master_port == 0) {
     std::string why;
     master_port = free_port(master_addr, why);
+    if (master_port < 0) {
+      note("gossip-run: --master-addr {}: {}; give a host name or an IP address of this machine\n", master_addr, why);
+      return 1;
+    }
     if (master_port == 0) {
       note("gossip-run: --master-addr {}: no free port there ({}); rank 0 listens on that address, so it must be one of this "
            "machine's, or pass --master-port\n",
