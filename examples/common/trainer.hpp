@@ -597,11 +597,16 @@ run_report train(const config& cfg, const train_settings& s, const datasets& dat
   if (runs_as_processes(cfg)) {
 #if defined(GOSSIP_HAVE_UCX)
     auto boot = std::make_shared<bootstrap>(bootstrap::from_env(base.settings.timeout));
-    if (boot->world() != s.workers)
-      throw config_error(fmt::format("{}: workers = {} but {} processes were started (rank {}); start as many ranks as workers, "
+    if (boot->world() != s.workers) {
+      // Left at its default, the count came from no file: say so, and how to set it.
+      const auto train = cfg.sections.find("train");
+      const bool given = train != cfg.sections.end() && train->second.has("workers");
+      throw config_error(fmt::format("{}: workers = {}{} but {} processes were started (rank {}); start as many ranks as workers, "
                                      "e.g. gossip-run -n {} …",
-                                     s.workers_from.empty() ? cfg.source + " [train]" : s.workers_from, s.workers, boot->world(), boot->rank(),
+                                     s.workers_from.empty() ? cfg.source + " [train]" : s.workers_from, s.workers,
+                                     given ? "" : " (the default: set [train] workers or --set train.workers=N)", boot->world(), boot->rank(),
                                      s.workers));
+    }
     const auto shards = data::partition(data.train, s.workers, s.partition, s.seed, s.partition_opts());
     bootstrap_exchange exchange(boot);
     train_rank(boot->rank(), boot->world(), base, ucx_transport(boot), s, data, shards, detail::steps_per_epoch(cfg, s, shards), exchange, report,
