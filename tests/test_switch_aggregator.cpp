@@ -229,6 +229,43 @@ TEST_CASE("sync duplicate to a completed slot returns the stored result to that 
   CHECK(log.all.size() == 2);
 }
 
+TEST_CASE("sync: a late copy of a share whose result the worker had changes nothing, however the slot's sets stand") {
+  // One slot, three members: chunk 0 on set 0 completes, then worker 0 goes on
+  // to chunk 1 on set 1 and a late copy of its chunk 0 arrives.
+  aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 3, .chunk = 1, .slots = 1}});
+  reply_log log;
+  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
+    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
+                                     .sequence = 1},
+                       {v});
+  };
+  const auto a0 = share(0, 0, 0, 1);
+  CHECK(agg.handle(a0, log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(1, 0, 0, 2), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(2, 0, 0, 4), log.sink()) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 3);
+  CHECK(values_of(log.all[0].second) == std::vector<float>{7});
+  const auto a1 = share(0, 1, 1, 10);
+  CHECK(agg.handle(a1, log.sink()) == drop_reason::accepted);
+  log.all.clear();
+  CHECK(agg.handle(a0, log.sink()) == drop_reason::accepted);  // the late copy: answered with chunk 0's result, nothing restarted
+  REQUIRE(log.all.size() == 1);
+  CHECK((log.all[0].first == 0 && header_of(log.all[0].second).chunk == 0 && values_of(log.all[0].second) == std::vector<float>{7}));
+  log.all.clear();
+  CHECK(agg.handle(a1, log.sink()) == drop_reason::accepted);  // worker 0 retransmits chunk 1: still counted once
+  CHECK(agg.handle(share(1, 1, 1, 20), log.sink()) == drop_reason::accepted);
+  CHECK(log.all.empty());  // worker 2 has not given its share of chunk 1
+  CHECK(agg.handle(share(2, 1, 1, 40), log.sink()) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 3);
+  for (const auto& [w, r] : log.all) CHECK(values_of(r) == std::vector<float>{70});
+  // The slot goes on: chunk 2 on set 0 completes with everyone's share.
+  log.all.clear();
+  for (std::uint16_t w = 0; w < 3; ++w) CHECK(agg.handle(share(w, 0, 2, static_cast<float>(w + 1)), log.sink()) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 3);
+  CHECK(values_of(log.all[0].second) == std::vector<float>{6});
+  CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::slot_conflict)] == 0);
+}
+
 TEST_CASE("async applies each delta exactly once under duplication and loss") {
   const std::uint64_t n = 1000;
   aggregator agg({group_config{.id = 2, .mode = group_mode::async, .members = 3, .chunk = 256, .elements = n}});
@@ -374,6 +411,67 @@ TEST_CASE("async: a switch that holds no session of a member asks it to rejoin, 
   h.sequence = 2;
   CHECK(agg.handle(make_packet(h, std::vector<float>(4, 3.0f)), log.sink()) == drop_reason::stale_session);
   CHECK(log.all.empty());
+}
+
+TEST_CASE("async: a switch restarted during a member's first delta asks it to join again once it is past that delta") {
+  // The old switch applied chunk 0 of the first delta and then restarted: this
+  // one gets chunk 1 of that delta (a join, sequence 1) and then the second
+  // delta, whose chunk 0 it has never seen.
+  const group_config g{.id = 2, .mode = group_mode::async, .members = 1, .chunk = 2, .elements = 4};
+  aggregator agg({g});
+  reply_log log;
+  packet_header h{.type = packet_type::async_delta, .group = 2, .worker = 0, .chunk = 1, .sequence = 1, .session = 5};
+  CHECK(agg.handle(make_packet(h, {1, 1}), log.sink()) == drop_reason::accepted);
+  h.sequence = 2;
+  CHECK(agg.handle(make_packet(h, {1, 1}), log.sink()) == drop_reason::accepted);  // chunk 1: its second delta
+  h.chunk = 0;
+  log.all.clear();
+  CHECK(agg.handle(make_packet(h, {1, 1}), log.sink()) == drop_reason::unknown_session);  // chunk 0: the first delta is lost here
+  REQUIRE(log.all.size() == 1);
+  const auto r = header_of(log.all[0].second);
+  CHECK((r.type == packet_type::async_rejoin && r.session == 5 && r.sequence == 2 && r.chunk == 0));
+  // The member joins again with everything it sent (2 per value): S is exact.
+  h.session = 6, h.sequence = 1;
+  for (std::uint32_t c : {0u, 1u}) {
+    h.chunk = c;
+    CHECK(agg.handle(make_packet(h, {2, 2}), log.sink()) == drop_reason::accepted);
+  }
+  for (float v : agg.async_sum(2)) CHECK(v == 2.0f);
+}
+
+TEST_CASE("async: a late copy of a session that left, or was evicted, never takes the member from its current session") {
+  aggregator agg({group_config{.id = 2, .mode = group_mode::async, .members = 2, .chunk = 2, .elements = 2, .idle_s = 10}});
+  reply_log log;
+  const auto delta = [](std::uint16_t w, std::uint32_t session, std::uint32_t seq, float v) {
+    return make_packet(packet_header{.type = packet_type::async_delta, .group = 2, .worker = w, .chunk = 0, .sequence = seq, .session = session},
+                       {v, v});
+  };
+  const auto leave = [](std::uint16_t w, std::uint32_t session) {
+    const packet_header l{.type = packet_type::async_leave, .group = 2, .worker = w, .session = session};
+    std::vector<std::byte> p(sizeof l);
+    std::memcpy(p.data(), &l, sizeof l);
+    return p;
+  };
+  agg.advance(0);
+  CHECK(agg.handle(delta(1, 900, 1, 6), log.sink()) == drop_reason::accepted);
+  const auto first = delta(0, 100, 1, 3);
+  CHECK(agg.handle(first, log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(leave(0, 100), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(delta(0, 200, 1, 6), log.sink()) == drop_reason::accepted);
+  for (float v : agg.async_sum(2)) CHECK(v == 12.0f);
+  agg.advance(5);
+  CHECK(agg.handle(first, log.sink()) == drop_reason::stale_session);  // session 100 left: a late copy
+  for (float v : agg.async_sum(2)) CHECK(v == 12.0f);
+  CHECK(agg.handle(delta(0, 200, 2, 1), log.sink()) == drop_reason::accepted);  // the current session goes on
+  // Worker 1 is evicted (silent past idle_s), joins again as 901; a late copy of 900 is stale too.
+  agg.advance(12);
+  CHECK(agg.handle(delta(0, 200, 3, 1), log.sink()) == drop_reason::accepted);
+  agg.advance(16);
+  CHECK(agg.handle(delta(1, 900, 2, 1), log.sink()) == drop_reason::evicted);
+  CHECK(agg.handle(delta(1, 901, 1, 7), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(delta(1, 900, 1, 6), log.sink()) == drop_reason::stale_session);
+  for (float v : agg.async_sum(2)) CHECK(v == 15.0f);  // 6 + 1 + 1 (worker 0) and 7 (worker 1)
+  CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::session_conflict)] == 0);
 }
 
 TEST_CASE("async: a member silent past idle_s is evicted from S; its session is asked to rejoin, and S is exact again") {

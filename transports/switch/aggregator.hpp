@@ -19,7 +19,10 @@
 /// the stored result is sent again to that worker only (its result was lost),
 /// otherwise it is ignored. A contribution to set v clears the worker's bit in
 /// set 1 − v: it proves the worker holds the result of that set, so the shadow
-/// copy can be reused once every member moved on.
+/// copy can be reused once every member moved on. A late copy of a share of
+/// a completed set's chunk (or of an older one) from a worker that moved on
+/// is answered with the stored result (if the chunk is the set's) and changes
+/// nothing: it neither starts the set again nor touches the other set.
 ///
 /// Async groups (shared aggregate): S holds, per chunk, the sum of every
 /// member's last-sent model, and the switch keeps each member's part of it
@@ -41,13 +44,18 @@
 ///    must have sequence 1: the member's old part is taken out as by a leave
 ///    (a worker that died without leaving is replaced), its sequence numbers
 ///    restart at 1. Any other delta of a foreign session — a late packet of a
-///    session that left or was replaced — is dropped (stale_session). A leave
+///    session that left or was replaced — is dropped (stale_session), and so
+///    is any packet, its first delta included, of one of the member's last
+///    four sessions that left or were evicted before another took it. A leave
 ///    is answered always (it is idempotent) and acts only on the current session.
 ///    A delta with sequence > 1 from a member of which the switch has seen no
 ///    session at all means the switch lost its state (it was restarted while
 ///    the member was joined): it is not applied (unknown_session) and answered
 ///    with async_rejoin, so that the member joins again as a new session whose
-///    first delta is everything it had sent (see client.hpp).
+///    first delta is everything it had sent (see client.hpp). So is a delta
+///    with sequence > 1 for a chunk of which the member's current session has
+///    no delta here: the switch restarted while that session's first delta
+///    was under way, and took the rest of it as a join.
 ///  - async: a member silent for longer than the group's idle_s (advance()
 ///    tells the aggregator the time) is evicted: its part is taken out of S as
 ///    by a leave, so the average is over the members still training. A later
@@ -408,7 +416,16 @@ class aggregator {
     std::uint32_t displaced_id = 0;  // this one,
     double displaced_at = 0;     // at this advance() time
     bool conflict = false;       // the displaced one spoke later: refuse the current one once
+    // The last sessions that left or were evicted before another took the
+    // member: such a session never sends again (a process that left is gone;
+    // an evicted one joins again as a new session), so a packet of one is a
+    // late copy, and it must not take the member from the current session.
+    std::array<std::uint32_t, 4> ended{};
+    std::uint8_t ended_count = 0, ended_next = 0;
     bool current(std::uint32_t session) const noexcept { return state == joined && id == session; }
+    bool ended_before(std::uint32_t session) const noexcept {
+      return std::find(ended.begin(), ended.begin() + ended_count, session) != ended.begin() + ended_count;
+    }
   };
 
   // Before a packet of `session` is handled for member m: accepted to go on,
@@ -428,6 +445,11 @@ class aggregator {
   // Session `session` takes member m (it was not current).
   void take(member_session& m, std::uint32_t session) noexcept {
     if (m.state == member_session::joined) m.displaced = true, m.displaced_id = m.id, m.displaced_at = m_now;
+    if (m.state == member_session::left || m.state == member_session::evicted) {
+      m.ended[m.ended_next] = m.id;
+      m.ended_next = static_cast<std::uint8_t>((m.ended_next + 1) % m.ended.size());
+      m.ended_count = static_cast<std::uint8_t>(std::min<std::size_t>(m.ended_count + 1u, m.ended.size()));
+    }
     m.id = session;
     m.state = member_session::joined;
   }
@@ -473,6 +495,7 @@ class aggregator {
     auto& m = g.sessions[h.worker];
     if (const auto why = admit(m, h.session); why != drop_reason::accepted) return why;
     if (!m.current(h.session)) {
+      if (m.ended_before(h.session)) return drop_reason::stale_session;
       for (auto& other : g.sets) {
         if (!(other.seen & bit)) continue;
         if (other.complete) other.seen &= ~bit;
@@ -500,7 +523,21 @@ class aggregator {
       }
       return drop_reason::slot_conflict;
     }
-    g.sets[(1 - set) * c.slots + h.slot].seen &= ~bit;
+    auto& shadow = g.sets[(1 - set) * c.slots + h.slot];
+    if (s.used && s.complete && (shadow.seen & bit) &&
+        (h.sequence < s.sequence || (h.sequence == s.sequence && h.chunk <= s.chunk))) {
+      // A late copy of this worker's share of the chunk this set completed
+      // (or of an older one): the worker had the result, since it went on to
+      // the slot's other set (which cleared its bit here). It must neither
+      // start the set again nor touch its share in the other set.
+      ++m_stats.retransmissions_seen;
+      if (h.sequence == s.sequence && h.chunk == s.chunk) {
+        ++m_stats.results_resent;
+        reply(out, acc, s.elements, h.worker, emit);
+      }
+      return drop_reason::accepted;
+    }
+    shadow.seen &= ~bit;
     if (!s.used || s.complete) {
       s = slot_set{.seen = 0, .count = 0, .elements = h.elements, .complete = false, .used = true, .chunk = h.chunk, .sequence = h.sequence};
       std::memcpy(acc, values, h.elements * sizeof(float));
@@ -528,6 +565,7 @@ class aggregator {
     auto& m = g.sessions[h.worker];
     if (const auto why = admit(m, h.session); why != drop_reason::accepted) return why;
     if (!m.current(h.session)) {
+      if (m.ended_before(h.session)) return drop_reason::stale_session;
       const bool evicted = m.state == member_session::evicted && m.id == h.session;
       if (evicted || (h.sequence != 1 && m.state == member_session::none)) {
         packet_header out = h;
@@ -542,7 +580,21 @@ class aggregator {
     }
     m.last_seen = m_now;
     auto& next = g.next_seq[static_cast<std::size_t>(h.worker) * c.chunks() + h.chunk];
-    if (h.sequence > next) return drop_reason::sequence_gap;
+    if (h.sequence > next) {
+      if (next == 1) {
+        // This switch holds nothing of the member's chunk while the member is
+        // past its first delta: it restarted while that first delta (or a
+        // re-join) was under way, and took the rest of it as a join. The
+        // deltas it missed are gone: ask the member to join again (the new
+        // session takes its part out and puts everything back in).
+        packet_header out = h;
+        out.type = packet_type::async_rejoin;
+        out.count = async_joined(c.id);
+        reply(out, nullptr, 0, h.worker, emit);
+        return drop_reason::unknown_session;
+      }
+      return drop_reason::sequence_gap;
+    }
     const std::size_t offset = static_cast<std::size_t>(h.chunk) * c.chunk;
     float* s = g.sum.data() + offset;
     float* part = g.part.data() + static_cast<std::size_t>(h.worker) * c.elements + offset;

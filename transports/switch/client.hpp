@@ -40,6 +40,7 @@
 #include <atomic>
 #include <span>
 #include <string>
+#include <utility>
 #include <string_view>
 #include <vector>
 
