@@ -59,6 +59,7 @@ void write_text(const std::string& path, const std::string& text, const char* wh
   std::ofstream out(path);
   if (!out) throw error(fmt::format("cannot write the {} to '{}' (does the directory exist and is it writable?)", what, path));
   out << text << '\n';
+  out.close();  // a short text sits in the stream's buffer until here: this is where a full disk shows
   if (!out) throw error(fmt::format("writing the {} to '{}' failed (disk full?)", what, path));
 }
 

@@ -94,20 +94,23 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
   stream st;
   std::size_t total = 0;
   for (auto n : sizes) total += n;
-  device_floats x(total + 1);  // +1: tensors start one float in, unaligned for float4
   const auto hx0 = random_floats(total, 1), hx1 = random_floats(total, 2);
-  std::vector<float> padded(total + 1, 0.0f);
-  std::copy(hx0.begin(), hx0.end(), padded.begin() + 1);
-  x.upload(padded);
-
-  std::vector<tensor_slot> slots;
-  std::size_t off = 0;
-  for (auto n : sizes) {
-    slots.push_back({x.p + 1 + off, n, off});
-    off += n;
-  }
+  // pad 0: the tensors at offsets that are multiples of 4 take the float4
+  // path; pad 1: every tensor starts one float in, unaligned, and none does.
+  for (std::size_t pad : {0, 1})
   for (bool measure_step : {false, true}) {
+    CAPTURE(pad);
     CAPTURE(measure_step);
+    device_floats x(total + 1);
+    std::vector<float> padded(total + 1, 0.0f);
+    std::copy(hx0.begin(), hx0.end(), padded.begin() + static_cast<std::ptrdiff_t>(pad));
+    x.upload(padded);
+    std::vector<tensor_slot> slots;
+    std::size_t off = 0;
+    for (auto n : sizes) {
+      slots.push_back({x.p + pad + off, n, off});
+      off += n;
+    }
     device_setup s;
     s.tensors = slots;
     s.elements = total;
@@ -116,7 +119,7 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
     auto backend = cuda::device(st.s, {.transfer = "staged"});
     auto model = backend->make(s);
     model->snapshot(model->send_storage() + sizeof(wire_header));  // x̂ ← x0 (and x_{t-1} ← x0 at setup)
-    std::copy(hx1.begin(), hx1.end(), padded.begin() + 1);
+    std::copy(hx1.begin(), hx1.end(), padded.begin() + static_cast<std::ptrdiff_t>(pad));
     x.upload(padded);
 
     std::vector<tensor_drift> got(sizes.size());
@@ -140,7 +143,7 @@ TEST_CASE("drift kernel matches gossip::drift_pass per tensor, with and without 
     // first pass (else no block would write new sums), partials are added in
     // block order, so Σx̂² repeats bit for bit; with x_{t-1} (= x1 since the
     // first pass) the step is now Σ(x0 − x1)², the first pass's drift.
-    std::copy(hx0.begin(), hx0.end(), padded.begin() + 1);
+    std::copy(hx0.begin(), hx0.end(), padded.begin() + static_cast<std::ptrdiff_t>(pad));
     x.upload(padded);
     std::vector<tensor_drift> again(sizes.size());
     double step_again = -1, drift_before = 0;

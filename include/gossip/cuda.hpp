@@ -26,7 +26,8 @@
 
 namespace gossip::cuda {
 
-/// Empty when a CUDA device can be used here; otherwise why not, e.g.
+/// Empty when a CUDA device can be used here (the current one starts and can
+/// run this build's kernels); otherwise why not, e.g.
 /// "cudaGetDeviceCount failed: cudaErrorInsufficientDriver (CUDA driver version
 /// is insufficient for CUDA runtime version)". For skips and messages.
 std::string unavailable_reason();

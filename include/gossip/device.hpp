@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "gossip/model.hpp"
@@ -39,6 +40,7 @@ struct device_setup {
   /// Non-empty implies measure_step (quasi-global momentum needs x_{t−1}).
   std::span<float* const> momentum;
   float momentum_beta = 0.9f;            ///< β of quasi-global momentum
+  std::span<const std::string> names;    ///< per tensor, for messages (may be empty)
 };
 
 /// One step's quasi-global momentum update, fused into the drift pass (see
@@ -74,6 +76,11 @@ class device_model {
   /// uploads and one merge kernel per batch; returns once the payloads were
   /// read, so their inbox slots can be released.
   virtual void merge(double a, std::span<const double> b, std::span<const received> msgs) = 0;
+  /// After a drift pass found the model not finite and the caller restored the
+  /// model and the optimizer's momentum buffers: x_{t−1} ← x and m̂ ← the
+  /// buffers, as when the model was made, since that pass wrote them from the
+  /// bad values. Returns when done. (A backend without x_{t−1} or m̂ does nothing.)
+  virtual void reseed() {}
 };
 
 /// A factory of device_models: one object per device and stream, shared by the

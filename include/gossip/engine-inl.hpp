@@ -398,10 +398,13 @@ inline void engine::throw_not_finite(std::uint64_t step) const {
 // (and the optimizer's momentum) from before it, as the error says: the
 // engine's own x_{t−1} and quasi-global m̂, written by that step's pass from
 // the bad values, start again from what was restored, as when the engine was
-// built. A device model's backend keeps its own, and is not restored here.
+// built (a device model's backend keeps its own and reseeds them itself).
 inline void engine::reseed_after_not_finite() {
   m_reseed = false;
-  if (m_device) return;
+  if (m_device) {
+    m_device->reseed();
+    return;
+  }
   if (!m_prev.empty())
     for (const auto& s : m_slots) std::memcpy(m_prev.data() + s.offset, s.data, s.count * sizeof(float));
   if (!m_mhat.empty())
@@ -718,6 +721,12 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       else
         std::memcpy(buf, &h, sizeof h);
       const std::span<const std::byte> msg(buf, sizeof(wire_header) + h.payload_bytes);
+      const auto count_tensor_bytes = [&](std::uint32_t copies) {
+        for (std::size_t i = 0; i < m_slots.size(); ++i) {
+          m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * copies;
+          m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float) * copies;
+        }
+      };
       std::size_t posting = 0;
       try {
         for (const auto& p : targets) {
@@ -741,6 +750,12 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
           ++posting;
         }
       } catch (...) {
+        // What the earlier posts delivered counts in the totals and tensors[]
+        // as in peers[] (the record stage below, which adds them, is skipped).
+        m_stats.bytes_sent += bytes;
+        m_stats.bytes_raw += bytes;
+        m_stats.messages_sent += sent_to;
+        count_tensor_bytes(sent_to);
         send_failed(targets, posting, h.weight, t);
         throw;
       }
@@ -748,10 +763,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       ++m_round;
       m_last_send_time = t0;
       if (sent_to > 0) {
-        for (std::size_t i = 0; i < m_slots.size(); ++i) {
-          m_stats.tensors[i].bytes_sent += m_slots[i].count * sizeof(float) * sent_to;
-          m_stats.tensors[i].bytes_raw += m_slots[i].count * sizeof(float) * sent_to;
-        }
+        count_tensor_bytes(sent_to);
         bytes_raw = bytes;
         count_send(forced, result.relative_drift, info.lr, t);
         result.sent = true;
@@ -795,7 +807,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   // Sends always; of the skips, the first and every trace_skips_every-th after it.
   const bool trace_skip = !result.sent && m_skips_seen++ % static_cast<std::uint64_t>(m_settings.trace_skips_every) == 0;
   if (m_trace.capacity() > m_trace.size() && (result.sent || trace_skip)) {
-    m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t0 - m_start).count(),
+    m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t1 - m_start).count(),
                                   std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
                                   static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, bytes_raw, static_cast<float>(info.lr),
                                   static_cast<float>(w), static_cast<float>(m_consensus)});
@@ -875,6 +887,7 @@ inline void engine::attach_device(const device_backend& backend, bool transport_
   s.measure_step = m_policy.wants_step_change() || m_device_qgm;
   s.transport_takes_device_memory = transport_takes_device_memory;
   s.max_merge = m_received.size();
+  s.names = m_tensor_names;
   const auto sources = m_inbox.sources().size();
   if (sources > 0)
     s.inbox = {m_inbox.at(0, 0).data, sources * m_inbox.depth() * m_inbox.message_bytes()};  // slots are contiguous

@@ -75,6 +75,11 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
       posted = m_transport.post(to, msg, t);
     } catch (...) {
       m_out_primed[stream] = 0;
+      // What the earlier posts delivered counts in the totals as in peers[]
+      // and tensors[] (the step's record stage, which adds them, is skipped).
+      m_stats.bytes_sent += bytes;
+      m_stats.bytes_raw += raw;
+      m_stats.messages_sent += sent_to;
       send_failed(targets, k, share, t);
       throw;
     }

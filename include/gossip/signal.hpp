@@ -29,7 +29,8 @@ struct signal {
   std::uint64_t bytes_per_send = 0;    ///< bytes one firing posts (all its peers)
   /// This rank's estimate of the relative consensus distance ‖x_i − x̄‖²/‖x̄‖²,
   /// from the models it received (half their mean squared distance to the local
-  /// model at merge time, smoothed); NaN until something was received.
+  /// model at merge time, smoothed); NaN until something was received, and
+  /// always for a model in device memory (the merge kernel does not measure it).
   double consensus = std::numeric_limits<double>::quiet_NaN();
   double weight = 1;                   ///< push-sum weight (1 for other protocols)
   int rank = 0, world = 1;             ///< this rank and the number of ranks

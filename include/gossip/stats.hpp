@@ -145,8 +145,8 @@ struct engine_stats {
 /// One decision, as recorded in the trace.
 struct trace_event {
   std::uint64_t step = 0;
-  double t_us = 0;         ///< since the engine was built
-  double dur_us = 0;       ///< time the step's send took
+  double t_us = 0;         ///< when the step decided (after its merge), since the engine was built
+  double dur_us = 0;       ///< time the step's decision and send took
   float value = 0, threshold = 0;
   gossip::reason why = reason::never;
   bool sent = false;

@@ -16,6 +16,18 @@ namespace {
 
 using detail::block_desc;
 
+// A kernel launch reports errors through cudaGetLastError, which also returns
+// an error left by an earlier call that nobody checked (the training loop's
+// own launch, say): take that one first and say whose it is, so it is not
+// blamed on the engine's kernel.
+void check_pending(const char* what, int rank) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw error(fmt::format("libgossip CUDA backend (rank {}): before the {}, an earlier CUDA call on this thread had failed unchecked: {} "
+                            "({}); check the return codes of the training loop's CUDA calls (cudaGetLastError after its kernels)",
+                            rank, what, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
 void check(cudaError_t e, const char* what, int rank) {
   if (e != cudaSuccess)
     throw error(fmt::format("libgossip CUDA backend (rank {}): {} failed: {} ({}); check that the model's tensors are device memory of "
@@ -27,9 +39,18 @@ void check(cudaError_t e, const char* what, int rank) {
 // stepped from threads that selected another device).
 class device_guard {
  public:
-  explicit device_guard(int device) {
+  /// rank >= 0: a failure to select the device throws, naming the rank;
+  /// rank < 0 (teardown): best effort.
+  device_guard(int device, int rank) {
     cudaGetDevice(&m_saved);
-    if (m_saved != device) cudaSetDevice(device);
+    if (m_saved == device) return;
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess && rank >= 0) {
+      (void)cudaGetLastError();
+      throw error(fmt::format("libgossip CUDA backend (rank {}): cudaSetDevice({}) failed: {} ({}); the backend's device (gossip::cuda::"
+                              "device_options::device) must be visible to this process (CUDA_VISIBLE_DEVICES) and usable",
+                              rank, device, cudaGetErrorName(e), cudaGetErrorString(e)));
+    }
   }
   ~device_guard() {
     int now = -1;
@@ -43,20 +64,53 @@ class device_guard {
   int m_saved = 0;
 };
 
+// Tensors and momentum buffers must be device memory of the backend's device
+// (or managed memory): a kernel on another device would read them over the
+// interconnect, or fault and take the whole CUDA context with it.
+void check_placement(const void* p, std::size_t count, const std::string& what, int rank, int device) {
+  if (count == 0) return;
+  cudaPointerAttributes a{};
+  const cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw config_error(fmt::format("libgossip CUDA backend (rank {}): {} at {} is not memory CUDA knows ({}); a model in device memory "
+                                   "takes pointers from cudaMalloc (or a framework's CUDA tensors)",
+                                   rank, what, p, cudaGetErrorName(e)));
+  }
+  if (a.type == cudaMemoryTypeManaged) return;
+  if (a.type != cudaMemoryTypeDevice)
+    throw config_error(fmt::format("libgossip CUDA backend (rank {}): {} at {} is host memory, not device memory; add it with "
+                                   "memory_kind::host (and no device backend), or allocate it with cudaMalloc on device {}",
+                                   rank, what, p, device));
+  if (a.device != device)
+    throw config_error(fmt::format("libgossip CUDA backend (rank {}): {} lives on CUDA device {} but the backend's device is {}; pass "
+                                   "device_options::device = {} to gossip::cuda::device (or make device {} current before calling it)",
+                                   rank, what, a.device, device, a.device, a.device));
+}
+
 class cuda_model final : public device_model {
  public:
   cuda_model(const device_setup& s, cudaStream_t stream, int device, bool direct, int merge_batch)
       : m_rank(s.rank), m_stream(stream), m_device(device), m_direct(direct), m_elements(s.elements),
         m_storage_bytes(static_cast<std::size_t>(s.send_buffers) * s.message_bytes) {
-    const device_guard g(m_device);
+    const device_guard g(m_device, m_rank);
     try {
+      check_pending("engine's setup", m_rank);
+      m_merge_batch = static_cast<std::size_t>(std::clamp(merge_batch, 1, detail::max_merge_sources));
+      m_merge_batch = std::min(m_merge_batch, std::max<std::size_t>(s.max_merge, 1));
       std::vector<block_desc> blocks;
       std::vector<std::uint32_t> first;
       for (std::size_t t = 0; t < s.tensors.size(); ++t) {
         first.push_back(static_cast<std::uint32_t>(blocks.size()));
         const auto& slot = s.tensors[t];
         float* momentum = t < s.momentum.size() ? s.momentum[t] : nullptr;
-        if (momentum) m_qgm = true;
+        const std::string name = t < s.names.size() ? fmt::format("tensor '{}'", s.names[t]) : fmt::format("tensor {}", t);
+        check_placement(slot.data, slot.count, name, m_rank, m_device);
+        if (momentum) {
+          check_placement(momentum, slot.count, "the momentum buffer of " + name, m_rank, m_device);
+          m_momentum.push_back({momentum, slot.offset, slot.count});
+          m_qgm = true;
+        }
         for (std::size_t b = 0; b < slot.count; b += detail::block_elements)
           blocks.push_back({slot.data + b, momentum ? momentum + b : nullptr, slot.offset + b,
                             static_cast<std::uint32_t>(std::min(detail::block_elements, slot.count - b)),
@@ -87,8 +141,6 @@ class cuda_model final : public device_model {
       }
       alloc(m_d_partials, std::max<std::size_t>(m_blocks, 1) * 3 * sizeof(double), "cudaMalloc (partial sums)");
       alloc(m_d_arrivals, std::max<std::uint32_t>(m_tensors, 1) * sizeof(std::uint32_t), "cudaMalloc (block arrivals)");
-      m_merge_batch = static_cast<std::size_t>(std::clamp(merge_batch, 1, detail::max_merge_sources));
-      m_merge_batch = std::min(m_merge_batch, std::max<std::size_t>(s.max_merge, 1));
       m_d_recv.assign(m_merge_batch, nullptr);
       for (auto& r : m_d_recv) alloc(r, m_elements * sizeof(float), "cudaMalloc (receive buffer)");
       const std::size_t sums_bytes = std::max<std::uint32_t>(m_tensors, 1) * 3 * sizeof(double);
@@ -142,7 +194,8 @@ class cuda_model final : public device_model {
   bool direct() const noexcept override { return m_direct; }
 
   void drift(std::span<tensor_drift> per_tensor, double& step_sq, const momentum_step* qgm) override {
-    const device_guard g(m_device);
+    const device_guard g(m_device, m_rank);
+    check_pending("drift kernel", m_rank);
     detail::qgm_params q{};
     if (qgm && m_d_mhat)
       q = {static_cast<float*>(m_d_mhat), 1.0f - qgm->merge_share, qgm->merge_share * qgm->inv_lr, m_beta, 1.0f - m_beta};
@@ -162,7 +215,8 @@ class cuda_model final : public device_model {
   }
 
   void snapshot(std::byte* payload) override {
-    const device_guard g(m_device);
+    const device_guard g(m_device, m_rank);
+    check_pending("snapshot kernel", m_rank);
     check(detail::launch_snapshot(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<float*>(m_d_ref),
                                   m_direct ? reinterpret_cast<float*>(payload) : nullptr, m_stream),
           "snapshot kernel", m_rank);
@@ -177,15 +231,31 @@ class cuda_model final : public device_model {
       std::memcpy(dst, src, bytes);
       return;
     }
-    const device_guard g(m_device);
+    const device_guard g(m_device, m_rank);
     // Pageable source: cudaMemcpyAsync returns once `src` was read.
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, m_stream), "cudaMemcpyAsync (header)", m_rank);
     wait("cudaEventSynchronize (header)");
   }
 
+  void reseed() override {
+    if (!m_d_prev && !m_d_mhat) return;
+    const device_guard g(m_device, m_rank);
+    check_pending("reseed after a model that was not finite", m_rank);
+    if (m_d_prev)
+      check(detail::launch_snapshot(static_cast<block_desc*>(m_d_blocks), m_blocks, static_cast<float*>(m_d_prev), nullptr, m_stream),
+            "snapshot kernel (x_{t-1}, reseed)", m_rank);
+    if (m_d_mhat)
+      for (const auto& mb : m_momentum)
+        check(cudaMemcpyAsync(static_cast<float*>(m_d_mhat) + mb.offset, mb.data, mb.count * sizeof(float), cudaMemcpyDeviceToDevice,
+                              m_stream),
+              "cudaMemcpyAsync (momentum buffer to m̂, reseed)", m_rank);
+    wait("cudaEventSynchronize (reseed)");
+  }
+
   void merge(double a, std::span<const double> b, std::span<const received> msgs) override {
     if (msgs.empty()) return;
-    const device_guard g(m_device);
+    const device_guard g(m_device, m_rank);
+    check_pending("merge kernel", m_rank);
     for (std::size_t first = 0; first < msgs.size(); first += m_merge_batch) {
       detail::merge_args args{};
       args.a = first == 0 ? static_cast<float>(a) : 1.0f;  // the batches after the first only add their share
@@ -205,13 +275,28 @@ class cuda_model final : public device_model {
   }
 
  private:
-  void alloc(void*& p, std::size_t bytes, const char* what) { check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), what, m_rank); }
+  void alloc(void*& p, std::size_t bytes, const char* what) {
+    const cudaError_t e = cudaMalloc(&p, std::max<std::size_t>(bytes, 1));
+    if (e == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      std::size_t free_bytes = 0, total = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total);
+      (void)cudaGetLastError();
+      throw error(fmt::format("libgossip CUDA backend (rank {}): {} of {:.1f} MiB failed: device {} is out of memory ({:.1f} of {:.1f} MiB "
+                              "free). An engine keeps in device memory x̂, x_{{t-1}} (policies that measure the step, quasi-global "
+                              "momentum), m̂ (quasi-global momentum) and up to merge_batch = {} received models, each the model's size "
+                              "({:.1f} MiB); lower gossip::cuda::device_options::merge_batch, or put fewer ranks on this GPU",
+                              m_rank, what, bytes / 1048576.0, m_device, free_bytes / 1048576.0, total / 1048576.0, m_merge_batch,
+                              m_elements * sizeof(float) / 1048576.0));
+    }
+    check(e, what, m_rank);
+  }
   void wait(const char* what) {
     check(cudaEventRecord(m_done, m_stream), "cudaEventRecord", m_rank);
     check(cudaEventSynchronize(m_done), what, m_rank);
   }
   void release() noexcept {
-    const device_guard g(m_device);
+    const device_guard g(m_device, -1);
     // Nothing of ours may still be in flight on the stream when buffers go.
     if (m_done) {
       if (cudaEventRecord(m_done, m_stream) == cudaSuccess) cudaEventSynchronize(m_done);
@@ -244,6 +329,11 @@ class cuda_model final : public device_model {
   void *m_d_blocks = nullptr, *m_d_first = nullptr, *m_d_ref = nullptr, *m_d_prev = nullptr, *m_d_mhat = nullptr, *m_d_partials = nullptr,
        *m_d_arrivals = nullptr, *m_d_sums = nullptr, *m_storage = nullptr;
   std::vector<void*> m_d_recv;
+  struct momentum_buffer {
+    float* data;
+    std::size_t offset, count;
+  };
+  std::vector<momentum_buffer> m_momentum;  // the optimizer's buffers, for reseed()
   double* m_h_sums = nullptr;
   double* m_sums_target = nullptr;  // where the drift kernel writes: m_h_sums mapped, or m_d_sums
   void* m_inbox = nullptr;
@@ -277,9 +367,32 @@ class cuda_backend final : public device_backend {
   device_options m_options;
 };
 
+// Empty when `device` can run the kernels: its context starts (not
+// prohibited, not out of memory) and the build has code for it.
+std::string kernel_reason(int device) {
+  const device_guard g(device, -1);
+  if (const cudaError_t e = cudaFree(nullptr); e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("CUDA device {} cannot be used: {} ({})", device, cudaGetErrorName(e), cudaGetErrorString(e));
+  }
+  const cudaError_t e = detail::kernel_image_status();
+  if (e == cudaSuccess) return {};
+  (void)cudaGetLastError();
+  int major = 0, minor = 0;
+  (void)cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  (void)cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  (void)cudaGetLastError();
+  return fmt::format("CUDA device {} (compute capability {}.{}) cannot run libgossip_cuda's kernels: {} ({}); this build has code for "
+                     "sm_75, sm_80 and sm_90 and PTX for compute_90 (newer GPUs), which the driver must be recent enough to compile "
+                     "(lib/cuda/meson.build: add the GPU's architecture to cuda_arch_args and rebuild, or update the driver)",
+                     device, major, minor, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
 }  // namespace
 
-std::string unavailable_reason() {
+namespace {
+// Empty when some CUDA device is visible.
+std::string device_count_reason() {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
@@ -289,13 +402,24 @@ std::string unavailable_reason() {
   if (n == 0) return "no CUDA device is visible (check CUDA_VISIBLE_DEVICES)";
   return {};
 }
+}  // namespace
+
+std::string unavailable_reason() {
+  if (auto why = device_count_reason(); !why.empty()) return why;
+  int dev = 0;
+  if (const cudaError_t g = cudaGetDevice(&dev); g != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fmt::format("cudaGetDevice failed: {} ({})", cudaGetErrorName(g), cudaGetErrorString(g));
+  }
+  return kernel_reason(dev);
+}
 
 std::shared_ptr<const device_backend> device(void* stream, device_options options) {
   if (options.transfer != "auto" && options.transfer != "staged" && options.transfer != "direct")
     throw config_error(fmt::format("gossip::cuda::device: transfer '{}' is not one of auto, staged, direct", options.transfer));
   if (options.merge_batch < 1 || options.merge_batch > detail::max_merge_sources)
     throw config_error(fmt::format("gossip::cuda::device: merge_batch {} is outside 1..{}", options.merge_batch, detail::max_merge_sources));
-  if (auto why = unavailable_reason(); !why.empty())
+  if (auto why = device_count_reason(); !why.empty())
     throw error(fmt::format("gossip::cuda::device: no usable CUDA device: {}; run on a machine with an NVIDIA GPU and driver, or keep "
                             "the model in host memory",
                             why));
@@ -310,6 +434,7 @@ std::shared_ptr<const device_backend> device(void* stream, device_options option
                                      "CUDA_VISIBLE_DEVICES)",
                                      dev, count, count - 1));
   }
+  if (auto why = kernel_reason(dev); !why.empty()) throw error(fmt::format("gossip::cuda::device: {}", why));
   return std::make_shared<cuda_backend>(static_cast<cudaStream_t>(stream), dev, std::move(options));
 }
 

@@ -162,4 +162,9 @@ cudaError_t launch_merge(const block_desc* blocks, std::uint32_t n_blocks, const
   return cudaGetLastError();
 }
 
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes a{};
+  return cudaFuncGetAttributes(&a, drift_kernel);
+}
+
 }  // namespace gossip::cuda::detail

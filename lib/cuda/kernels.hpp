@@ -63,4 +63,8 @@ struct merge_args {
 /// x ← a·x + Σ_j b[j]·src[j][offset + i], j < count.
 cudaError_t launch_merge(const block_desc* blocks, std::uint32_t n_blocks, const merge_args& args, cudaStream_t stream);
 
+/// cudaSuccess when the current device can run this library's kernels (the
+/// build holds code for its architecture, or PTX its driver can compile).
+cudaError_t kernel_image_status();
+
 }  // namespace gossip::cuda::detail
