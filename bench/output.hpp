@@ -49,7 +49,20 @@ inline void check_out_file(const std::string& path, std::string_view flag) {
 /// Writes `text` to `path`; an error naming the path when it could not. The
 /// text goes to a temporary file beside it, renamed over `path` once whole:
 /// a full disk never leaves a truncated file nor loses an earlier result.
-inline void write_file(const std::string& path, const std::string& text) {
+/// A symbolic link is written through (its target is replaced), and a path
+/// that is not a regular file (/dev/stdout, a pipe) is written to directly.
+inline void write_file(const std::string& given, const std::string& text) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(given, ec);
+  const std::string path = ec ? given : canonical.string();
+  if (const auto st = fs::status(path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st)) {
+    std::ofstream direct(path);
+    direct << text << '\n';
+    direct.close();
+    if (!direct) throw error(fmt::format("cannot write {} ({})", given, std::strerror(errno)));
+    return;
+  }
   const std::string partial = fmt::format("{}.partial-{}", path, ::getpid());
   std::ofstream out(partial);
   out << text << '\n';

@@ -131,8 +131,8 @@ const std::vector<option_spec>& engine_option_specs() {
 
 const std::vector<option_spec>& loopback_option_specs() {
   static const std::vector<option_spec> specs = {
-      {"bandwidth_gbps", 0.0, "emulated per-rank link bandwidth in Gbit/s (0: unlimited)", "GOSSIP_LOOPBACK_GBPS"},
-      {"latency_us", 0.0, "emulated one-way latency in microseconds", "GOSSIP_LOOPBACK_LATENCY_US"},
+      {"bandwidth_gbps", 0.0, "emulated per-rank link bandwidth in Gbit/s (0: unlimited, else 0.001..1e6)", "GOSSIP_LOOPBACK_GBPS"},
+      {"latency_us", 0.0, "emulated one-way latency in microseconds (0..1e7; 0: none)", "GOSSIP_LOOPBACK_LATENCY_US"},
   };
   return specs;
 }

@@ -67,7 +67,7 @@ void write_text(const std::string& path, const std::string& text, const char* wh
 
 // The per-peer, per-tensor and per-death records, field by field under their own names.
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(peer_stats, rank, bytes_sent, bytes_raw, messages_sent, bytes_received, messages_received, dropped, dead,
-                                   shared_start, weight_sent, weight_unconfirmed)
+                                   shared_start, weight_sent, weight_unconfirmed, last_weight_sent, last_weight_received)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(tensor_stats, name, bytes_sent, bytes_raw, last_diff_sq, max_relative)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(dead_peer, rank, step, seconds, weight_refunded, weight_unconfirmed, weight_estimate)
 
@@ -160,6 +160,7 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
                          {"args",
                           {{"step", e.step},
                            {"reason", to_string(e.why)},
+                           {"outcome", to_string(e.outcome)},
                            {"value", e.value},
                            {"threshold", e.threshold},
                            {"targets", e.targets},

@@ -522,6 +522,11 @@ TEST_CASE("an engine built from a config file reports its components, stats and 
     REQUIRE(tf.good());
     const auto t = nlohmann::json::parse(tf);
     CHECK(t["traceEvents"].size() == 1 + j["steps"].get<std::size_t>() + j["finish_rounds"].get<std::size_t>());
+    // Each decision says what came of it: a send is "sent", a skip the policy chose "not_fired".
+    for (const auto& ev : t["traceEvents"]) {
+      if (ev["ph"] == "M") continue;
+      CHECK(ev["args"]["outcome"] == (ev["name"] == "send" ? "sent" : "not_fired"));
+    }
   }
   fs::remove_all(dir);
 }
@@ -848,4 +853,16 @@ TEST_CASE("finish() tries both output files, and writes the one that failed when
   e.finish();
   CHECK(fs::is_regular_file(dir / "stats.json"));
   fs::remove_all(dir);
+}
+
+TEST_CASE("finish() reports a short output file that the disk refused (the write shows only when the file is closed)") {
+  if (!std::filesystem::exists("/dev/full")) return;  // Linux: every write fails with ENOSPC
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "ring");
+  spec.settings.trace_path = "/dev/full";
+  spec.settings.trace_capacity = 0;  // a few bytes: the stream's buffer holds them until it is closed
+  loopback_fabric fabric(1);
+  toy_model m({4}, 1);
+  engine e(m.view, 0, 1, spec, fabric.endpoint(0));
+  e.step();
+  CHECK_THROWS_WITH_AS(e.finish(), doctest::Contains("writing the trace to '/dev/full' failed"), error);
 }

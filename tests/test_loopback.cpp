@@ -390,6 +390,39 @@ TEST_CASE("an engine refused before it attached leaves the rank to the engine th
   }
 }
 
+TEST_CASE("a send that fails after reaching some of its targets counts what it delivered in the totals as per peer") {
+  // Rank 0 sends to 1 and 2; rank 2 stalls past the timeout, so a post of
+  // rank 0 to rank 2 fails after its post to rank 1 of the same step went through.
+  const int world = 3;
+  auto spec = spec_of(any_policy(policies::periodic{}, "periodic"), "edges", "push-sum", 0.5);
+  spec.topology.opts.set("edges", int_list{0, 1, 0, 2, 1, 0, 2, 1});
+  spec.topology.opts.set("directed", true);
+  loopback_fabric fabric(world);
+  std::uint64_t bytes = 0, messages = 0, peer_bytes = 0, peer_messages = 0, tensor_bytes = 0;
+  bool threw = false;
+  run_ranks(world, [&](int r) {
+    toy_model m({4, 3}, 1);
+    engine e(m.view, r, world, spec, fabric.endpoint(r));
+    try {
+      for (int s = 0; s < 10; ++s) {
+        e.step();
+        if (r == 2 && s == 3) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      }
+    } catch (const error&) {
+      threw = threw || r == 0;
+    }
+    if (r != 0) return;
+    const auto& st = e.stats();
+    bytes = st.bytes_sent, messages = st.messages_sent;
+    for (const auto& p : st.peers) peer_bytes += p.bytes_sent, peer_messages += p.messages_sent;
+    for (const auto& t : st.tensors) tensor_bytes += t.bytes_sent;
+  });
+  CHECK(threw);
+  CHECK(messages == peer_messages);
+  CHECK(bytes == peer_bytes);
+  CHECK(tensor_bytes == messages * 7 * sizeof(float));
+}
+
 TEST_CASE("a send that times out gives its shares back, and the engine takes no more steps") {
   // Directed ring 0 -> 1 -> 2 -> 0: rank 1 stalls past the timeout at step 5,
   // so rank 0's post of step 6 (which waits for rank 1 to merge step 5) fails.

@@ -668,12 +668,15 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
   std::uint64_t bytes = 0, bytes_raw = 0;
   std::uint32_t sent_to = 0;
   const double weight_before_send = m_protocol.weight();
+  send_outcome came_of_it = send_outcome::not_fired;
   if (d.send) {
     const int next = m_copies_on_post ? m_current : (m_current + 1) % m_settings.send_buffers;
     if (targets.empty()) {
       ++m_stats.no_live_peer;
+      came_of_it = send_outcome::no_live_peer;
     } else if (!m_copies_on_post && buffer_busy(next) && !await_buffer(next)) {
       ++m_stats.send_busy;
+      came_of_it = send_outcome::send_busy;
     } else if (m_codec.compresses()) {
       // x̂ of the policy: x at this send, uncompressed.
       for (const auto& s : m_slots) std::memcpy(m_codec_snapshot.data() + s.offset, s.data, s.count * sizeof(float));
@@ -810,7 +813,8 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
     m_trace.push_back(trace_event{t, std::chrono::duration<double, std::micro>(t1 - m_start).count(),
                                   std::chrono::duration<double, std::micro>(t2 - t1).count(), static_cast<float>(d.value),
                                   static_cast<float>(d.threshold), d.why, result.sent, sent_to, bytes, bytes_raw, static_cast<float>(info.lr),
-                                  static_cast<float>(w), static_cast<float>(m_consensus)});
+                                  static_cast<float>(w), static_cast<float>(m_consensus),
+                                  result.sent ? send_outcome::sent : came_of_it == send_outcome::not_fired && d.send ? send_outcome::dropped : came_of_it});
   }
   ++(forced ? m_stats.finish_rounds : m_stats.steps);
   m_stats.wait_seconds += std::chrono::duration<double>(t1 - t0).count();

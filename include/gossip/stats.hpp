@@ -69,7 +69,7 @@ struct engine_stats {
   /// no_live_peer, the timings, the weight range, the consensus estimate (and
   /// engine::steps(), the step index, counts both).
   std::uint64_t steps = 0, sends = 0, skips = 0, finish_rounds = 0;
-  std::array<std::uint64_t, reason_count> by_reason{};  ///< indexed by gossip::reason
+  std::array<std::uint64_t, reason_count> by_reason{};  ///< what the policy decided, indexed by gossip::reason ("decisions" in JSON; a firing that sent nothing counts in no_live_peer, send_busy or dropped too)
   std::uint64_t send_busy = 0;     ///< fired, but every send buffer was still on the wire
   std::uint64_t no_live_peer = 0;  ///< fired, but no target was alive
   std::uint64_t bytes_sent = 0, messages_sent = 0, bytes_received = 0, messages_received = 0, dropped = 0;
@@ -143,6 +143,22 @@ struct engine_stats {
 };
 
 /// One decision, as recorded in the trace.
+/// What came of a step's decision: the policy (or finish()) fired and the
+/// model left, it did not fire, or it fired and nothing left, for the reason
+/// named (no target alive, every send buffer still on the wire, every post
+/// dropped by the transport).
+enum class send_outcome : std::uint8_t { sent, not_fired, no_live_peer, send_busy, dropped };
+inline const char* to_string(send_outcome o) noexcept {
+  switch (o) {
+    case send_outcome::sent: return "sent";
+    case send_outcome::not_fired: return "not_fired";
+    case send_outcome::no_live_peer: return "no_live_peer";
+    case send_outcome::send_busy: return "send_busy";
+    case send_outcome::dropped: return "dropped";
+  }
+  return "?";
+}
+
 struct trace_event {
   std::uint64_t step = 0;
   double t_us = 0;         ///< when the step decided (after its merge), since the engine was built
@@ -156,6 +172,7 @@ struct trace_event {
   float lr = 0;          ///< learning rate the caller reported
   float weight = 1;      ///< push-sum weight after the step
   float consensus = 0;   ///< consensus-distance estimate (NaN: none yet)
+  send_outcome outcome = send_outcome::not_fired;  ///< `why` is what the policy decided; this, what came of it
 };
 
 /// Writes the report to `path` (throws gossip::error naming the path on failure).

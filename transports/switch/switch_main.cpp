@@ -163,8 +163,10 @@ int main(int argc, char** argv) {
     }
     const auto report = sw.report(std::chrono::duration<double>(std::chrono::steady_clock::now() - args.start).count());
     std::fputs(report.text().c_str(), stderr);
-    if (!stats_path.empty() && !report.write_json(stats_path))
+    if (!stats_path.empty() && !report.write_json(stats_path)) {
       fmt::print(stderr, "gossip-switch: cannot write {}: {}\n", stats_path, std::strerror(errno));
+      rc = 1;
+    }
     sw.stop();
     sw.park_for_exit();
   } catch (const std::exception& e) {

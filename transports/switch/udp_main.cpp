@@ -240,7 +240,11 @@ int main(int argc, char** argv) {
   }
   const auto r = report();
   std::fputs(r.text().c_str(), stderr);
-  if (!stats_path.empty() && !r.write_json(stats_path)) fmt::print(stderr, "gossip-switch-udp: cannot write {}: {}\n", stats_path, std::strerror(errno));
+  int rc = 0;
+  if (!stats_path.empty() && !r.write_json(stats_path)) {
+    fmt::print(stderr, "gossip-switch-udp: cannot write {}: {}\n", stats_path, std::strerror(errno));
+    rc = 1;
+  }
   ::close(fd);
-  return 0;
+  return rc;
 }
