@@ -22,8 +22,7 @@ B=$BUILD/transports/switch
 for exe in "$EX" "$B/gossip-switch-udp"; do
   [[ -x $exe ]] || { echo "SKIP: $exe is not built"; exit 77; }
 done
-DATA=${GOSSIP_FASHION_MNIST_DIR:-/usr/share/datasets/fashion-mnist}
-[[ -f $DATA/train-images-idx3-ubyte.gz ]] || { echo "SKIP: no Fashion-MNIST in $DATA (apt-get install dataset-fashion-mnist)"; exit 77; }
+source "$SRC/tests/data_or_skip.sh"
 SKIP=${GSW_EXAMPLE_SKIP:-}
 LIMIT=${GSW_EXAMPLE_LIMIT:-6000}
 WORKERS=4

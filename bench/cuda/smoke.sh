@@ -4,6 +4,7 @@
 # command line and checks the script's runs, table and JSON on any machine.
 set -euo pipefail
 exe=$1 src=$2
+source "$src/tests/data_or_skip.sh"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 set +e

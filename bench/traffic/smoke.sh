@@ -4,6 +4,7 @@
 # a third argument "ucx", a run over processes (gossip-run) as well.
 set -euo pipefail
 exe=$1 src=$2 ucx=${3:-}
+source "$src/tests/data_or_skip.sh"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$exe" --quick --seeds 2 --out "$out" --set train.train_limit=3000 --set bench.quick_epochs=1 --set transport.bandwidth_gbps=0

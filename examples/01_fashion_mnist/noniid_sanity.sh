@@ -4,6 +4,7 @@
 # better than never communicating (local SGD only), on a slice of the data.
 set -euo pipefail
 exe=$1 src=$2
+source "$src/tests/data_or_skip.sh"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 run() {

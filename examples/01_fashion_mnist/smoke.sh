@@ -2,6 +2,7 @@
 # One short epoch of the example on a slice of Fashion-MNIST; checks its JSON.
 set -euo pipefail
 exe=$1 src=$2
+source "$src/tests/data_or_skip.sh"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$exe" --config "$src/examples/01_fashion_mnist/fashion_mnist.toml" --epochs 1 --set train.train_limit=4000 \

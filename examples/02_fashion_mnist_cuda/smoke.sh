@@ -3,6 +3,7 @@
 # JSON. Exits 77 (skip) when the example finds no usable GPU.
 set -uo pipefail
 exe=$1 src=$2
+source "$src/tests/data_or_skip.sh"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$exe" --config "$src/examples/01_fashion_mnist/fashion_mnist.toml" --epochs 1 --set train.train_limit=4000 \

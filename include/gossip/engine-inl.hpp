@@ -12,6 +12,14 @@
 
 namespace gossip {
 
+// Defined in engine_settings-inl.hpp, which a program may include first (it
+// then reaches this file through engine.hpp before its own helpers).
+namespace detail {
+inline void check_protocol_carrier(std::string_view protocol, bool aggregated, std::string_view transport, bool aggregates, std::string_view who);
+template <class Where>
+void refuse_outside_push_sum(const engine_settings& s, std::string_view protocol, bool device, const Where& where);
+}  // namespace detail
+
 inline engine::engine(const model_view& model, int rank, int world, engine_spec spec, any_transport transport)
     : m_rank(rank), m_world(world), m_policy(std::move(spec.policy)), m_settings(std::move(spec.settings)),
       m_config_fingerprint(spec.config_fingerprint), m_config_settings(std::move(spec.config_settings)), m_transport(std::move(transport)) {
