@@ -14,6 +14,7 @@
 #include <concepts>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -27,7 +28,10 @@ CLI::Validator integer_range(Int lo, Int hi) {
       [lo, hi](std::string& text) -> std::string {
         const std::string want = fmt::format("give an integer in [{}, {}]", lo, hi);
         Int v{};
-        if (!CLI::detail::lexical_cast(text, v)) {
+        // (An unsigned lexical_cast takes "-5" and wraps it round.)
+        const auto first = text.find_first_not_of(" \t");
+        const bool negative = std::is_unsigned_v<Int> && first != std::string::npos && text[first] == '-';
+        if (negative || !CLI::detail::lexical_cast(text, v)) {
           double d = 0;
           if (!CLI::detail::lexical_cast(text, d)) return fmt::format("{} is not a number: {}", text, want);
           if (std::isfinite(d) && d == std::trunc(d)) {

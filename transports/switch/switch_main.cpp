@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
       ->check(gossip::cli::integer_range(std::uint32_t{384}, std::uint32_t{1} << 24));
   app.add_option("--drop", cfg.drop, "drop this fraction of requests and of replies (loss injection)")
       ->check(gossip::cli::number_range(0.0, 1.0));
-  app.add_option("--seed", cfg.seed, "seed of the loss injection");
+  app.add_option("--seed", cfg.seed, "seed of the loss injection")->check(gossip::cli::integer_range(std::uint64_t{0}, std::numeric_limits<std::uint64_t>::max()));
   app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
   app.add_option("--duration", duration, "exit after this many seconds (0: until SIGINT/SIGTERM)")->check(gossip::cli::number_range(0.0));
   app.add_option("--link-wait", link_wait, "seconds to wait for links to come up (memif needs ~1 s)")->check(gossip::cli::number_range(0.0, 3600.0));
@@ -169,6 +169,9 @@ int main(int argc, char** argv) {
     }
     sw.stop();
     sw.park_for_exit();
+  } catch (const std::invalid_argument& e) {  // the command line (groups, ports, --stats-json): as gossip-switch-udp
+    fmt::print(stderr, "gossip-switch: {}\n", e.what());
+    rc = 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "gossip-switch: {}\n", e.what());
     rc = 1;

@@ -31,6 +31,24 @@
 
 namespace signals = gossip::sw::signals;
 
+namespace {
+// The CPUs this process may run on, as "0-3" lists them ("?" if unknown).
+std::string allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) != 0) return "?";
+  std::string out;
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (!CPU_ISSET(c, &set)) continue;
+    int last = c;
+    while (last + 1 < CPU_SETSIZE && CPU_ISSET(last + 1, &set)) ++last;
+    out += fmt::format("{}{}", out.empty() ? "" : ",", last == c ? fmt::format("{}", c) : fmt::format("{}-{}", c, last));
+    c = last;
+  }
+  return out.empty() ? "?" : out;
+}
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace gossip::sw;
   CLI::App app{"Kernel-UDP aggregator running the gossip-switch aggregation code (sync all-reduce and async shared aggregate)."};
@@ -47,10 +65,10 @@ int main(int argc, char** argv) {
   app.add_option("-g,--group", group_specs, "group: id=1,mode=sync|async,members=N[,chunk=256,slots=128,elements=E,idle_s=60]")->default_str("")->required();
   app.add_option("--drop", drop, "drop this fraction of received packets and of replies (loss injection)")
       ->check(gossip::cli::number_range(0.0, 1.0));
-  app.add_option("--seed", seed, "seed of the loss injection");
+  app.add_option("--seed", seed, "seed of the loss injection")->check(gossip::cli::integer_range(std::uint64_t{0}, std::numeric_limits<std::uint64_t>::max()));
   app.add_option("--stats-json", stats_path, "write statistics here at start, on exit and on SIGUSR1");
   app.add_option("--duration", duration, "exit after this many seconds (0: run until SIGINT/SIGTERM)")->check(gossip::cli::number_range(0.0));
-  app.add_option("--cpu", cpu, "pin to this CPU");
+  app.add_option("--cpu", cpu, "pin to this CPU (-1: not pinned)")->check(gossip::cli::integer_range(-1, CPU_SETSIZE - 1));
   CLI11_PARSE(app, argc, argv);
 
   std::vector<group_config> groups;
@@ -64,7 +82,11 @@ int main(int argc, char** argv) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
-    if (sched_setaffinity(0, sizeof set, &set) != 0) fmt::print(stderr, "gossip-switch-udp: cannot pin to CPU {}: {}\n", cpu, std::strerror(errno));
+    if (sched_setaffinity(0, sizeof set, &set) != 0) {
+      fmt::print(stderr, "gossip-switch-udp: --cpu {}: cannot pin to that CPU: {} (this process may run on CPUs {}; give one of them, or -1)\n",
+                 cpu, std::strerror(errno), allowed_cpus());
+      return 2;
+    }
   }
   // Two groups with one id, or a model too large to hold, are refused here, not by an abort.
   std::optional<aggregator> made;
