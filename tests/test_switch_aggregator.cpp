@@ -263,6 +263,21 @@ TEST_CASE("sync: a late copy of a share whose result the worker had changes noth
   for (std::uint16_t w = 0; w < 3; ++w) CHECK(agg.handle(share(w, 0, 2, static_cast<float>(w + 1)), log.sink()) == drop_reason::accepted);
   REQUIRE(log.all.size() == 3);
   CHECK(values_of(log.all[0].second) == std::vector<float>{6});
+  // A new job on the group (new sessions, sequences from 1 again) meets sets
+  // completed by the old one at the same sequence and chunk: they start again.
+  const auto share2 = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
+    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
+                                     .sequence = 1, .session = 2},
+                       {v});
+  };
+  for (std::uint32_t chunk = 0; chunk < 3; ++chunk) {
+    log.all.clear();
+    for (std::uint16_t w = 0; w < 3; ++w)
+      CHECK(agg.handle(share2(w, static_cast<std::uint8_t>(chunk % 2), chunk, static_cast<float>(10 * chunk + w)), log.sink()) ==
+            drop_reason::accepted);
+    REQUIRE(log.all.size() == 3);
+    CHECK(values_of(log.all[0].second) == std::vector<float>{static_cast<float>(30 * chunk + 3)});
+  }
   CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::slot_conflict)] == 0);
 }
 

@@ -524,12 +524,13 @@ class aggregator {
       return drop_reason::slot_conflict;
     }
     auto& shadow = g.sets[(1 - set) * c.slots + h.slot];
-    if (s.used && s.complete && (shadow.seen & bit) &&
-        (h.sequence < s.sequence || (h.sequence == s.sequence && h.chunk <= s.chunk))) {
-      // A late copy of this worker's share of the chunk this set completed
-      // (or of an older one): the worker had the result, since it went on to
-      // the slot's other set (which cleared its bit here). It must neither
-      // start the set again nor touch its share in the other set.
+    if (s.used && s.complete && shadow.used && (shadow.seen & bit) &&
+        (h.sequence < shadow.sequence || (h.sequence == shadow.sequence && h.chunk < shadow.chunk))) {
+      // A late copy of a share of this worker's older than the one it gave
+      // the slot's other set since (which cleared its bit here): it had this
+      // set's result, and went on. It must neither start the set again nor
+      // touch its share in the other set. (Within a session a worker's chunks
+      // on a slot only go forward; a new session clears its bits first.)
       ++m_stats.retransmissions_seen;
       if (h.sequence == s.sequence && h.chunk == s.chunk) {
         ++m_stats.results_resent;
