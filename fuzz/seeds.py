@@ -165,3 +165,35 @@ def idx_pair(n, rows, cols, gz=False):
 put("idx", "raw-3x4x5", idx_pair(3, 4, 5))
 put("idx", "gz-2x28x28", idx_pair(2, 28, 28, gz=True))
 put("idx", "empty", idx_pair(0, 1, 1))
+
+# bootstrap: connections (16-bit length + bytes) to one rendezvous store of
+# identity 0x5354 (fuzz_bootstrap.cpp): requests as bootstrap::request sends them.
+STORE = 0x5354
+
+
+def rv_request(op, key, value=None, joined=0, magic=b"GRV4"):
+    r = magic + op + struct.pack("<QI", joined, len(key)) + key
+    if value is not None:
+        r += struct.pack("<Q", len(value)) + value
+    return r
+
+
+def connections(*reqs):
+    return b"".join(struct.pack("<H", len(r)) + r for r in reqs)
+
+
+ranks = struct.pack("<3i", 2, 4, 9)
+put("bootstrap", "put-get", connections(rv_request(b"P", b"gossip/ucx/1/0", b"address"), rv_request(b"G", b"gossip/ucx/1/0", joined=STORE),
+                                        rv_request(b"G", b"gossip/ucx/1/1", joined=STORE)))
+put("bootstrap", "put-once", connections(rv_request(b"O", b"gossip/ucx/1/2", b"a"), rv_request(b"O", b"gossip/ucx/1/2", b"a", joined=STORE),
+                                         rv_request(b"O", b"gossip/ucx/1/2", b"b", joined=STORE)))
+put("bootstrap", "barrier", connections(rv_request(b"P", b"end/arrive/1", ranks), rv_request(b"P", b"end/arrive/2", b""),
+                                        rv_request(b"G", b"end/done"), rv_request(b"P", b"end/ack/1", b"", joined=STORE)))
+put("bootstrap", "stranger", connections(rv_request(b"P", b"k", b"v"), rv_request(b"P", b"k", b"w", joined=7), rv_request(b"G", b"k", joined=7),
+                                         rv_request(b"O", b"k", b"w", joined=7)))
+put("bootstrap", "other-version", connections(rv_request(b"G", b"k", magic=b"GRV3"), rv_request(b"G", b"k", magic=b"HTTP")))
+put("bootstrap", "cut-short", connections(rv_request(b"P", b"k", b"value")[:-2], rv_request(b"P", b"k", b"")[:20],
+                                          rv_request(b"Q", b"k"), rv_request(b"P", b"big", b"")[:-8] + struct.pack("<Q", 64 << 20)))
+# Reply heads as a client reads them.
+put("bootstrap", "replies", connections(b"GRV4Y" + struct.pack("<QQ", STORE, 3) + b"abc", b"GRV4S" + struct.pack("<QQ", STORE, 0),
+                                        b"GRV3N", b"GRV4N" + struct.pack("<QQ", STORE, (64 << 20) + 1)))

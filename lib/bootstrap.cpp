@@ -1,6 +1,8 @@
 #include "gossip/bootstrap.hpp"
 #include "gossip/engine.hpp"
 
+#include "bootstrap_detail.hpp"
+
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -31,16 +33,8 @@ namespace gossip {
 namespace {
 
 using clock = std::chrono::steady_clock;
-// Version 2: a request carries the identity of the store its client joined
-// (0 before the first answer), and every answer the identity of the store
-// that gave it. Version 3: operation 'O', a put that does not overwrite
-// another value (answered 'X'). Version 4: nothing new here, but the UCX
-// transport's ranks answer each other's liveness probes, which a rank of an
-// earlier release would leave unanswered: the version keeps them apart.
-constexpr char magic[4] = {'G', 'R', 'V', '4'};
-constexpr std::uint64_t max_blob = 64ull << 20;
-
-constexpr std::size_t max_key = 4096;
+namespace rendezvous = detail::rendezvous;
+using rendezvous::magic, rendezvous::max_blob, rendezvous::max_key;
 
 void check_key_size(const std::string& key) {
   if (key.size() > max_key)
@@ -188,15 +182,6 @@ std::optional<long long> parse_int(const char* s) {
   return v;
 }
 
-void put_u32(bootstrap::blob& b, std::uint32_t v) {
-  const auto* p = reinterpret_cast<const std::byte*>(&v);
-  b.insert(b.end(), p, p + 4);
-}
-void put_u64(bootstrap::blob& b, std::uint64_t v) {
-  const auto* p = reinterpret_cast<const std::byte*>(&v);
-  b.insert(b.end(), p, p + 8);
-}
-
 // A store's identity: a restarted rank 0 (or its next store) gets another.
 std::uint64_t new_store_id() {
   std::uint64_t id = 0;
@@ -261,16 +246,11 @@ bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given
 // Rank 0's key-value store and the thread that serves it.
 struct bootstrap::server {
   std::mutex mutex;
-  std::map<std::string, blob, std::less<>> store;
+  rendezvous::store_map store;
   // Stores `value` under `key` (the caller holds `mutex`). `once`: only when
   // the key is new or holds the same value (a request asked again after a
   // lost reply); false when another value is there.
-  bool put_locked(bool once, const std::string& key, blob value) {
-    auto [it, fresh] = store.try_emplace(key);
-    if (!fresh && once) return it->second == value;
-    it->second = std::move(value);
-    return true;
-  }
+  bool put_locked(bool once, const std::string& key, blob value) { return rendezvous::put(store, once, key, std::move(value)); }
   int listen_fd = -1;
   int stop_pipe[2] = {-1, -1};  // written once at shutdown: readable from then on, for every waiter
   std::thread thread;
@@ -337,78 +317,37 @@ struct bootstrap::server {
   // `idle` of silence. A slow one that keeps sending is served to the end.
   void handle(int c) {
     const int stop = stop_pipe[0];
-    char hdr[4 + 1 + 8 + 4];
-    if (recv_all(c, hdr, 4, clock::now() + idle, idle, stop) != io::ok) return;
-    if (std::memcmp(hdr, magic, 4) != 0) {
-      // A client of another version is answered with this one's magic, so
-      // that it can say so; anything else is not ours to answer.
-      if (std::memcmp(hdr, magic, 3) == 0) {
-        char reply[4 + 1 + 8 + 8] = {};
-        std::memcpy(reply, magic, 4);
-        reply[4] = 'V';
+    const auto read = [&](void* p, std::size_t n) { return recv_all(c, p, n, clock::now() + idle, idle, stop) == io::ok; };
+    rendezvous::request req;
+    switch (rendezvous::read_request(read, req)) {
+      case rendezvous::read_status::ok:
+        break;
+      case rendezvous::read_status::other_version: {
+        // A client of another version is answered with this one's magic, so
+        // that it can say so; anything else is not ours to answer.
+        const blob reply = rendezvous::encode_reply('V', 0, {});
         // Closed with the request unread, the connection would be reset and
         // the reply maybe lost: end the writing side, and read what comes for a moment.
-        if (send_all(c, reply, sizeof reply, clock::now() + idle, idle, stop) == io::ok) {
+        if (send_all(c, reply.data(), reply.size(), clock::now() + idle, idle, stop) == io::ok) {
           ::shutdown(c, SHUT_WR);
           char sink[4096];
           const auto until = clock::now() + std::chrono::milliseconds(200);
           while (recv_all(c, sink, sizeof sink, until, {}, stop) == io::ok) {
           }
         }
+        return;
       }
-      return;
+      case rendezvous::read_status::dropped:
+      case rendezvous::read_status::foreign:
+        return;
     }
-    if (recv_all(c, hdr + 4, sizeof hdr - 4, clock::now() + idle, idle, stop) != io::ok) return;
-    const char op = hdr[4];
-    std::uint64_t joined;
-    std::memcpy(&joined, hdr + 5, 8);
-    std::uint32_t klen;
-    std::memcpy(&klen, hdr + 13, 4);
-    if (klen > max_key) return;
-    std::string key(klen, '\0');
-    if (recv_all(c, key.data(), klen, clock::now() + idle, idle, stop) != io::ok) return;
     blob reply_value;
-    char status = 'N';
-    // A client of an earlier store on this port (a run that has ended) is
-    // told so, and changes nothing here: 'S'.
-    const bool stranger = joined != 0 && joined != id;
-    if (op == 'P' || op == 'O') {
-      std::uint64_t vlen;
-      if (recv_all(c, &vlen, 8, clock::now() + idle, idle, stop) != io::ok || vlen > max_blob) return;
-      // Grown as the bytes come, so that a header alone (a stranger's, or a
-      // client that died) holds no more than a chunk.
-      blob v;
-      while (v.size() < vlen) {
-        const std::size_t at = v.size(), n = static_cast<std::size_t>(std::min<std::uint64_t>(vlen - at, std::uint64_t{1} << 20));
-        v.resize(at + n);
-        if (recv_all(c, v.data() + at, n, clock::now() + idle, idle, stop) != io::ok) return;
-      }
-      if (stranger) {
-        status = 'S';
-      } else {
-        std::lock_guard lock(mutex);
-        status = put_locked(op == 'O', key, std::move(v)) ? 'Y' : 'X';
-      }
-    } else if (stranger) {
-      if (op != 'G') return;
-      status = 'S';
-    } else if (op == 'G') {
+    char status;
+    {
       std::lock_guard lock(mutex);
-      if (auto it = store.find(key); it != store.end()) {
-        reply_value = it->second;
-        status = 'Y';
-      }
-    } else {
-      return;
+      status = rendezvous::answer(store, id, req, reply_value);
     }
-    // Reply: magic, status, store id, length, value (assembled with memcpy into one buffer).
-    blob out(4 + 1 + 8 + 8 + reply_value.size());
-    const std::uint64_t n = reply_value.size();
-    std::memcpy(out.data(), magic, 4);
-    out[4] = static_cast<std::byte>(status);
-    std::memcpy(out.data() + 5, &id, 8);
-    std::memcpy(out.data() + 13, &n, 8);
-    if (n) std::memcpy(out.data() + 21, reply_value.data(), n);
+    const blob out = rendezvous::encode_reply(status, id, reply_value);
     send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
   }
 };
@@ -571,20 +510,11 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       }
       const int one = 1;
       ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      blob req;
-      req.insert(req.end(), reinterpret_cast<const std::byte*>(magic), reinterpret_cast<const std::byte*>(magic) + 4);
-      req.push_back(static_cast<std::byte>(op));
-      put_u64(req, m_store);
-      put_u32(req, static_cast<std::uint32_t>(key.size()));
-      req.insert(req.end(), reinterpret_cast<const std::byte*>(key.data()), reinterpret_cast<const std::byte*>(key.data()) + key.size());
-      if (value) {
-        put_u64(req, value->size());
-        req.insert(req.end(), value->begin(), value->end());
-      }
+      const blob req = rendezvous::encode_request(op, m_store, key, value);
       const auto idle = m_contacted ? stall : clock::duration{};
       io r = send_all(s.fd, req.data(), req.size(), phase(), idle, -1, deadline);
       if (r == io::ok && m_contacted) r = drain(s.fd, stall, deadline);
-      char head[4 + 1 + 8 + 8] = {};  // zeros: what a reply cut short did not fill
+      char head[rendezvous::reply_head_bytes] = {};  // zeros: what a reply cut short did not fill
       if (r == io::ok) r = recv_all(s.fd, head, sizeof head, phase());
       if (r == io::timeout) {
         if (stalled()) {
@@ -602,26 +532,25 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         continue;
       }
       // Another version's reply may be shorter (and then look cut short): its magic says which.
-      if (std::memcmp(head, magic, 3) == 0 && head[3] != magic[3] && head[3] != 0)
+      const auto reply = rendezvous::parse_reply_head(head);
+      if (reply.kind == rendezvous::reply_kind::other_version)
         throw transport_error(fmt::format("bootstrap: rank {}: rank 0's rendezvous at {} speaks version {} of its protocol and this rank "
                                           "version {}: run every rank from the same libgossip release",
-                                          m_rank, where(), head[3], magic[3]));
-      if (r != io::ok || std::memcmp(head, magic, 4) != 0)
+                                          m_rank, where(), reply.version, magic[3]));
+      if (r != io::ok || reply.kind == rendezvous::reply_kind::foreign)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} accepted the connection but {}",
                         m_rank, where(), r != io::ok ? "closed it without answering; either it is not a gossip rendezvous (wrong "
                                                         "GOSSIP_MASTER_PORT?) or the request stalled on the way for longer than the rendezvous's timeout (a failing link?)"
                                                      : "answered in a foreign protocol; it is not a gossip rendezvous (wrong GOSSIP_MASTER_PORT?)"));
-      if (head[4] == 'S')
+      if (reply.kind == rendezvous::reply_kind::replaced)
         throw rendezvous_replaced(fmt::format(
             "bootstrap: rank {}: the rendezvous at {} ({}) is no longer the one this rank joined: rank 0 has started another one on "
             "that port since (a new run, or a new Engine in rank 0's process), so the run this rank belongs to is over there; its "
             "rank 0 has finished or was restarted (its output says which)",
             m_rank, where(), m_origin));
-      std::uint64_t store = 0, len = 0;
-      std::memcpy(&store, head + 5, 8);
-      std::memcpy(&len, head + 13, 8);
-      if (len > max_blob)
+      const std::uint64_t len = reply.length;
+      if (reply.kind == rendezvous::reply_kind::too_long)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
       blob out(len);
@@ -638,9 +567,9 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         if (m_contacted) continue;
         throw transport_error(fmt::format("bootstrap: rank {}: the reply from {} was cut short", m_rank, where()));
       }
-      found = head[4] == 'Y';
+      found = reply.status == 'Y';
       m_contacted = true;
-      if (m_store == 0) m_store = store;
+      if (m_store == 0) m_store = reply.store;
       return out;
     }
   }
@@ -749,9 +678,7 @@ void bootstrap::barrier(const std::string& name) {
 void bootstrap::barrier(const std::string& name, std::span<const int> known_dead) {
   const std::string n = barrier_key(name);
   const auto key = [&](const char* phase, int r) { return fmt::format("{}/{}/{}", n, phase, r); };
-  blob mine(known_dead.size() * sizeof(int));
-  if (!mine.empty()) std::memcpy(mine.data(), known_dead.data(), mine.size());
-  put(key("arrive", m_rank), mine);
+  put(key("arrive", m_rank), rendezvous::encode_ranks(known_dead));
   if (m_rank != 0) {
     // Rank 0 decides who is through (it reads its own store); then it waits
     // for this rank's ack before it may exit.
@@ -768,11 +695,7 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
   // Each rank: arrived (its key is there), or found dead by one that arrived.
   std::vector<char> arrived(static_cast<std::size_t>(m_world), 0), dead(static_cast<std::size_t>(m_world), 0);
   arrived[0] = 1;
-  const auto mark_dead = [&](std::span<const int> ranks) {
-    for (const int d : ranks)
-      if (d > 0 && d < m_world) dead[static_cast<std::size_t>(d)] = 1;
-  };
-  mark_dead(known_dead);
+  rendezvous::mark_dead(known_dead, dead);
   const auto deadline = deadline_after(m_timeout);
   for (unsigned i = 0;; ++i) {
     std::vector<int> missing;
@@ -781,9 +704,7 @@ void bootstrap::barrier(const std::string& name, std::span<const int> known_dead
       if (arrived[ur]) continue;
       if (auto b = try_get(key("arrive", r))) {
         arrived[ur] = 1;
-        std::vector<int> theirs(b->size() / sizeof(int));
-        if (!theirs.empty()) std::memcpy(theirs.data(), b->data(), theirs.size() * sizeof(int));
-        mark_dead(theirs);
+        rendezvous::mark_dead(rendezvous::decode_ranks(*b), dead);
       } else if (!dead[ur]) {
         missing.push_back(r);
       }

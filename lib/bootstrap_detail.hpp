@@ -1,0 +1,208 @@
+#pragma once
+// The rendezvous protocol of lib/bootstrap.cpp, byte for byte: what a client
+// sends, how rank 0's server reads and answers it, what the client makes of
+// the answer, and the barrier's lists of dead ranks. Free of sockets, so that
+// the fuzzer (fuzz/fuzz_bootstrap.cpp) runs the server's and the client's
+// parsing on bytes alone.
+//
+// Request (one per connection): magic "GRV4", op ('P' put, 'O' put unless
+// another value is there, 'G' get), u64 identity of the store the client
+// joined (0: none yet), u32 key length, key; for 'P' and 'O' then u64 value
+// length and value.
+// Reply: magic, status ('Y' found or stored, 'N' not found, 'X' another value
+// is there, 'S' the client joined another store, 'V' a request of another
+// version), u64 identity of the store, u64 value length, value.
+// Integers are in host byte order.
+//
+//     rendezvous::request req;
+//     if (rendezvous::read_request(read, req) == rendezvous::read_status::ok)   // read(p, n): n bytes or false
+//       status = rendezvous::answer(store, id, req, value);
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gossip::detail::rendezvous {
+
+using blob = std::vector<std::byte>;  // bootstrap::blob
+
+// Version 2: a request carries the identity of the store its client joined
+// (0 before the first answer), and every answer the identity of the store
+// that gave it. Version 3: operation 'O', a put that does not overwrite
+// another value (answered 'X'). Version 4: nothing new here, but the UCX
+// transport's ranks answer each other's liveness probes, which a rank of an
+// earlier release would leave unanswered: the version keeps them apart.
+inline constexpr char magic[4] = {'G', 'R', 'V', '4'};
+inline constexpr std::uint64_t max_blob = 64ull << 20;
+inline constexpr std::size_t max_key = 4096;
+inline constexpr std::size_t request_head_bytes = 4 + 1 + 8 + 4;
+inline constexpr std::size_t reply_head_bytes = 4 + 1 + 8 + 8;
+/// A value is received (and its buffer grown) this much at a time, so that
+/// a header alone (a stranger's, or a client that died) holds no more.
+inline constexpr std::size_t value_chunk = std::size_t{1} << 20;
+
+struct request {
+  char op = 0;
+  std::uint64_t joined = 0;  ///< the store the client joined (0: none yet)
+  std::string key;
+  blob value;  ///< 'P' and 'O'
+};
+
+enum class read_status {
+  ok,
+  dropped,        ///< cut short, a key or value over the limit, or an unknown op: closed unanswered
+  other_version,  ///< magic "GRV" and another version: answered 'V', so that its client can say so
+  foreign,        ///< not a rendezvous request: closed unanswered
+};
+
+/// Reads one request through `read(void* p, std::size_t n)`, which fills n
+/// bytes or returns false. Reads no byte past the request; holds at most
+/// max_key bytes of key, and of a value what arrived plus value_chunk.
+template <class Read>
+read_status read_request(Read&& read, request& req) {
+  char hdr[request_head_bytes];
+  if (!read(hdr, 4)) return read_status::dropped;
+  if (std::memcmp(hdr, magic, 4) != 0) return std::memcmp(hdr, magic, 3) == 0 ? read_status::other_version : read_status::foreign;
+  if (!read(hdr + 4, sizeof hdr - 4)) return read_status::dropped;
+  req.op = hdr[4];
+  std::memcpy(&req.joined, hdr + 5, 8);
+  std::uint32_t klen;
+  std::memcpy(&klen, hdr + 13, 4);
+  if (klen > max_key) return read_status::dropped;
+  req.key.assign(klen, '\0');
+  if (!read(req.key.data(), klen)) return read_status::dropped;
+  req.value.clear();
+  if (req.op == 'P' || req.op == 'O') {
+    std::uint64_t vlen;
+    if (!read(&vlen, 8) || vlen > max_blob) return read_status::dropped;
+    while (req.value.size() < vlen) {
+      const std::size_t at = req.value.size(), n = static_cast<std::size_t>(std::min<std::uint64_t>(vlen - at, value_chunk));
+      req.value.resize(at + n);
+      if (!read(req.value.data() + at, n)) return read_status::dropped;
+    }
+  } else if (req.op != 'G') {
+    return read_status::dropped;
+  }
+  return read_status::ok;
+}
+
+using store_map = std::map<std::string, blob, std::less<>>;
+
+/// Stores `value` under `key`. `once`: only when the key is new or holds the
+/// same value (a request asked again after a lost reply); false when another
+/// value is there.
+inline bool put(store_map& store, bool once, const std::string& key, blob value) {
+  auto [it, fresh] = store.try_emplace(key);
+  if (!fresh && once) return it->second == value;
+  it->second = std::move(value);
+  return true;
+}
+
+/// The status with which the store `id` answers `req` (read_status::ok),
+/// applying it: a client of an earlier store on this port (a run that has
+/// ended) is told so ('S') and changes nothing. A found value goes to
+/// `value`. Takes the request's value.
+inline char answer(store_map& store, std::uint64_t id, request& req, blob& value) {
+  if (req.joined != 0 && req.joined != id) return 'S';
+  if (req.op == 'G') {
+    const auto it = store.find(req.key);
+    if (it == store.end()) return 'N';
+    value = it->second;
+    return 'Y';
+  }
+  return put(store, req.op == 'O', req.key, std::move(req.value)) ? 'Y' : 'X';
+}
+
+/// A request as a client sends it; `value` for 'P' and 'O' only.
+inline blob encode_request(char op, std::uint64_t joined, const std::string& key, const blob* value) {
+  blob out(request_head_bytes + key.size() + (value ? 8 + value->size() : 0));
+  const auto klen = static_cast<std::uint32_t>(key.size());
+  std::memcpy(out.data(), magic, 4);
+  out[4] = static_cast<std::byte>(op);
+  std::memcpy(out.data() + 5, &joined, 8);
+  std::memcpy(out.data() + 13, &klen, 4);
+  if (!key.empty()) std::memcpy(out.data() + request_head_bytes, key.data(), key.size());
+  if (value) {
+    const std::uint64_t n = value->size();
+    std::memcpy(out.data() + request_head_bytes + key.size(), &n, 8);
+    if (n) std::memcpy(out.data() + request_head_bytes + key.size() + 8, value->data(), value->size());
+  }
+  return out;
+}
+
+/// A reply as the server sends it: magic, status, store id, length, value.
+inline blob encode_reply(char status, std::uint64_t id, const blob& value) {
+  blob out(reply_head_bytes + value.size());
+  const std::uint64_t n = value.size();
+  std::memcpy(out.data(), magic, 4);
+  out[4] = static_cast<std::byte>(status);
+  std::memcpy(out.data() + 5, &id, 8);
+  std::memcpy(out.data() + 13, &n, 8);
+  if (n) std::memcpy(out.data() + reply_head_bytes, value.data(), value.size());
+  return out;
+}
+
+enum class reply_kind {
+  ok,             ///< `length` bytes of value follow
+  other_version,  ///< a rendezvous of another version (`version`)
+  foreign,        ///< not a rendezvous's reply
+  replaced,       ///< 'S': the client's store is not the one answering
+  too_long,       ///< a length over max_blob
+};
+
+struct reply_head {
+  reply_kind kind = reply_kind::foreign;
+  char status = 0;
+  char version = 0;
+  std::uint64_t store = 0, length = 0;
+};
+
+/// What a client makes of the head of a reply. A reply cut short reads as
+/// zeros where nothing came: another version's reply may be shorter (and
+/// then look cut short), its magic says which.
+inline reply_head parse_reply_head(const char (&head)[reply_head_bytes]) noexcept {
+  reply_head h;
+  h.version = head[3];
+  h.status = head[4];
+  std::memcpy(&h.store, head + 5, 8);
+  std::memcpy(&h.length, head + 13, 8);
+  if (std::memcmp(head, magic, 3) == 0 && head[3] != magic[3] && head[3] != 0)
+    h.kind = reply_kind::other_version;
+  else if (std::memcmp(head, magic, 4) != 0)
+    h.kind = reply_kind::foreign;
+  else if (head[4] == 'S')
+    h.kind = reply_kind::replaced;
+  else if (h.length > max_blob)
+    h.kind = reply_kind::too_long;
+  else
+    h.kind = reply_kind::ok;
+  return h;
+}
+
+/// A barrier's arrival value: the ranks its sender found dead.
+inline blob encode_ranks(std::span<const int> ranks) {
+  blob b(ranks.size() * sizeof(int));
+  if (!b.empty()) std::memcpy(b.data(), ranks.data(), b.size());
+  return b;
+}
+
+/// The ranks of an arrival value; a trailing partial int is ignored.
+inline std::vector<int> decode_ranks(const blob& b) {
+  std::vector<int> ranks(b.size() / sizeof(int));
+  if (!ranks.empty()) std::memcpy(ranks.data(), b.data(), ranks.size() * sizeof(int));
+  return ranks;
+}
+
+/// Marks the reported ranks dead; rank 0 (which decides) and ranks outside
+/// the world of dead.size() are ignored.
+inline void mark_dead(std::span<const int> ranks, std::vector<char>& dead) {
+  for (const int d : ranks)
+    if (d > 0 && static_cast<std::size_t>(d) < dead.size()) dead[static_cast<std::size_t>(d)] = 1;
+}
+
+}  // namespace gossip::detail::rendezvous
