@@ -197,3 +197,25 @@ put("bootstrap", "cut-short", connections(rv_request(b"P", b"k", b"value")[:-2],
 # Reply heads as a client reads them.
 put("bootstrap", "replies", connections(b"GRV4Y" + struct.pack("<QQ", STORE, 3) + b"abc", b"GRV4S" + struct.pack("<QQ", STORE, 0),
                                         b"GRV3N", b"GRV4N" + struct.pack("<QQ", STORE, (64 << 20) + 1)))
+
+# ucx_blob: byte 0 even, then a rendezvous entry as transports/ucx/peer_blob.hpp
+# encodes it; byte 0 odd, then bytes a FuzzedDataProvider turns into a setup.
+def ucx_entry(rank, world, sources, targets, layout, address, listener, host, settings):
+    def field(b):
+        return struct.pack("<Q", len(b)) + b
+    e = struct.pack("<IiiQQQQ", 0x35435547, rank, world, 0x1111, 0x2222, 0x3333, 4096)
+    e += field(struct.pack("<%di" % len(sources), *sources)) + field(struct.pack("<%di" % len(targets), *targets))
+    e += struct.pack("<Q", len(layout))
+    for name, count, dtype, rows in layout:
+        e += field(name) + struct.pack("<QBQ", count, dtype, rows)
+    return e + field(address) + field(listener) + field(host) + field(settings)
+
+
+sockaddr_in = struct.pack("<HH4s8x", 2, 0x1234, bytes([127, 0, 0, 1]))
+put("ucx_blob", "listener", b"\0" + ucx_entry(1, 4, [0, 2], [0, 2], [(b"fc1.weight", 512, 0, 16), (b"fc1.bias", 16, 2, 0)],
+                                                bytes(range(40)), sockaddr_in, b"node-1", b"policy.name=\"drift\"\n"))
+put("ucx_blob", "no-listener", b"\0" + ucx_entry(0, 2, [1], [1], [(b"w", 10, 1, 0)], bytes(20), b"", b"?", b""))
+# Rank lists of 5 and 3 bytes (a partial int each), and bytes behind the entry.
+put("ucx_blob", "odd-lists", b"\0" + struct.pack("<IiiQQQQ", 0x35435547, 2, 3, 1, 2, 3, 64) + struct.pack("<Q", 5) + bytes(5)
+    + struct.pack("<Q", 3) + bytes(3) + struct.pack("<Q", 0) * 5 + b"tail")
+put("ucx_blob", "setup", b"\1" + bytes(range(256)))
