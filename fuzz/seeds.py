@@ -219,3 +219,27 @@ put("ucx_blob", "no-listener", b"\0" + ucx_entry(0, 2, [1], [1], [(b"w", 10, 1, 
 put("ucx_blob", "odd-lists", b"\0" + struct.pack("<IiiQQQQ", 0x35435547, 2, 3, 1, 2, 3, 64) + struct.pack("<Q", 5) + bytes(5)
     + struct.pack("<Q", 3) + bytes(3) + struct.pack("<Q", 0) * 5 + b"tail")
 put("ucx_blob", "setup", b"\1" + bytes(range(256)))
+
+# switch_client: 5 bytes of setup (fuzz_switch_client.cpp), then datagrams
+# (16-bit length + bytes) to worker 2 of group 1, session 0x5E55.
+SESSION = 0x5E55
+RESULT_, ASYNC_REPLY, REJOIN, REFUSED = 2, 4, 6, 7
+two = [2.0] * 4
+# sync, chunk 4, window 2, 10 floats, sequence 1: chunks 0 and 1 in slots 0 and 1, then chunk 2 in slot 0 (shadow bit 1).
+put("switch_client", "sync", bytes([1, 3, 1, 10, 1]) + datagrams(
+    packet(RESULT_, 1, 2, 0, 0, two, sequence=1, session=SESSION), packet(RESULT_, 1, 2, 1, 1, two, sequence=1, session=SESSION),
+    packet(RESULT_, 1, 2, 0, 0, two, sequence=1, session=SESSION), packet(RESULT_, 1, 2, 0, 2, two[:2], flags=1, sequence=1, session=SESSION),
+    packet(RESULT_, 1, 2, 1, 1, two, sequence=0, session=SESSION)))
+# async, chunk 4, window 2, 10 floats, sequence 2: replies out of order, a rejoin of another operation and of this one.
+put("switch_client", "async", bytes([0, 3, 1, 10, 2]) + datagrams(
+    packet(ASYNC_REPLY, 1, 2, 0, 1, two, sequence=2, session=SESSION), packet(ASYNC_REPLY, 1, 2, 0, 0, two, sequence=2, session=SESSION),
+    packet(ASYNC_REPLY, 1, 2, 0, 2, two[:2], sequence=2, session=SESSION), packet(REJOIN, 1, 2, 0, 0, [], sequence=1, session=SESSION),
+    packet(REJOIN, 1, 2, 0, 0, [], sequence=2, session=SESSION), packet(ASYNC_REPLY, 1, 2, 0, 0, [], session=SESSION)))
+# Refusals: bad_worker of a sync group, another session's, bad_elements of a sized sync group, another version.
+put("switch_client", "refused", bytes([1, 3, 1, 1, 1]) + datagrams(
+    packet(REFUSED, 1, 2, 4, 7, [], flags=6, sequence=100, session=SESSION, elements=8)[:7] + b"\x01"
+    + packet(REFUSED, 1, 2, 4, 7, [], flags=6, sequence=100, session=SESSION, elements=8)[8:],
+    packet(REFUSED, 1, 2, 0, 0, [], flags=5, session=SESSION + 1),
+    packet(REFUSED, 1, 2, 0, 0, [], flags=7, sequence=20, session=SESSION)[:7] + b"\x01" + packet(REFUSED, 1, 2, 0, 0, [], flags=7, sequence=20, session=SESSION)[8:],
+    packet(REFUSED, 1, 2, 0, 0, [], flags=25, session=SESSION),
+    struct.pack("<IBB", MAGIC, 1, REFUSED) + bytes(26)))

@@ -85,6 +85,171 @@ struct client_counters {
   std::uint64_t rejoins = 0;      ///< async: times a restarted switch asked this member to join again
 };
 
+namespace detail {
+
+/// A slot of the window: the chunk it carries while active, and when it is
+/// sent again.
+struct flight {
+  bool active = false;
+  std::uint32_t chunk = 0;
+  std::chrono::steady_clock::time_point due{};
+  double rto = 0;
+};
+
+// Throws config_error when the datagram is the switch's refusal of one of
+// this session's packets (packet.hpp): the switch and this worker disagree
+// on the group, and every retransmission would be dropped as well. `mode`
+// and `elements` (0: a leave) describe what this worker sent; `cfg` and
+// `session` are the client's. Reads no byte past the `len` of the datagram.
+inline void check_refusal(const std::byte* p, std::size_t len, const client_config& cfg, std::uint32_t session, std::string_view mode,
+                          std::uint64_t elements) {
+  packet_header r;
+  // The socket is connected: whatever arrives is the switch's. Bytes 0–7
+  // are laid out alike in every version (packet.hpp).
+  if (len >= 8) {
+    std::uint32_t magic = 0;
+    std::memcpy(&magic, p, sizeof magic);
+    const auto version = static_cast<std::uint8_t>(p[4]);
+    if (magic == packet_header::magic_value && version != packet_header::version_value)
+      throw config_error(fmt::format(
+          "switch at {}:{} speaks version {} of the switch wire format and worker {} (group {}) version {}{}: run the switch "
+          "(gossip-switch or gossip-switch-udp) and the workers from the same libgossip release",
+          cfg.address, cfg.port, version, cfg.worker, cfg.group, packet_header::version_value,
+          static_cast<packet_type>(p[5]) == packet_type::refused ? "; it refused this worker's packets (bad_version)" : ""));
+  }
+  if (len != sizeof r || !read_header(p, len, r) || r.magic != packet_header::magic_value ||
+      r.version != packet_header::version_value || r.type != packet_type::refused || r.group != cfg.group ||
+      r.worker != cfg.worker || r.session != session)
+    return;
+  const auto why = static_cast<drop_reason>(r.flags);
+  const std::string_view their_mode = r.reserved == 1 ? "sync" : "async";
+  const std::string group = fmt::format(
+      "its group {} is {}, with {} members, chunk {}{} and a model of {}", r.group, their_mode, r.count, r.elements,
+      r.reserved == 1 ? fmt::format(", {} slots", r.slot) : std::string(), r.sequence == 0 ? std::string("any size") : fmt::format("{} floats", r.sequence));
+  const std::string mine = fmt::format("this worker is worker {} of {}, {} mode, chunk {}, window {}{}", cfg.worker, cfg.members, mode,
+                                       cfg.chunk, cfg.window,
+                                       elements ? fmt::format(", a model of {} floats", elements) : std::string());
+  std::string what;
+  switch (why) {
+    case drop_reason::unknown_group:
+      what = fmt::format("it serves no group {}; start the switch with a --group id={},… for this run, or set the workers' group "
+                         "([transport] group) to one it serves", r.group, r.group);
+      break;
+    case drop_reason::bad_worker:
+      what = fmt::format("{}; {}: the group needs as many members as the run has ranks", group, mine);
+      break;
+    case drop_reason::wrong_mode:
+      what = fmt::format("{}; {}: set the switch group's mode and the workers' ([transport] mode) alike", group, mine);
+      break;
+    case drop_reason::session_conflict:
+      what = fmt::format("another session holds worker {} of group {} at the same time (another job on this group?), and the switch "
+                         "cannot tell their contributions apart: give each job its own group ([transport] group; the switch serves "
+                         "several with one --group each), and restart this one",
+                         cfg.worker, cfg.group);
+      break;
+    default:  // bad_elements, bad_length, bad_chunk, bad_slot
+      if (r.reserved == 1 && r.sequence > 1 && elements == 1 && why == drop_reason::bad_elements) {
+        // The switch transport's rounds are a model all-reduce and a one-float one (the drift) on the same group.
+        what = fmt::format("{}; {} (chunk {} refused): a sync group the switch transport gossips through takes all-reduces of "
+                           "any size (each round adds a one-float all-reduce of the members' drift): start it without elements= "
+                           "(or with elements=0)",
+                           group, mine, r.chunk);
+        break;
+      }
+      what = fmt::format("{}; {} (chunk {} refused): set the workers' chunk and window ([transport] chunk, window) to the group's "
+                         "chunk and slots, and the group's elements to the model's size",
+                         group, mine, r.chunk);
+      break;
+  }
+  throw config_error(fmt::format("switch at {}:{} refused the packets of worker {} (group {}; {}): {}", cfg.address, cfg.port,
+                                 cfg.worker, cfg.group, to_string(why), what));
+}
+
+/// What one datagram received while client::run() waits is.
+enum class datagram_kind {
+  reply,      ///< the answer to a chunk in flight: its floats go to out[offset, offset + h.elements)
+  rejoin,     ///< async_rejoin for this session and operation: the switch holds nothing of this member
+  stale,      ///< a well-formed answer to something else (an earlier chunk, operation or session)
+  malformed,  ///< not an answer of this group and worker of the type awaited, or of the wrong length
+};
+
+/// What run() awaits: an operation of `n` floats in `chunks` chunks of
+/// `chunk` (the last may be shorter), with `flights` (the window) and, sync,
+/// the shadow bit `ver` of each of its slots.
+struct awaited {
+  bool sync = false;
+  std::uint16_t group = 0, worker = 0, chunk = 1;
+  std::uint32_t session = 0;
+  std::uint64_t sequence = 0, n = 0, chunks = 0;
+  std::span<const flight> flights;
+  std::span<const std::uint8_t> ver;
+};
+
+struct classified {
+  datagram_kind kind = datagram_kind::malformed;
+  packet_header h;          ///< the datagram's header (unless too short)
+  std::size_t slot = 0;     ///< reply: the slot of the window it answers
+  std::uint64_t offset = 0; ///< reply: where its chunk starts in the model
+};
+
+/// Classifies a datagram of `len` bytes. A reply fits the datagram
+/// (len == packet_bytes(h.elements)) and the model (offset + h.elements <= n),
+/// and answers an active slot of the window.
+inline classified classify_reply(const std::byte* p, std::size_t len, const awaited& w) noexcept {
+  classified c;
+  packet_header& h = c.h;
+  if (!w.sync && read_header(p, len, h) && h.magic == packet_header::magic_value && h.version == packet_header::version_value &&
+      h.type == packet_type::async_rejoin) {
+    // Else one for an earlier session or operation.
+    c.kind = len == sizeof h && h.group == w.group && h.worker == w.worker && h.session == w.session &&
+                     h.sequence == static_cast<std::uint32_t>(w.sequence)
+                 ? datagram_kind::rejoin
+                 : datagram_kind::stale;
+    return c;
+  }
+  const auto want = w.sync ? packet_type::sync_result : packet_type::async_reply;
+  if (!read_header(p, len, h) || h.magic != packet_header::magic_value || h.version != packet_header::version_value ||
+      h.type != want || h.group != w.group || h.worker != w.worker || h.elements == 0 || h.elements > w.chunk ||
+      len != packet_bytes(h.elements)) {
+    c.kind = datagram_kind::malformed;
+    return c;
+  }
+  std::size_t slot = 0;
+  bool match = false;
+  if (h.sequence == static_cast<std::uint32_t>(w.sequence) && h.session == w.session && h.chunk < w.chunks) {
+    if (w.sync) {
+      slot = h.chunk % w.flights.size();
+      match = h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
+    } else {
+      for (slot = 0; slot < w.flights.size(); ++slot)
+        if (w.flights[slot].active && w.flights[slot].chunk == h.chunk) {
+          match = true;
+          break;
+        }
+    }
+  }
+  const std::uint64_t off = static_cast<std::uint64_t>(h.chunk) * w.chunk;
+  if (!match || h.elements != std::min<std::uint64_t>(w.chunk, w.n - off)) {
+    c.kind = datagram_kind::stale;
+    return c;
+  }
+  c.kind = datagram_kind::reply;
+  c.slot = slot;
+  c.offset = off;
+  return c;
+}
+
+/// True when a datagram of `len` bytes answers the leave of `session`
+/// (worker `worker` of group `group`).
+inline bool leave_answered(const std::byte* p, std::size_t len, std::uint16_t group, std::uint16_t worker, std::uint32_t session) noexcept {
+  packet_header r;
+  return read_header(p, len, r) && r.magic == packet_header::magic_value && r.version == packet_header::version_value &&
+         r.type == packet_type::async_reply && r.elements == 0 && len == sizeof r && r.session == session && r.worker == worker &&
+         r.group == group;
+}
+
+}  // namespace detail
+
 class client {
  public:
   explicit client(client_config cfg) : m_cfg(std::move(cfg)) {
@@ -217,11 +382,8 @@ class client {
         for (ssize_t len; (len = ::recv(m_fd, buf.data(), buf.size(), MSG_DONTWAIT)) > 0;) {
           ++m_counters.packets_received;
           m_counters.bytes_received += static_cast<std::uint64_t>(len);
-          packet_header r;
           check_refusal(buf.data(), static_cast<std::size_t>(len), "async", 0);
-          if (read_header(buf.data(), static_cast<std::size_t>(len), r) && r.magic == packet_header::magic_value &&
-              r.version == packet_header::version_value && r.type == packet_type::async_reply && r.elements == 0 &&
-              static_cast<std::size_t>(len) == sizeof r && r.session == m_session && r.worker == m_cfg.worker && r.group == m_cfg.group)
+          if (detail::leave_answered(buf.data(), static_cast<std::size_t>(len), m_cfg.group, m_cfg.worker, m_session))
             answered = true;
           else
             ++m_counters.stale;
@@ -242,12 +404,7 @@ class client {
 
  private:
   static constexpr std::size_t batch = 32;
-  struct flight {
-    bool active = false;
-    std::uint32_t chunk = 0;
-    std::chrono::steady_clock::time_point due{};
-    double rto = 0;
-  };
+  using flight = detail::flight;
 
   static std::uint32_t new_session() {
     std::random_device rd;
@@ -269,71 +426,8 @@ class client {
     m_fd = -1;
   }
 
-  // Throws config_error when the datagram is the switch's refusal of one of
-  // this session's packets (packet.hpp): the switch and this worker disagree
-  // on the group, and every retransmission would be dropped as well. `mode`
-  // and `elements` (0: a leave) describe what this worker sent.
   void check_refusal(const std::byte* p, std::size_t len, std::string_view mode, std::uint64_t elements) const {
-    packet_header r;
-    // The socket is connected: whatever arrives is the switch's. Bytes 0–7
-    // are laid out alike in every version (packet.hpp).
-    if (len >= 8) {
-      std::uint32_t magic = 0;
-      std::memcpy(&magic, p, sizeof magic);
-      const auto version = static_cast<std::uint8_t>(p[4]);
-      if (magic == packet_header::magic_value && version != packet_header::version_value)
-        throw config_error(fmt::format(
-            "switch at {}:{} speaks version {} of the switch wire format and worker {} (group {}) version {}{}: run the switch "
-            "(gossip-switch or gossip-switch-udp) and the workers from the same libgossip release",
-            m_cfg.address, m_cfg.port, version, m_cfg.worker, m_cfg.group, packet_header::version_value,
-            static_cast<packet_type>(p[5]) == packet_type::refused ? "; it refused this worker's packets (bad_version)" : ""));
-    }
-    if (len != sizeof r || !read_header(p, len, r) || r.magic != packet_header::magic_value ||
-        r.version != packet_header::version_value || r.type != packet_type::refused || r.group != m_cfg.group ||
-        r.worker != m_cfg.worker || r.session != m_session)
-      return;
-    const auto why = static_cast<drop_reason>(r.flags);
-    const std::string_view their_mode = r.reserved == 1 ? "sync" : "async";
-    const std::string group = fmt::format(
-        "its group {} is {}, with {} members, chunk {}{} and a model of {}", r.group, their_mode, r.count, r.elements,
-        r.reserved == 1 ? fmt::format(", {} slots", r.slot) : std::string(), r.sequence == 0 ? std::string("any size") : fmt::format("{} floats", r.sequence));
-    const std::string mine = fmt::format("this worker is worker {} of {}, {} mode, chunk {}, window {}{}", m_cfg.worker, m_cfg.members, mode,
-                                         m_cfg.chunk, m_cfg.window,
-                                         elements ? fmt::format(", a model of {} floats", elements) : std::string());
-    std::string what;
-    switch (why) {
-      case drop_reason::unknown_group:
-        what = fmt::format("it serves no group {}; start the switch with a --group id={},… for this run, or set the workers' group "
-                           "([transport] group) to one it serves", r.group, r.group);
-        break;
-      case drop_reason::bad_worker:
-        what = fmt::format("{}; {}: the group needs as many members as the run has ranks", group, mine);
-        break;
-      case drop_reason::wrong_mode:
-        what = fmt::format("{}; {}: set the switch group's mode and the workers' ([transport] mode) alike", group, mine);
-        break;
-      case drop_reason::session_conflict:
-        what = fmt::format("another session holds worker {} of group {} at the same time (another job on this group?), and the switch "
-                           "cannot tell their contributions apart: give each job its own group ([transport] group; the switch serves "
-                           "several with one --group each), and restart this one",
-                           m_cfg.worker, m_cfg.group);
-        break;
-      default:  // bad_elements, bad_length, bad_chunk, bad_slot
-        if (r.reserved == 1 && r.sequence > 1 && elements == 1 && why == drop_reason::bad_elements) {
-          // The switch transport's rounds are a model all-reduce and a one-float one (the drift) on the same group.
-          what = fmt::format("{}; {} (chunk {} refused): a sync group the switch transport gossips through takes all-reduces of "
-                             "any size (each round adds a one-float all-reduce of the members' drift): start it without elements= "
-                             "(or with elements=0)",
-                             group, mine, r.chunk);
-          break;
-        }
-        what = fmt::format("{}; {} (chunk {} refused): set the workers' chunk and window ([transport] chunk, window) to the group's "
-                           "chunk and slots, and the group's elements to the model's size",
-                           group, mine, r.chunk);
-        break;
-    }
-    throw config_error(fmt::format("switch at {}:{} refused the packets of worker {} (group {}; {}): {}", m_cfg.address, m_cfg.port,
-                                   m_cfg.worker, m_cfg.group, to_string(why), what));
+    detail::check_refusal(p, len, m_cfg, m_session, mode, elements);
   }
 
   // One operation over every chunk; true when the switch answered
@@ -418,6 +512,16 @@ class client {
     std::array<mmsghdr, batch> rmsgs{};
     std::array<iovec, batch> riovs{};
     const std::size_t rstride = max_packet_bytes + 64;
+    const detail::awaited awaiting{.sync = sync,
+                                   .group = m_cfg.group,
+                                   .worker = m_cfg.worker,
+                                   .chunk = m_cfg.chunk,
+                                   .session = m_session,
+                                   .sequence = sequence,
+                                   .n = n,
+                                   .chunks = chunks,
+                                   .flights = m_flight,
+                                   .ver = m_ver};
     bool rejoin = false;
     while (done < chunks && !rejoin) {
       check_cancel(sync ? "an all-reduce" : "a delta");
@@ -445,43 +549,23 @@ class client {
           const std::size_t len = rmsgs[static_cast<std::size_t>(i)].msg_len;
           ++m_counters.packets_received;
           m_counters.bytes_received += len;
-          packet_header h;
           check_refusal(p, len, sync ? "sync" : "async", n);
-          const auto want = sync ? packet_type::sync_result : packet_type::async_reply;
-          if (!sync && read_header(p, len, h) && h.magic == packet_header::magic_value && h.version == packet_header::version_value &&
-              h.type == packet_type::async_rejoin) {
-            if (len == sizeof h && h.group == m_cfg.group && h.worker == m_cfg.worker && h.session == m_session &&
-                h.sequence == static_cast<std::uint32_t>(sequence))
-              rejoin = true;
-            else
-              ++m_counters.stale;  // one for an earlier session or operation
+          const auto c = detail::classify_reply(p, len, awaiting);
+          if (c.kind == detail::datagram_kind::rejoin) {
+            rejoin = true;
             continue;
           }
-          if (!read_header(p, len, h) || h.magic != packet_header::magic_value || h.version != packet_header::version_value ||
-              h.type != want || h.group != m_cfg.group || h.worker != m_cfg.worker || h.elements == 0 || h.elements > m_cfg.chunk ||
-              len != packet_bytes(h.elements)) {
+          if (c.kind == detail::datagram_kind::malformed) {
             ++m_counters.malformed;
             continue;
           }
-          std::size_t slot = 0;
-          bool match = false;
-          if (h.sequence == static_cast<std::uint32_t>(sequence) && h.session == m_session && h.chunk < chunks) {
-            if (sync) {
-              slot = h.chunk % m_flight.size();
-              match = h.slot == slot && m_flight[slot].active && m_flight[slot].chunk == h.chunk && h.flags == m_ver[slot];
-            } else {
-              for (slot = 0; slot < m_flight.size(); ++slot)
-                if (m_flight[slot].active && m_flight[slot].chunk == h.chunk) {
-                  match = true;
-                  break;
-                }
-            }
-          }
-          const std::uint64_t off = static_cast<std::uint64_t>(h.chunk) * m_cfg.chunk;
-          if (!match || h.elements != std::min<std::uint64_t>(m_cfg.chunk, n - off)) {
-            ++m_counters.stale;
+          if (c.kind == detail::datagram_kind::stale) {
+            ++m_counters.stale;  // a duplicate, or one for an earlier session or operation
             continue;
           }
+          const packet_header& h = c.h;
+          const std::size_t slot = c.slot;
+          const std::uint64_t off = c.offset;
           std::memcpy(out.data() + off, p + sizeof(packet_header), h.elements * sizeof(float));
           m_flight[slot].active = false;
           ++done;
