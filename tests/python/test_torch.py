@@ -291,7 +291,9 @@ def test_one_engine_over_the_network_at_a_time(tmp_path):
     assert len(re.findall(r"stats after finish: steps \d+ \d+ weight True", out)) == 2, out
     waited = re.findall(r"rank 1: built after (\S+) s", out)
     assert len(waited) == 1 and float(waited[0]) > 1.0, out  # it did not take rank 0's old store for the new one
-    ranges = re.findall(r"rank \d: a (\S+)\.\.(\S+) c (\S+)\.\.(\S+)", out)
+    # (Numbers only: the two ranks' lines may meet on the shared stdout without a newline between them.)
+    num = r"(-?\d+\.\d+)"
+    ranges = re.findall(rf"rank \d: a {num}\.\.{num} c {num}\.\.{num}", out)
     assert len(ranges) == 2, out
     for r in ranges:
         lo_a, hi_a, lo_c, hi_c = map(float, r)

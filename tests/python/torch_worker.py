@@ -81,7 +81,7 @@ def main():
         e.step(lr=0.1)
         e.finish()
         # Each engine mixed its own model only: values stay in their own range.
-        print(f"rank {rank}: a {wa.min():.3f}..{wa.max():.3f} c {wc.min():.3f}..{wc.max():.3f}")
+        print(f"rank {rank}: a {wa.min():.3f}..{wa.max():.3f} c {wc.min():.3f}..{wc.max():.3f}", flush=True)
         return
     if mode == "shape":  # the same count, transposed on rank 1
         try:

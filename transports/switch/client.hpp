@@ -530,7 +530,8 @@ class client {
       for (const auto& f : m_flight)
         if (f.active) due = std::min(due, f.due);
       now = clock::now();
-      const int wait_ms = due > now ? static_cast<int>(std::chrono::duration_cast<std::chrono::microseconds>(due - now).count() / 1000) : 0;
+      // Rounded up: a retransmission due in under a millisecond is slept for, not spun on.
+      const int wait_ms = due > now ? static_cast<int>((std::chrono::duration_cast<std::chrono::microseconds>(due - now).count() + 999) / 1000) : 0;
       pollfd pfd{m_fd, POLLIN, 0};
       const int pr = ::poll(&pfd, 1, poll_ms(wait_ms));
       if (pr < 0 && errno != EINTR) throw transport_error(fmt::format("switch client: poll: {}", std::strerror(errno)));
