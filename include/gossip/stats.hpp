@@ -142,7 +142,6 @@ struct engine_stats {
   std::string to_json(int indent = 2) const;
 };
 
-/// One decision, as recorded in the trace.
 /// What came of a step's decision: the policy (or finish()) fired and the
 /// model left, it did not fire, or it fired and nothing left, for the reason
 /// named (no target alive, every send buffer still on the wire, every post
@@ -159,6 +158,7 @@ inline const char* to_string(send_outcome o) noexcept {
   return "?";
 }
 
+/// One decision, as recorded in the trace.
 struct trace_event {
   std::uint64_t step = 0;
   double t_us = 0;         ///< when the step decided (after its merge), since the engine was built
