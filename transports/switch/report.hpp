@@ -36,8 +36,11 @@ struct switch_report {
     std::string s = fmt::format("{{\n  \"program\": \"{}\",\n  \"seconds\": {:.3f},\n  \"groups\": [", program, seconds);
     for (std::size_t i = 0; i < groups.size(); ++i) {
       const auto& g = groups[i];
+      // slots are sync's shadow-copy slots, idle_s async's eviction: each is null in the other mode.
+      const bool sync = g.mode == group_mode::sync;
       s += fmt::format("{}{{\"id\": {}, \"mode\": \"{}\", \"members\": {}, \"chunk\": {}, \"slots\": {}, \"elements\": {}, \"idle_s\": {}}}", i ? ", " : "",
-                       g.id, to_string(g.mode), g.members, g.chunk, g.slots, g.elements, g.idle_s);
+                       g.id, to_string(g.mode), g.members, g.chunk, sync ? fmt::format("{}", g.slots) : "null", g.elements,
+                       sync ? "null" : fmt::format("{}", g.idle_s));
     }
     s += "],\n  \"ports\": [";
     for (std::size_t i = 0; i < ports.size(); ++i) {
@@ -67,9 +70,9 @@ struct switch_report {
       s += fmt::format("  {:<16} {:>12} {:>12} {:>14} {:>14} {:>10} {:>10}\n", p.name, p.rx_packets, p.tx_packets, p.rx_bytes, p.tx_bytes,
                        p.rx_missed, p.tx_failed);
     s += fmt::format("  accepted {}  aggregations completed {}  deltas applied {}  retransmissions seen {}  results resent {}  replies {}  "
-                     "evictions {}\n",
+                     "evictions {}{}\n",
                      agg.accepted(), agg.aggregations_completed, agg.deltas_applied, agg.retransmissions_seen, agg.results_resent, agg.replies,
-                     agg.evictions);
+                     agg.evictions, arp_replies ? fmt::format("  arp replies {}", arp_replies) : std::string());
     s += fmt::format("  dropped {}", agg.dropped());
     for (std::size_t i = 1; i < drop_reason_count; ++i)
       if (agg.drops[i]) s += fmt::format("  {} {}", to_string(static_cast<drop_reason>(i)), agg.drops[i]);
