@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "gossip/error.hpp"
+#include "output_file.hpp"
 
 namespace gossip::bench {
 
@@ -46,39 +47,11 @@ inline void check_out_file(const std::string& path, std::string_view flag) {
     throw config_error(fmt::format("{} {}: {} is not a writable directory", flag, path, parent.string()));
 }
 
-/// Writes `text` to `path`; an error naming the path when it could not. The
-/// text goes to a temporary file beside it, renamed over `path` once whole:
-/// a full disk never leaves a truncated file nor loses an earlier result.
-/// A symbolic link is written through (its target is replaced), and a path
-/// that is not a regular file (/dev/stdout, a pipe) is written to directly.
+/// Writes `text` to `path` whole or not at all (out::write_file_whole: a
+/// full disk never leaves a truncated file nor loses an earlier result); an
+/// error naming the path as given when it could not.
 inline void write_file(const std::string& given, const std::string& text) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::path canonical = fs::weakly_canonical(given, ec);
-  const std::string path = ec ? given : canonical.string();
-  if (const auto st = fs::status(path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st)) {
-    std::ofstream direct(path);
-    direct << text << '\n';
-    direct.close();
-    if (!direct) throw error(fmt::format("cannot write {} ({})", given, std::strerror(errno)));
-    return;
-  }
-  const std::string partial = fmt::format("{}.partial-{}", path, ::getpid());
-  std::ofstream out(partial);
-  out << text << '\n';
-  out.close();
-  if (!out) {
-    const int saved = errno;
-    std::error_code ec;
-    std::filesystem::remove(partial, ec);
-    throw error(fmt::format("cannot write {} ({})", path, std::strerror(saved)));
-  }
-  if (std::rename(partial.c_str(), path.c_str()) != 0) {
-    const int saved = errno;
-    std::error_code ec;
-    std::filesystem::remove(partial, ec);
-    throw error(fmt::format("cannot write {} ({})", path, std::strerror(saved)));
-  }
+  if (const int e = out::write_file_whole(given, text)) throw error(fmt::format("cannot write {} ({})", given, std::strerror(e)));
 }
 
 /// A bench's last word on what went wrong (call inside a catch block): one

@@ -11,19 +11,23 @@ def write_json(path, doc, who, indent=1):
     it cannot. A symbolic link is written through (its target is renamed
     over), and a path that is not a regular file (/dev/stdout, a pipe) is
     written to directly."""
-    path = os.path.realpath(path)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    given = path
+    tmp = None
     try:
-        if os.path.exists(path) and not os.path.isfile(path):
-            with open(path, "w") as f:
+        # Asked of the path as given: /dev/stdout on a pipe resolves to a
+        # name ("pipe:[…]") that is no file at all.
+        if os.path.exists(given) and not os.path.isfile(given):
+            with open(given, "w") as f:
                 json.dump(doc, f, indent=indent)
             return
+        path = os.path.realpath(given)
+        tmp = f"{path}.{os.getpid()}.tmp"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=indent)
         os.replace(tmp, path)
     except OSError as e:
-        sys.exit(f"{who}: cannot write {path}: {e.strerror or e}")
+        sys.exit(f"{who}: cannot write {given}: {e.strerror or e}")
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)

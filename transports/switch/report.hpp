@@ -8,14 +8,13 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "aggregator.hpp"
+#include "output_file.hpp"
 
 namespace gossip::sw {
 
@@ -80,33 +79,13 @@ struct switch_report {
     return s;
   }
 
-  /// Writes the JSON beside `path` and renames it over once whole (a full
-  /// disk leaves the earlier file); through a symbolic link to its target, and
-  /// straight into a path that is not a regular file. False (errno set) if not.
-  bool write_json(const std::string& given) const {
-    if (given.empty()) return false;
-    namespace fs = std::filesystem;
-    std::error_code ec;
-    const fs::path canonical = fs::weakly_canonical(given, ec);
-    const std::string path = ec ? given : canonical.string();
-    if (const auto st = fs::status(path, ec); !ec && fs::exists(st) && !fs::is_regular_file(st)) {
-      std::ofstream f(path);
-      f << json();
-      f.close();
-      return static_cast<bool>(f);
-    }
-    const std::string tmp = path + ".tmp";
-    std::ofstream f(tmp);
-    if (!f) return false;
-    f << json();
-    f.close();
-    if (!f) {
-      const int saved = errno;
-      std::remove(tmp.c_str());
-      errno = saved ? saved : EIO;
-      return false;
-    }
-    return std::rename(tmp.c_str(), path.c_str()) == 0;
+  /// Writes the JSON whole or not at all (out::write_file_whole: a full disk
+  /// leaves the earlier file). False (errno set) if it could not.
+  bool write_json(const std::string& path) const {
+    if (path.empty()) return false;
+    const int e = out::write_file_whole(path, json());
+    errno = e;
+    return e == 0;
   }
 };
 
