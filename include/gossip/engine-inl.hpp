@@ -720,6 +720,7 @@ inline step_result engine::run_step(const step_info& info, bool forced) {
       }
       m_current = next;
       wire_header h;
+      h.flags = forced ? wire_header::finish_round : 0;
       h.sender = m_rank;
       h.step = t;
       h.weight = m_protocol.on_send(targets, m_topology.self_weight());

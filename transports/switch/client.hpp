@@ -68,6 +68,13 @@ struct client_config {
   /// When set: a call under way checks it at least every 50 ms and, once it
   /// reads true, gives up with sw::cancelled (its owner is shutting down).
   const std::atomic<bool>* cancel = nullptr;
+  /// Sync: the caller all-reduces vectors of more than one size on the group
+  /// (the switch transport: each round's check, then the model), so a group
+  /// fixed to one model size (elements=) cannot serve it; a refusal says so.
+  bool mixed_sizes = false;
+  /// The model's size in floats, which a refusal's message names (0: the
+  /// size of the all-reduce or delta refused).
+  std::uint64_t model_elements = 0;
 };
 
 /// A call given up because client_config::cancel was set; what it had sent
@@ -128,7 +135,8 @@ inline void check_refusal(const std::byte* p, std::size_t len, const client_conf
       r.reserved == 1 ? fmt::format(", {} slots", r.slot) : std::string(), r.sequence == 0 ? std::string("any size") : fmt::format("{} floats", r.sequence));
   const std::string mine = fmt::format("this worker is worker {} of {}, {} mode, chunk {}, window {}{}", cfg.worker, cfg.members, mode,
                                        cfg.chunk, cfg.window,
-                                       elements ? fmt::format(", a model of {} floats", elements) : std::string());
+                                       elements ? fmt::format(", a model of {} floats", cfg.model_elements ? cfg.model_elements : elements)
+                                                : std::string());
   std::string what;
   switch (why) {
     case drop_reason::unknown_group:
@@ -148,11 +156,11 @@ inline void check_refusal(const std::byte* p, std::size_t len, const client_conf
                          cfg.worker, cfg.group);
       break;
     default:  // bad_elements, bad_length, bad_chunk, bad_slot
-      if (r.reserved == 1 && r.sequence > 1 && elements == 1 && why == drop_reason::bad_elements) {
-        // The switch transport's rounds are a model all-reduce and a one-float one (the drift) on the same group.
+      if (cfg.mixed_sizes && r.reserved == 1 && r.sequence != 0) {
+        // The switch transport's rounds are a small all-reduce (the members' drift and what they must share) and the model's.
         what = fmt::format("{}; {} (chunk {} refused): a sync group the switch transport gossips through takes all-reduces of "
-                           "any size (each round adds a one-float all-reduce of the members' drift): start it without elements= "
-                           "(or with elements=0)",
+                           "any size (each round adds a small all-reduce of the members' drift, steps and model sizes): start it "
+                           "without elements= (or with elements=0)",
                            group, mine, r.chunk);
         break;
       }

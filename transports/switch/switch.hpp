@@ -42,13 +42,21 @@
 /// lands there. collect() returns completed replies (sender −1: the switch).
 /// In sync mode collect(step) first waits (bounded) for the all-reduce posted
 /// at step − 1, so a periodic run mixes at the same steps on every rank; in
-/// async mode it never waits. A sync round is two all-reduces: the model,
-/// then one value per member from its message header (the engine's relative
-/// drift² at the send), whose group mean the reply carries as its weight
-/// (signal::group_drift_sq: the pace a shared schedule follows). Errors of the thread (a timeout naming the
+/// async mode it never waits. A sync round is two all-reduces. The first is
+/// small: the members' values from their message headers (the engine's
+/// relative drift² at the send), whose group mean the reply carries as its
+/// weight (signal::group_drift_sq: the pace a shared schedule follows), and
+/// what the members must share: each one's step, model size, tensor layout
+/// and chunk. A member whose model or chunk differs from this rank's, or
+/// that posted at another step (the all-reduces of a group pair up in
+/// order: a period that differs would mix models of different steps), stops
+/// the run on every member with an error naming it, before any model is
+/// mixed (the rounds finish() forces are not held to the step). The second
+/// all-reduce is the model. Errors of the thread (a timeout naming the
 /// switch and group) are rethrown by the next post() or collect().
 #include <arpa/inet.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -102,7 +110,13 @@ class switch_transport {
 
   explicit switch_transport(settings s) : m_state(std::make_unique<state>()) { m_state->cfg = std::move(s); }
   switch_transport(switch_transport&&) noexcept = default;
-  switch_transport& operator=(switch_transport&&) noexcept = default;
+  switch_transport& operator=(switch_transport&& o) noexcept {
+    if (this != &o) {
+      stop(/*cancel=*/true);  // as the destructor: a running thread is never dropped
+      m_state = std::move(o.m_state);
+    }
+    return *this;
+  }
   ~switch_transport() { stop(/*cancel=*/true); }
 
   void attach(const transport_setup& s) {
@@ -121,6 +135,13 @@ class switch_transport {
     st.cfg.client.worker = static_cast<std::uint16_t>(s.rank);
     st.cfg.client.members = static_cast<std::uint16_t>(s.world);
     st.cfg.client.cancel = &st.cancel;
+    st.cfg.client.mixed_sizes = st.cfg.sync;
+    st.cfg.client.model_elements = elements;
+    st.layout_fingerprint = s.layout_fingerprint;
+    if (st.cfg.sync) {
+      st.check.assign(1 + check_fields * static_cast<std::size_t>(s.world), 0.0f);
+      st.check_sum.assign(st.check.size(), 0.0f);
+    }
     st.client = std::make_unique<sw::client>(st.cfg.client);
     try {
       st.thread = std::thread([p = m_state.get()] { p->run(); });
@@ -242,12 +263,33 @@ class switch_transport {
     const float* payload = nullptr;
     std::uint64_t step = 0;
   };
+  // Sync: each member's part of a round's first all-reduce, at 1 + rank *
+  // check_fields (element 0 sums the members' drift²): its step (3 pieces),
+  // 1 in a round finish() forced, its model's float count (3), its layout
+  // fingerprint (4) and its chunk (1). Every piece is an integer below 2^16
+  // and the other members add zeros to it: exact in float32.
+  static constexpr std::size_t check_fields = 12;
+
+  static void put_pieces(float*& at, std::uint64_t v, int pieces) noexcept {
+    for (int i = 0; i < pieces; ++i) *at++ = static_cast<float>((v >> (16 * i)) & 0xffffu);
+  }
+  static std::uint64_t get_pieces(const float*& at, int pieces) noexcept {
+    std::uint64_t v = 0;
+    for (int i = 0; i < pieces; ++i, ++at) {
+      const float f = *at;  // from the switch: anything but a piece reads as 0xffff
+      v |= (f >= 0.0f && f < 65536.0f ? static_cast<std::uint64_t>(f) : 0xffffu) << (16 * i);
+    }
+    return v;
+  }
+
   struct state {
     settings cfg;
     std::unique_ptr<sw::client> client;
     std::thread thread;
     gossip::inbox* inbox = nullptr;
     std::size_t elements = 0;
+    std::uint64_t layout_fingerprint = 0;
+    std::vector<float> check, check_sum;  // sync: a round's first all-reduce (check_fields)
     int rank = 0, world = 1;
     std::chrono::duration<double> timeout{60.0};
     std::array<job, 4> jobs{};
@@ -263,6 +305,62 @@ class switch_transport {
 
     void rethrow() {
       if (failed.load(std::memory_order_acquire) && error) std::rethrow_exception(error);
+    }
+
+    // The client's counters, for counters() (the thread while it runs, else
+    // the engine's once the thread is gone).
+    void publish_counters() noexcept {
+      const auto& c = client->counters();
+      wire_bytes_sent.store(c.bytes_sent, std::memory_order_relaxed);
+      wire_bytes_received.store(c.bytes_received, std::memory_order_relaxed);
+      retransmits.store(c.retransmits, std::memory_order_relaxed);
+      rejoins.store(c.rejoins, std::memory_order_relaxed);
+    }
+
+    // Sync: this member's part of the round's first all-reduce.
+    void fill_check(const wire_header& posted) noexcept {
+      std::fill(check.begin(), check.end(), 0.0f);
+      check[0] = std::isfinite(posted.weight) ? static_cast<float>(posted.weight) : 0.0f;
+      float* at = check.data() + 1 + check_fields * static_cast<std::size_t>(rank);
+      put_pieces(at, posted.step, 3);
+      *at++ = (posted.flags & wire_header::finish_round) ? 1.0f : 0.0f;
+      put_pieces(at, elements, 3);
+      put_pieces(at, layout_fingerprint, 4);
+      *at++ = static_cast<float>(cfg.client.chunk);
+    }
+
+    // Sync: every member shares this one's model and chunk and posted at its
+    // step; else an error naming the first that does not.
+    void check_members(const wire_header& posted) const {
+      const bool finishing = posted.flags & wire_header::finish_round;
+      for (int m = 0; m < world; ++m) {
+        if (m == rank) continue;
+        const float* at = check_sum.data() + 1 + check_fields * static_cast<std::size_t>(m);
+        const auto step = get_pieces(at, 3);
+        const bool their_finishing = *at++ != 0.0f;
+        const auto their_elements = get_pieces(at, 3);
+        const auto their_layout = get_pieces(at, 4);
+        const auto their_chunk = get_pieces(at, 1);
+        const auto where = fmt::format("group {} of the switch at {}:{}", cfg.client.group, cfg.client.address, cfg.client.port);
+        if (their_elements != elements)
+          throw config_error(fmt::format("switch transport (rank {}): rank {}'s model has {} float32 values, this rank's {} ({}); every "
+                                         "member must train the same model",
+                                         rank, m, their_elements, elements, where));
+        if (their_layout != layout_fingerprint)
+          throw config_error(fmt::format("switch transport (rank {}): rank {}'s model has the same {} float32 values as this rank's in other "
+                                         "tensors (names, shapes or order differ) ({}); every member must train the same model",
+                                         rank, m, elements, where));
+        if (their_chunk != cfg.client.chunk)
+          throw config_error(fmt::format("switch transport (rank {}): rank {} sends {} values a packet, this rank {} ({}); give every "
+                                         "member the same [transport] chunk",
+                                         rank, m, their_chunk, cfg.client.chunk, where));
+        if (!finishing && !their_finishing && step != (posted.step & 0xffff'ffff'ffffu))
+          throw config_error(fmt::format(
+              "switch transport (rank {}): rank {} posted this all-reduce at step {}, this rank at step {} ({}); the all-reduces of a "
+              "sync group pair up in order, so every member must post at the same steps: the same [policy] settings (its period), or "
+              "for consensus the same learning rate reported to step() on every member",
+              rank, m, step, posted.step, where));
+      }
     }
 
     void run() noexcept {
@@ -284,18 +382,19 @@ class switch_transport {
           const std::span<const float> in(j.payload, elements);
           double group_value = 1.0;
           if (cfg.sync) {
+            // First the members' values from their headers (the engine's
+            // drift² at this send; every member gets the same bytes back, so
+            // the same group mean) and what they must share, checked before
+            // any model is mixed; then the model.
+            wire_header posted;
+            std::memcpy(&posted, j.buffer, sizeof posted);
+            fill_check(posted);
+            client->allreduce(check, check_sum);
+            check_members(posted);
+            group_value = static_cast<double>(check_sum[0]) / static_cast<double>(world);
             client->allreduce(in, {out, elements});
             const float inv_n = 1.0f / static_cast<float>(world);
             for (std::size_t i = 0; i < elements; ++i) out[i] *= inv_n;
-            // Then the member's value from its header (the engine's drift² at
-            // this send), summed in a one-packet all-reduce of its own: every
-            // member gets the same bytes back, so the same group mean.
-            wire_header posted;
-            std::memcpy(&posted, j.buffer, sizeof posted);
-            const std::array<float, 1> lane{std::isfinite(posted.weight) ? static_cast<float>(posted.weight) : 0.0f};
-            std::array<float, 1> lane_sum{};
-            client->allreduce(lane, lane_sum);
-            group_value = static_cast<double>(lane_sum[0]) / static_cast<double>(world);
           } else {
             client->push_delta(in, {out, elements});
           }
@@ -307,34 +406,48 @@ class switch_transport {
           std::memcpy(slot.data, &h, sizeof h);
           slot.bytes = sizeof h + h.payload_bytes;
           slot.state.store(inbox::full, std::memory_order_release);
-          const auto& c = client->counters();
-          wire_bytes_sent.store(c.bytes_sent, std::memory_order_relaxed);
-          wire_bytes_received.store(c.bytes_received, std::memory_order_relaxed);
-          retransmits.store(c.retransmits, std::memory_order_relaxed);
-          rejoins.store(c.rejoins, std::memory_order_relaxed);
+          publish_counters();
           done.store(op + 1, std::memory_order_release);
           tail.store(op + 1, std::memory_order_release);
         }
       } catch (const sw::cancelled&) {
         // Given up at abandon() or destruction: nobody waits for it.
+        publish_counters();
+      } catch (const timeout_error& e) {
+        publish_counters();  // what was sent and resent in vain is in the stats too
+        error = cfg.sync ? std::make_exception_ptr(timeout_error(fmt::format(
+                               "{}; every member of a sync group must also have the same [transport] chunk and post at the same steps",
+                               e.what())))
+                         : std::current_exception();
+        failed.store(true, std::memory_order_release);
       } catch (...) {
+        publish_counters();
         error = std::current_exception();
         failed.store(true, std::memory_order_release);
       }
     }
   };
 
+  // Async: also after the thread failed (a timeout, a refusal of a later
+  // delta), or the switch would keep this member's part in S and the others
+  // would go on pulling towards it until the group's idle_s. `cancel`
+  // (abandon, which the engine's destructor calls) never throws: a refused
+  // leave is one more error of a rank that is going away with one already.
   void leave(bool cancel) {
     if (!m_state) return;
     stop(cancel);
     auto& st = *m_state;
-    if (st.cfg.sync || !st.client || st.left || st.failed.load()) return;
+    if (st.cfg.sync || !st.client || st.left) return;
     st.left = true;
     st.cancel.store(false);  // the thread is gone; the leave below is bounded on its own
     try {
       st.client->leave(std::min(st.cfg.client.timeout_s, 5.0));
     } catch (const timeout_error&) {
+    } catch (const std::exception&) {
+      st.publish_counters();
+      if (!cancel) throw;
     }
+    st.publish_counters();
   }
 
   // Stops the thread once the jobs queued are done, or with `cancel` at once
