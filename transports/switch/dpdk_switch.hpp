@@ -13,7 +13,8 @@
 /// needed on either side. A member's address (port, MAC, IP, UDP port) is
 /// learned from its last valid packet. Every header is read with bounds
 /// checks against the frame's data length; the IP total length and the UDP
-/// length must agree with it.
+/// length must agree with it. The frames' bytes (what is accepted, the ARP
+/// reply, a reply's headers) are frame.hpp's, which does not need DPDK.
 ///
 /// Peers that come and go: a net_memif port is only touched while an
 /// intr_gate keeps the EAL interrupt thread parked, because that thread
@@ -21,12 +22,9 @@
 /// port stays configured and serves the next peer that connects to it; what
 /// is queued for it meanwhile waits for the next slice. net_af_packet needs no
 /// gate: its rings are its own socket's and stay mapped until the port closes.
-#include <rte_byteorder.h>
 #include <rte_cycles.h>
 #include <rte_ethdev.h>
 #include <rte_ether.h>
-#include <rte_arp.h>
-#include <rte_ip.h>
 #include <rte_mbuf.h>
 #include <rte_mempool.h>
 
@@ -44,6 +42,7 @@
 #include <fmt/format.h>
 
 #include "aggregator.hpp"
+#include "frame.hpp"
 #include "intr_gate.hpp"
 #include "report.hpp"
 
@@ -205,48 +204,35 @@ class dpdk_switch {
   struct member {
     bool known = false;
     std::uint16_t port_index = 0;
-    rte_ether_addr mac{};
+    detail::mac_address mac{};
     std::uint32_t ip = 0;        // network order
     std::uint16_t udp_port = 0;  // network order
   };
 
-  static std::uint16_t be16(const std::uint8_t* p) noexcept { return static_cast<std::uint16_t>(p[0] << 8 | p[1]); }
-
   void drop(drop_reason r) noexcept { m_agg.count_drop(r); }
 
+  static detail::mac_address mac_of(const rte_ether_addr& a) noexcept {
+    detail::mac_address m;
+    std::memcpy(m.data(), a.addr_bytes, m.size());
+    return m;
+  }
+
+  // The frame's bytes are parsed by detail::parse_frame() (frame.hpp).
   void handle_frame(port_state& p, rte_mbuf* m) {
     if (m->nb_segs != 1) return drop(drop_reason::bad_ip);  // jumbo or chained: not ours
-    const auto* f = rte_pktmbuf_mtod(m, const std::uint8_t*);
-    const std::size_t len = rte_pktmbuf_data_len(m);
-    if (len < 14) return drop(drop_reason::not_ipv4);
-    const std::uint16_t type = be16(f + 12);
-    if (type == RTE_ETHER_TYPE_ARP) return handle_arp(p, f, len);
-    if (type != RTE_ETHER_TYPE_IPV4) return drop(drop_reason::not_ipv4);
-    const std::uint8_t* ip = f + 14;
-    const std::size_t ip_room = len - 14;
-    if (ip_room < 20 || (ip[0] >> 4) != 4) return drop(drop_reason::bad_ip);
-    const std::size_t ihl = static_cast<std::size_t>(ip[0] & 0x0f) * 4;
-    const std::size_t total = be16(ip + 2);
-    // Frames may be padded past the IP datagram (60-byte minimum), never short of it.
-    if (ihl < 20 || total < ihl || total > ip_room) return drop(drop_reason::bad_ip);
-    if ((be16(ip + 6) & 0x3fff) != 0) return drop(drop_reason::bad_ip);  // fragment
-    std::uint32_t dst, src;
-    std::memcpy(&src, ip + 12, 4);
-    std::memcpy(&dst, ip + 16, 4);
-    if (dst != m_ip) return drop(drop_reason::not_for_us);
-    if (ip[9] != IPPROTO_UDP) return drop(drop_reason::not_udp);
-    const std::uint8_t* udp = ip + ihl;
-    if (total - ihl < 8) return drop(drop_reason::bad_ip);
-    const std::size_t udp_len = be16(udp + 4);
-    if (udp_len < 8 || udp_len > total - ihl) return drop(drop_reason::bad_ip);
-    if (be16(udp + 2) != m_cfg.udp_port) return drop(drop_reason::wrong_port);
+    const auto v = detail::parse_frame(rte_pktmbuf_mtod(m, const std::uint8_t*), rte_pktmbuf_data_len(m), m_ip, m_cfg.udp_port);
+    switch (v.kind) {
+      case detail::frame_kind::dropped: return drop(v.why);
+      case detail::frame_kind::arp_other: return;  // someone else's ARP: not a drop
+      case detail::frame_kind::arp_request: return answer_arp(p, v);
+      case detail::frame_kind::udp: break;
+    }
     if (m_drop_rx.drop()) return drop(drop_reason::injected);
-    const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(udp + 8), udp_len - 8);
+    const auto payload = std::as_bytes(v.payload);
 
     packet_header h;
-    member source{.known = true, .port_index = static_cast<std::uint16_t>(&p - m_ports.data()), .ip = src};
-    std::memcpy(&source.mac, f + 6, 6);
-    std::memcpy(&source.udp_port, udp, 2);
+    member source{.known = true, .port_index = static_cast<std::uint16_t>(&p - m_ports.data()), .mac = v.src_mac, .ip = v.src_ip,
+                  .udp_port = v.src_port};
     if (m_agg.validate(payload, h) == drop_reason::accepted) m_members[group_index(h.group)][h.worker] = source;
     const drop_reason why = m_agg.handle(payload, [&](std::uint16_t w, std::span<const std::byte> reply) {
       const auto& mb = m_members[group_index(h.group)][w];
@@ -259,29 +245,15 @@ class dpdk_switch {
       send_to(source, std::as_bytes(std::span(&r, 1)).first(aggregator::refusal_bytes(payload.size())));
   }
 
-  void handle_arp(port_state& p, const std::uint8_t* f, std::size_t len) {
-    if (len < 14 + 28) return drop(drop_reason::not_ipv4);
-    const std::uint8_t* a = f + 14;
-    if (be16(a) != 1 || be16(a + 2) != RTE_ETHER_TYPE_IPV4 || a[4] != 6 || a[5] != 4) return drop(drop_reason::not_ipv4);
-    std::uint32_t target;
-    std::memcpy(&target, a + 24, 4);
-    if (be16(a + 6) != RTE_ARP_OP_REQUEST || target != m_ip) return;  // someone else's ARP: not a drop
+  void answer_arp(port_state& p, const detail::frame_view& request) {
     rte_mbuf* r = rte_pktmbuf_alloc(m_pool);
     if (!r) return drop(drop_reason::tx_full);
-    auto* o = reinterpret_cast<std::uint8_t*>(rte_pktmbuf_append(r, 60));
+    auto* o = reinterpret_cast<std::uint8_t*>(rte_pktmbuf_append(r, detail::arp_reply_bytes));
     if (!o) {
       rte_pktmbuf_free(r);
       return drop(drop_reason::tx_full);
     }
-    std::memset(o, 0, 60);
-    std::memcpy(o, f + 6, 6);            // to the asker
-    std::memcpy(o + 6, &p.mac, 6);
-    o[12] = 0x08, o[13] = 0x06;
-    std::uint8_t* ra = o + 14;
-    ra[1] = 1, ra[2] = 0x08, ra[3] = 0x00, ra[4] = 6, ra[5] = 4, ra[7] = RTE_ARP_OP_REPLY;
-    std::memcpy(ra + 8, &p.mac, 6);      // sender: us
-    std::memcpy(ra + 14, &m_ip, 4);
-    std::memcpy(ra + 18, a + 8, 10);     // target: the asker's MAC and IP
+    detail::build_arp_reply(std::span<std::uint8_t, detail::arp_reply_bytes>(o, detail::arp_reply_bytes), request, mac_of(p.mac), m_ip);
     ++m_arp_replies;
     enqueue(p, r);
   }
@@ -297,39 +269,14 @@ class dpdk_switch {
     auto& p = m_ports[mb.port_index];
     rte_mbuf* r = rte_pktmbuf_alloc(m_pool);
     if (!r) return drop(drop_reason::tx_full);
-    const std::size_t total = 14 + 20 + 8 + reply.size();
+    const std::size_t total = detail::udp_frame_overhead + reply.size();
     auto* o = reinterpret_cast<std::uint8_t*>(rte_pktmbuf_append(r, static_cast<std::uint16_t>(total)));
-    if (!o) {
+    const detail::udp_route route{.dst_mac = mb.mac, .src_mac = mac_of(p.mac), .dst_ip = mb.ip, .src_ip = m_ip, .dst_port = mb.udp_port,
+                                  .src_port = m_cfg.udp_port};
+    if (!o || detail::build_udp_frame(std::span(o, rte_pktmbuf_data_len(r)), route, m_ip_id++, reply) != total) {
       rte_pktmbuf_free(r);
       return drop(drop_reason::tx_full);
     }
-    std::memcpy(o, &mb.mac, 6);
-    std::memcpy(o + 6, &p.mac, 6);
-    o[12] = 0x08, o[13] = 0x00;
-    auto* ip = o + 14;
-    std::memset(ip, 0, 20);
-    ip[0] = 0x45;
-    const auto ip_len = rte_cpu_to_be_16(static_cast<std::uint16_t>(20 + 8 + reply.size()));
-    std::memcpy(ip + 2, &ip_len, 2);
-    const auto id = rte_cpu_to_be_16(m_ip_id++);
-    std::memcpy(ip + 4, &id, 2);
-    ip[6] = 0x40;  // don't fragment
-    ip[8] = 64;
-    ip[9] = IPPROTO_UDP;
-    std::memcpy(ip + 12, &m_ip, 4);
-    std::memcpy(ip + 16, &mb.ip, 4);
-    rte_ipv4_hdr hdr;
-    std::memcpy(&hdr, ip, 20);
-    const std::uint16_t ck = rte_ipv4_cksum(&hdr);
-    std::memcpy(ip + 10, &ck, 2);
-    auto* udp = ip + 20;
-    const auto sport = rte_cpu_to_be_16(m_cfg.udp_port);
-    std::memcpy(udp, &sport, 2);
-    std::memcpy(udp + 2, &mb.udp_port, 2);
-    const auto ulen = rte_cpu_to_be_16(static_cast<std::uint16_t>(8 + reply.size()));
-    std::memcpy(udp + 4, &ulen, 2);
-    udp[6] = udp[7] = 0;  // no UDP checksum
-    std::memcpy(udp + 8, reply.data(), reply.size());
     enqueue(p, r);
   }
 
