@@ -243,3 +243,35 @@ put("switch_client", "refused", bytes([1, 3, 1, 1, 1]) + datagrams(
     packet(REFUSED, 1, 2, 0, 0, [], flags=7, sequence=20, session=SESSION)[:7] + b"\x01" + packet(REFUSED, 1, 2, 0, 0, [], flags=7, sequence=20, session=SESSION)[8:],
     packet(REFUSED, 1, 2, 0, 0, [], flags=25, session=SESSION),
     struct.pack("<IBB", MAGIC, 1, REFUSED) + bytes(26)))
+
+# switch_frame: byte 0 of setup (how many bytes of padding, and which, the
+# padding check appends), then an Ethernet frame to gossip-switch at
+# 10.77.0.1, UDP port 47000 (fuzz_switch_frame.cpp).
+SWITCH_IP, WORKER_IP = bytes([10, 77, 0, 1]), bytes([10, 77, 0, 10])
+WORKER_MAC, BROADCAST = bytes([2, 0, 0, 0, 0, 1]), b"\xff" * 6
+
+
+def udp_frame(payload, dport=47000, sport=40000, ihl=5, proto=17, frag=0x4000, dst=SWITCH_IP, pad=0):
+    options = bytes(4 * (ihl - 5))
+    total = 4 * ihl + 8 + len(payload)
+    ip = struct.pack(">BBHHHBBH4s4s", 0x40 | ihl, 0, total, 0x1234, frag, 64, proto, 0, WORKER_IP, dst) + options
+    udp = struct.pack(">HHHH", sport, dport, 8 + len(payload), 0)
+    return BROADCAST + WORKER_MAC + b"\x08\x00" + ip + udp + payload + bytes(pad)
+
+
+def arp_frame(op, target, sender_ip=WORKER_IP):
+    arp = struct.pack(">HHBBH6s4s6s4s", 1, 0x0800, 6, 4, op, WORKER_MAC, sender_ip, bytes(6), target)
+    return BROADCAST + WORKER_MAC + b"\x08\x06" + arp + bytes(18)
+
+
+delta = packet(DELTA, 2, 0, 0, 1, [1.0, 1.0], sequence=1, session=10)
+put("switch_frame", "udp", b"\x46" + udp_frame(delta))
+put("switch_frame", "udp-options-padded", b"\x86" + udp_frame(packet(SYNC, 1, 1, 0, 0, ones, session=7), ihl=7, pad=16))
+put("switch_frame", "udp-empty", b"\x00" + udp_frame(b"", pad=18))
+put("switch_frame", "arp-request", b"\x06" + arp_frame(1, SWITCH_IP))
+put("switch_frame", "arp-other", b"\x06" + arp_frame(1, bytes([10, 77, 0, 99])))
+put("switch_frame", "arp-reply", b"\x06" + arp_frame(2, SWITCH_IP))
+put("switch_frame", "wrong-port", b"\x06" + udp_frame(delta, dport=47001))
+put("switch_frame", "fragment", b"\x06" + udp_frame(delta, frag=0x2000))
+put("switch_frame", "tcp", b"\x06" + udp_frame(delta, proto=6))
+put("switch_frame", "vlan", b"\x06" + BROADCAST + WORKER_MAC + b"\x81\x00\x00\x01" + udp_frame(delta)[12:])
