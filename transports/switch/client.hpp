@@ -461,6 +461,7 @@ class client {
     std::size_t pending = 0;
     std::array<mmsghdr, batch> msgs{};
     std::array<iovec, batch> iovs{};
+    std::array<bool, batch> resends{};  // queued entry k is a retransmission
 
     auto flush = [&] {
       std::size_t sent = 0;
@@ -476,11 +477,18 @@ class client {
           throw transport_error(fmt::format("switch client (group {}, worker {}): sendmmsg to {}:{}: {}", m_cfg.group, m_cfg.worker,
                                             m_cfg.address, m_cfg.port, std::strerror(errno)));
         }
+        // Counted once the kernel took them: a packet a full socket buffer
+        // or an ICMP error kept back is no packet sent.
+        for (std::size_t k = sent; k < sent + static_cast<std::size_t>(r); ++k) {
+          ++m_counters.packets_sent;
+          m_counters.bytes_sent += iovs[k].iov_len;
+          if (resends[k]) ++m_counters.retransmits;
+        }
         sent += static_cast<std::size_t>(r);
       }
       pending = 0;
     };
-    auto queue = [&](std::size_t slot, std::uint32_t chunk) {
+    auto queue = [&](std::size_t slot, std::uint32_t chunk, bool resend) {
       if (pending == batch) flush();
       const std::uint64_t off = static_cast<std::uint64_t>(chunk) * m_cfg.chunk;
       const auto len = static_cast<std::uint16_t>(std::min<std::uint64_t>(m_cfg.chunk, n - off));
@@ -502,14 +510,13 @@ class client {
       msgs[pending].msg_hdr = msghdr{};
       msgs[pending].msg_hdr.msg_iov = &iovs[pending];
       msgs[pending].msg_hdr.msg_iovlen = 1;
+      resends[pending] = resend;
       ++pending;
-      ++m_counters.packets_sent;
-      m_counters.bytes_sent += packet_bytes(len);
     };
     auto launch = [&](std::size_t slot, std::uint32_t chunk, clock::time_point now) {
       auto& f = m_flight[slot];
       f = {true, chunk, now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(m_cfg.rto_s)), m_cfg.rto_s};
-      queue(slot, chunk);
+      queue(slot, chunk, false);
     };
 
     // Sync: chunk c always uses slot c % window. Async: any free slot.
@@ -608,8 +615,7 @@ class client {
         if (!f.active || f.due > now) continue;
         f.rto = std::min(f.rto * 2, m_cfg.rto_max_s);
         f.due = now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(f.rto));
-        ++m_counters.retransmits;
-        queue(s, f.chunk);
+        queue(s, f.chunk, true);
       }
       flush();
     }
