@@ -9,15 +9,18 @@ def write_json(path, doc, who, indent=1):
     it, so that a failed write (a full disk) leaves an earlier file as it was
     and never a truncated one; exits with a line naming `who` and the path if
     it cannot. A symbolic link is written through (its target is renamed
-    over), and a path that is not a regular file (/dev/stdout, a pipe) is
-    written to directly."""
+    over), and a stream's path (/dev/stdout, /dev/fd/N, under /proc:
+    whatever the stream is) or one that is not a regular file (a FIFO) is
+    written to directly, appending."""
     given = path
     tmp = None
     try:
-        # Asked of the path as given: /dev/stdout on a pipe resolves to a
-        # name ("pipe:[…]") that is no file at all.
-        if os.path.exists(given) and not os.path.isfile(given):
-            with open(given, "w") as f:
+        # Asked of the path as given: /dev/stdout resolves to a pipe's
+        # "pipe:[…]", which is no file at all, or to the file a shell
+        # redirected the stream to, which a rename would replace.
+        special = given.startswith(("/dev/std", "/dev/fd/", "/proc/"))
+        if special or (os.path.exists(given) and not os.path.isfile(given)):
+            with open(given, "a") as f:
                 json.dump(doc, f, indent=indent)
             return
         path = os.path.realpath(given)

@@ -1,11 +1,18 @@
 #include <doctest/doctest.h>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "gossip/did_you_mean.hpp"
 #include "cli_checks.hpp"
+#include "output_file.hpp"
 #include "gossip/gossip.hpp"
 
 using namespace gossip;
@@ -501,4 +508,48 @@ TEST_CASE("command-line checks say what is wrong with a value, after the option'
   CHECK(parse(reals, "2") == "--x: 2 is outside the range: give a number in [0, 1]");
   CHECK(parse(reals, "x") == "--x: x is not a number: give a number in [0, 1]");
   CHECK(parse(gossip::cli::number_range(0.0), "inf") == "--x: inf is not a finite number: give a number >= 0");
+}
+
+TEST_CASE("a program's result file is written whole: through symbolic links, dangling ones too, and into a stream's path") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / fmt::format("gossip-output-{}", ::getpid());
+  fs::create_directories(dir);
+  const auto read = [](const fs::path& p) {
+    std::ifstream f(p);
+    std::stringstream ss;
+    ss << f.rdbuf();
+    return ss.str();
+  };
+  // A regular file is replaced whole; nothing is left beside it.
+  const auto file = (dir / "r.json").string();
+  CHECK(gossip::out::write_file_whole(file, "first") == 0);
+  CHECK(gossip::out::write_file_whole(file, "second") == 0);
+  CHECK(read(file) == "second\n");
+  // A link to it is written through and stays a link.
+  fs::create_symlink("r.json", dir / "link.json");
+  CHECK(gossip::out::write_file_whole((dir / "link.json").string(), "third") == 0);
+  CHECK(fs::is_symlink(dir / "link.json"));
+  CHECK(read(file) == "third\n");
+  // A dangling link: its target is created, the link kept.
+  fs::create_symlink("later.json", dir / "dangling.json");
+  CHECK(gossip::out::write_file_whole((dir / "dangling.json").string(), "fourth") == 0);
+  CHECK(fs::is_symlink(dir / "dangling.json"));
+  CHECK(read(dir / "later.json") == "fourth\n");
+  // A missing directory: the errno, and no partial file anywhere.
+  CHECK(gossip::out::write_file_whole((dir / "no" / "x.json").string(), "x") == ENOENT);
+  std::size_t entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir)) ++entries;
+  CHECK(entries == 4);  // r.json, link.json, dangling.json, later.json
+  // A stream's path is written into, appending, never renamed over: here
+  // /dev/fd/N of a file opened for appending, as `>> log` gives stdout.
+  const auto log = (dir / "log.txt").string();
+  {
+    std::ofstream(log) << "earlier\n";
+  }
+  const int fd = ::open(log.c_str(), O_WRONLY | O_APPEND);
+  REQUIRE(fd >= 0);
+  CHECK(gossip::out::write_file_whole(fmt::format("/dev/fd/{}", fd), "appended") == 0);
+  ::close(fd);
+  CHECK(read(log) == "earlier\nappended\n");
+  fs::remove_all(dir);
 }
