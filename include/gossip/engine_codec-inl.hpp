@@ -63,7 +63,7 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
     h.sender = m_rank;
     h.step = t;
     h.weight = share;
-    h.flags = 1;  // codec payload
+    h.flags = wire_header::codec_payload;
     h.payload_bytes = at;
     h.layout_fingerprint = m_layout_fingerprint;
     std::memcpy(msg_buf, &h, sizeof h);

@@ -38,8 +38,9 @@ struct wire_header {
   static constexpr std::uint16_t version_value = 1;
   std::uint32_t magic = magic_value;
   std::uint16_t version = version_value;
-  /// A round finish() forced (finish_round); 0 otherwise.
-  static constexpr std::uint16_t finish_round = 1;
+  /// Bits of `flags`: the payload is a codec's segments (codec_payload),
+  /// the message is of a round finish() forced (finish_round).
+  static constexpr std::uint16_t codec_payload = 1, finish_round = 2;
   std::uint16_t flags = 0;
   std::int32_t sender = -1;
   std::uint32_t reserved = 0;

@@ -419,10 +419,12 @@ class switch_transport {
         // The client's own (not the wait for the engine to merge): a sync
         // round no member answers may also be members that do not pair up.
         const bool pairing = cfg.sync && std::string_view(e.what()).find("waiting for the switch") != std::string_view::npos;
-        error = pairing ? std::make_exception_ptr(timeout_error(fmt::format(
-                              "{}; every member of a sync group must also have the same [transport] chunk and post at the same steps",
-                              e.what())))
-                        : std::current_exception();
+        error = std::current_exception();
+        if (pairing) try {
+            error = std::make_exception_ptr(timeout_error(fmt::format(
+                "{}; every member of a sync group must also have the same [transport] chunk and post at the same steps", e.what())));
+          } catch (...) {  // no memory for the longer message: the client's own stands
+          }
         failed.store(true, std::memory_order_release);
       } catch (...) {
         publish_counters();
