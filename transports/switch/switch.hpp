@@ -334,6 +334,8 @@ class switch_transport {
     // step; else an error naming the first that does not.
     void check_members(const wire_header& posted) const {
       const bool finishing = posted.flags & wire_header::finish_round;
+      // (Formatted only for an error: this runs every round.)
+      const auto where = [&] { return fmt::format("group {} of the switch at {}:{}", cfg.client.group, cfg.client.address, cfg.client.port); };
       for (int m = 0; m < world; ++m) {
         if (m == rank) continue;
         const float* at = check_sum.data() + 1 + check_fields * static_cast<std::size_t>(m);
@@ -342,25 +344,24 @@ class switch_transport {
         const auto their_elements = get_pieces(at, 3);
         const auto their_layout = get_pieces(at, 4);
         const auto their_chunk = get_pieces(at, 1);
-        const auto where = fmt::format("group {} of the switch at {}:{}", cfg.client.group, cfg.client.address, cfg.client.port);
         if (their_elements != elements)
           throw config_error(fmt::format("switch transport (rank {}): rank {}'s model has {} float32 values, this rank's {} ({}); every "
                                          "member must train the same model",
-                                         rank, m, their_elements, elements, where));
+                                         rank, m, their_elements, elements, where()));
         if (their_layout != layout_fingerprint)
           throw config_error(fmt::format("switch transport (rank {}): rank {}'s model has the same {} float32 values as this rank's in other "
                                          "tensors (names, shapes or order differ) ({}); every member must train the same model",
-                                         rank, m, elements, where));
+                                         rank, m, elements, where()));
         if (their_chunk != cfg.client.chunk)
           throw config_error(fmt::format("switch transport (rank {}): rank {} sends {} values a packet, this rank {} ({}); give every "
                                          "member the same [transport] chunk",
-                                         rank, m, their_chunk, cfg.client.chunk, where));
+                                         rank, m, their_chunk, cfg.client.chunk, where()));
         if (!finishing && !their_finishing && step != (posted.step & 0xffff'ffff'ffffu))
           throw config_error(fmt::format(
               "switch transport (rank {}): rank {} posted this all-reduce at step {}, this rank at step {} ({}); the all-reduces of a "
               "sync group pair up in order, so every member must post at the same steps: the same [policy] settings (its period), or "
               "for consensus the same learning rate reported to step() on every member",
-              rank, m, step, posted.step, where));
+              rank, m, step, posted.step, where()));
       }
     }
 
