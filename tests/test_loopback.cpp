@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "test_support.hpp"
 
@@ -163,6 +164,59 @@ TEST_CASE("a model that turns NaN or infinite is refused before it is sent, nami
     for (const float v : models[0]) REQUIRE(std::isfinite(v));
     CHECK(stats[0].dead_peers == std::vector<int>{1});
   }
+}
+
+namespace {
+// Loopback, except that when the test arms it, it reports a rank found dead
+// earlier once more, as a transport does that has since read that rank's own
+// record of what it merged (received::settled): a correction to the shares
+// handed back at the first report.
+struct settling_transport : gossip::test::loopback_forward {
+  double* armed = nullptr;  // the correction to report next (0: none)
+  int dead = -1;
+  std::size_t dead_peers(std::span<received> o) {
+    std::size_t n = t.dead_peers(o);
+    for (std::size_t i = 0; i < n; ++i) dead = o[i].sender;
+    if (*armed != 0 && dead >= 0 && n < o.size()) {
+      o[n++] = received{.sender = dead, .weight = std::exchange(*armed, 0.0), .settled = true};
+    }
+    return n;
+  }
+};
+static_assert(gossip::transport<settling_transport>);
+}  // namespace
+
+TEST_CASE("a later settled report of a dead rank corrects the shares handed back, either way, and clears what was unconfirmed") {
+  const int world = 2;
+  loopback_fabric fabric(world);
+  run_ranks(world, [&](int r) {
+    toy_model m({32}, 1);
+    double armed = 0;
+    engine e(m.view, r, world, spec_of(any_policy(policies::periodic{}, "periodic"), "complete", "push-sum", 10),
+             settling_transport{{fabric.endpoint(r)}, &armed});
+    for (int s = 0; s < 4; ++s) e.step();
+    if (r == 1) {
+      fabric.kill(1);
+      return;
+    }
+    for (int s = 0; s < 50 && e.stats().dead.empty(); ++s) e.step();
+    REQUIRE(e.stats().dead.size() == 1);
+    const auto first = e.stats().dead[0];
+    const double w0 = e.stats().weight, lost0 = e.stats().lost_weight;
+    armed = 0.25;  // a share that completed here never reached rank 1's model
+    e.step();
+    CHECK(e.stats().weight == doctest::Approx(w0 + 0.25).epsilon(1e-12));
+    CHECK(e.stats().dead[0].weight_refunded == doctest::Approx(first.weight_refunded + 0.25).epsilon(1e-12));
+    CHECK(e.stats().dead[0].weight_unconfirmed == 0);
+    CHECK(e.stats().lost_weight == doctest::Approx(lost0 - first.weight_unconfirmed).epsilon(1e-12));
+    armed = -0.125;  // one handed back as failed had landed there
+    e.step();
+    CHECK(e.stats().weight == doctest::Approx(w0 + 0.125).epsilon(1e-12));
+    CHECK(e.stats().dead[0].weight_refunded == doctest::Approx(first.weight_refunded + 0.125).epsilon(1e-12));
+    CHECK(e.stats().dead.size() == 1);
+    CHECK(e.stats().dead_peers == std::vector<int>{1});
+    e.finish(0);
+  });
 }
 
 TEST_CASE("mismatched layouts are refused on both sides, naming the first differing tensor") {

@@ -880,6 +880,82 @@ TEST_CASE("ucx: a stopped peer that holds our sends is found dead by the livenes
   }
 }
 
+TEST_CASE("ucx: two live ranks that found each other dead settle every share between them exactly, from each other's record") {
+  // Rank 1 stops (SIGSTOP) while 4 MiB rendezvous messages run both ways;
+  // rank 0's probe declares it dead and closes the endpoint, then lets it go
+  // on, and rank 1 finds rank 0 gone. A message under way then can complete
+  // at its sender and fail at its receiver: with the shares that failed at
+  // each end alone, the weight it carried vanished uncounted. Each rank
+  // publishes what it took from the other, and each reads the other's
+  // record: what it posted minus what it handed back must equal what the
+  // other took, to the last bit of rounding, whichever messages failed where.
+  require_ucx();
+  const std::uint16_t port = free_port();
+  const auto out = run_procs(2, "tcp", 90, [&](int r) {
+    direct d(r, 2, port, std::size_t{1} << 20);  // 4 MiB: rendezvous, under way when rank 1 stops
+    d.timeout_s = 2;  // the probe gives up on a stopped rank after about 2 s
+    d.attach();
+    d.publish_pid();
+    final_barrier(*d.boot, "ready", {0, 1});
+    const int other = 1 - r;
+    double posted = 0, handed_back = 0, taken = 0;
+    bool reported = false, settled = false, continued = false;
+    std::optional<clock_type::time_point> reported_at;
+    const auto deadline = clock_type::now() + 60s;
+    for (std::uint64_t s = 0;; ++s) {
+      if (clock_type::now() > deadline)
+        throw timeout_error(fmt::format("rank {}: reported {}, settled {} after 60 s", r, reported, settled));
+      if (r == 1 && s == 12) ::raise(SIGSTOP);  // rank 0 SIGCONTs us once it found us dead
+      if (!reported) {
+        auto& buf = d.send[s % 2];
+        if (!d.t.busy(buf.data())) {
+          const auto st = d.post_step(s, d.others);
+          if (st[0] == post_status::ok) posted += static_cast<double>(s) + 0.25;
+        }
+      }
+      const std::size_t n = d.t.collect(0, d.got);
+      for (std::size_t i = 0; i < n; ++i) taken += d.got[i].weight;
+      d.t.release(0);
+      std::vector<received> dp(2);
+      const std::size_t k = d.t.dead_peers(dp);
+      for (std::size_t i = 0; i < k; ++i) {
+        if (dp[i].sender != other) throw error(fmt::format("rank {}: rank {} reported dead", r, dp[i].sender));
+        if (dp[i].departed) throw error(fmt::format("rank {}: rank {} reported departed", r, other));
+        handed_back += dp[i].weight;
+        reported = true;
+        settled = settled || dp[i].settled;
+        if (!reported_at) reported_at = clock_type::now();
+      }
+      if (r == 0 && !continued && reported_at && clock_type::now() - *reported_at > 1s) {
+        ::kill(d.pid_of(1), SIGCONT);
+        continued = true;
+      }
+      if (settled && !d.boot->try_get(fmt::format("settled/{}", r))) d.boot->put(fmt::format("settled/{}", r), {});
+      if (settled && d.boot->try_get(fmt::format("settled/{}", other))) break;
+      std::this_thread::sleep_for(2ms);
+    }
+    const auto put_num = [&](const std::string& key, double v) {
+      d.boot->put(key, bootstrap::blob(reinterpret_cast<const std::byte*>(&v), reinterpret_cast<const std::byte*>(&v) + sizeof v));
+    };
+    const auto get_num = [&](const std::string& key) {
+      const auto b = d.boot->get(key, key);
+      double v = 0;
+      std::memcpy(&v, b.data(), sizeof v);
+      return v;
+    };
+    put_num(fmt::format("taken/{}", r), taken);
+    const double took = get_num(fmt::format("taken/{}", other));
+    if (std::abs(posted - handed_back - took) > 1e-9 * std::max(1.0, posted))
+      throw error(fmt::format("rank {}: posted {} to rank {}, was handed back {}, and rank {} took {}: {} of push-sum weight unaccounted", r,
+                              posted, other, handed_back, other, took, posted - handed_back - took));
+    final_barrier(*d.boot, "checked", {0, 1});
+    d.t.leave();
+    return 0;
+  });
+  REQUIRE(out.size() == 2);
+  check_all_ok(out);
+}
+
 TEST_CASE("ucx: leave() while a probe to a stopped peer is unanswered returns, and the worker is destroyed cleanly") {
   // The leaving rank has a ping out to the stopped peer, unanswered: it
   // closes that peer's endpoint as a dead one's, and its worker is destroyed

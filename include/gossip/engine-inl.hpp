@@ -356,7 +356,11 @@ inline void engine::handle_failures() {
   const std::size_t n = m_transport.dead_peers(m_received);
   for (std::size_t i = 0; i < n; ++i) {
     const int r = m_received[i].sender;
-    if (r < 0 || r >= m_world || !m_topology.alive(r)) continue;
+    if (r < 0 || r >= m_world) continue;
+    if (!m_topology.alive(r)) {
+      if (m_received[i].settled) settle_dead(r, m_received[i].weight);
+      continue;
+    }
     m_topology.mark_dead(r);
     m_protocol.forget(r);
     if (m_received[i].departed) {  // it finished and left: nothing is lost, only undelivered shares come back
@@ -379,10 +383,29 @@ inline void engine::handle_failures() {
       d.weight_unconfirmed = sends_here ? delivered : std::min(delivered, std::max(0.0, p.last_weight_sent - d.weight_refunded));
       d.weight_estimate = p.last_weight_received;
     }
+    if (m_received[i].settled) d.weight_unconfirmed = 0;  // its record says what it merged; the rest came back
     m_stats.lost_weight += d.weight_unconfirmed;
     m_stats.dead_peers.push_back(r);
     m_stats.dead.push_back(d);
   }
+}
+
+// A later entry for a rank reported dead already: the transport has read
+// the rank's own record of what it took from this one, so the shares handed
+// back at the report are corrected by `share` (positive: a message that
+// completed here but never reached the peer's model; negative: one that
+// failed here but had landed there) and nothing sent to it is unconfirmed.
+inline void engine::settle_dead(int r, double share) {
+  if (m_protocol.type() != protocol::kind::push_sum) return;
+  const bool take = std::isfinite(share) && share != 0 && m_protocol.weight() + share > 0;
+  if (take) m_protocol.refund(share);
+  for (auto d = m_stats.dead.rbegin(); d != m_stats.dead.rend(); ++d)
+    if (d->rank == r) {
+      if (take) d->weight_refunded += share;
+      m_stats.lost_weight = std::max(0.0, m_stats.lost_weight - d->weight_unconfirmed);
+      d->weight_unconfirmed = 0;
+      break;
+    }
 }
 
 // Names the first tensor whose drift sums are not finite: its values (x) or

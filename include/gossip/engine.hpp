@@ -244,6 +244,7 @@ class engine {
   void decode_inbound(std::size_t lo, std::size_t hi);  // m_received[lo, hi), no sender twice
   void start_shared_streams();
   void handle_failures();
+  void settle_dead(int rank, double share);
   void catch_up(std::uint64_t step, std::size_t& merged);
   static constexpr std::size_t backlog_high = 4, backlog_low = 1;  // catch_up's bounds, in messages of one source
   [[noreturn]] void throw_not_finite(std::uint64_t step) const;

@@ -69,6 +69,10 @@ struct received {
   /// messages carried, so the total weight stays exact and the share merges
   /// with this newer model; a codec's stream cannot skip a message.
   bool gap = false;
+  /// dead_peers(): `weight` comes from the peer's own record of what it
+  /// took from this rank, so the shares handed back are exact and nothing
+  /// this rank sent is lost with it.
+  bool settled = false;
 };
 
 /// Engine-owned receive buffers: `depth` slots per source rank.
@@ -185,6 +189,9 @@ concept transport = requires(T& t, const transport_setup& s, int peer, std::span
   // received::weight the protocol weight stamped on messages to it that were
   // never delivered (the engine takes that share back), 0 when not known;
   // received::departed when it said goodbye before going (not a failure).
+  // A later entry for a rank reported already (received::settled) settles
+  // its account: weight is the correction (either sign) to what the first
+  // entry handed back.
   { t.dead_peers(out) };
   { t.counters() } -> std::same_as<transport_counters>;
 };

@@ -126,6 +126,13 @@ struct ucx_transport::impl {
     bool reported = false;         // engine thread
     std::chrono::steady_clock::time_point dead_seen{};  // engine thread: when dead_peers() first saw it dead
     std::uint64_t posted = 0;      // engine thread: messages accepted by post()
+    // Engine thread, for settling a dead peer's push-sum account (settle()):
+    // the weight stamped on the messages post() accepted for it, what
+    // dead_peers() has handed back for it so far, whether its record was read
+    // (or given up on), and when the rendezvous was last asked for it.
+    double weight_posted = 0, weight_handed_back = 0;
+    bool settled = false;
+    std::chrono::steady_clock::time_point record_asked{};
     bool closing = false;          // progress thread
     std::chrono::steady_clock::time_point closed_at{};  // progress thread: when close_dead() closed its endpoint
     std::uint64_t told_step = 0;   // progress thread: the step of the last beacon to it
@@ -162,6 +169,12 @@ struct ucx_transport::impl {
     std::uint64_t read = 0, taken = 0;  // engine thread: first slot not released; returned by last collect
     std::uint64_t consumed = 0;         // engine thread: slots handed to the engine (or skipped as failed)
     std::uint64_t gaps_told = 0;        // engine thread: discarded messages already flagged by collect (received::gap)
+    // Engine thread: the weight collect handed on from it (the shares of
+    // dropped messages that rode with later ones included), and whether that
+    // sum is published as its dead source's record (publish_records()): from
+    // then on nothing more of it is handed on, so the record stays true.
+    double weight_taken = 0;
+    bool sealed = false, record_tried = false;
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
     std::chrono::steady_clock::time_point dead_drain{};  // engine thread: when the drain first found it dead
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
@@ -320,6 +333,24 @@ struct ucx_transport::impl {
   // arrived is known: received::weight carries it, for the engine to take
   // back. After 2 s it is reported regardless, with what has failed so far.
   std::size_t dead_peers(std::span<received> out);
+  // Push-sum exactness when a peer is found dead while both ends still run
+  // (a probe that gave up on a stopped process, a link cut for longer than
+  // the probe waits): a message under way between them can complete at its
+  // sender and fail at its receiver (UCX 1.13 completes a rendezvous send
+  // whose receiver closed the endpoint mid-transfer), or the reverse, and
+  // neither end alone knows where its share went. Each rank therefore
+  // publishes, for a source it found dead, the weight it took from it
+  // (`gossip/ucx/<generation>/taken/<source>/<rank>`, once nothing of that
+  // source is held any more), and the source, having reported this rank dead
+  // with the shares that failed at its end, reads that record and hands back
+  // the difference to what it posted (a later dead_peers() entry). A peer
+  // that really died publishes nothing: its sources keep the estimate. The
+  // rendezvous is asked at most every 250 ms, for up to 4 × timeout_s
+  // (20 s at least); never about rank 0 once it stopped answering probes,
+  // since the rendezvous is in its process.
+  void publish_records();
+  bool record_reachable(const peer_state& p) const noexcept;
+  std::optional<double> read_record(peer_state& p, std::chrono::steady_clock::time_point now);
 
   // ---- progress thread (and UCX callbacks, which run inside it) -----------
 

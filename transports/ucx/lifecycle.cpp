@@ -624,16 +624,87 @@ void ucx_transport::impl::teardown_now() noexcept {
 std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
   std::size_t n = 0;
   const auto now = std::chrono::steady_clock::now();
+  publish_records();
   for (int j : neighbours) {
     auto& p = *peer(j);
-    if (p.reported || !p.dead.load(std::memory_order_acquire)) continue;
+    if (!p.dead.load(std::memory_order_acquire)) continue;
+    if (p.reported) {
+      // Reported with the shares that failed here: its own record may say
+      // otherwise (see publish_records in impl.hpp).
+      if (p.settled || n == out.size()) continue;
+      if (const auto taken = read_record(p, now)) {
+        const double owed = std::max(0.0, p.weight_posted - *taken) - p.weight_handed_back;
+        p.weight_handed_back += owed;
+        out[n++] = received{.sender = j, .weight = owed, .settled = true};
+      }
+      continue;
+    }
     if (p.dead_seen == std::chrono::steady_clock::time_point{}) p.dead_seen = now;
     if (p.inflight.load(std::memory_order_acquire) > 0 && now - p.dead_seen < std::chrono::seconds(2)) continue;
     if (n == out.size()) break;
     p.reported = true;
-    out[n++] = received{.sender = j, .weight = p.failed_weight.load(std::memory_order_relaxed), .departed = p.departed.load(std::memory_order_acquire)};
+    const bool departed = p.departed.load(std::memory_order_acquire);
+    received r{.sender = j, .weight = p.failed_weight.load(std::memory_order_relaxed), .departed = departed};
+    // A goodbye told what it left unmerged (failed_weight): nothing to settle.
+    if (departed || p.left_early.load(std::memory_order_acquire) || !p.target) {
+      p.settled = true;
+    } else if (const auto taken = read_record(p, now)) {
+      r.weight = std::max(0.0, p.weight_posted - *taken);
+      r.settled = true;
+    }
+    p.weight_handed_back = r.weight;
+    out[n++] = r;
   }
   return n;
+}
+
+bool ucx_transport::impl::record_reachable(const peer_state& p) const noexcept {
+  return boot && !rendezvous_gone && !(p.rank == 0 && p.unresponsive.load(std::memory_order_relaxed));
+}
+
+std::optional<double> ucx_transport::impl::read_record(peer_state& p, std::chrono::steady_clock::time_point now) {
+  const auto give_up = p.dead_seen + std::max<std::chrono::steady_clock::duration>(
+                                         std::chrono::seconds(20), std::chrono::duration_cast<std::chrono::steady_clock::duration>(4 * setup.timeout));
+  if (!record_reachable(p) || now >= give_up) {
+    p.settled = true;
+    return std::nullopt;
+  }
+  if (p.record_asked != std::chrono::steady_clock::time_point{} && now - p.record_asked < std::chrono::milliseconds(250)) return std::nullopt;
+  p.record_asked = now;
+  try {
+    const auto b = boot->try_get(fmt::format("gossip/ucx/{}/taken/{}/{}", generation, setup.rank, p.rank));
+    if (!b) return std::nullopt;
+    p.settled = true;
+    double taken;
+    if (b->size() != sizeof taken) return std::nullopt;
+    std::memcpy(&taken, b->data(), sizeof taken);
+    if (!std::isfinite(taken)) return std::nullopt;
+    return taken;
+  } catch (const error&) {  // the rendezvous is gone or stalled: keep the estimate
+    p.settled = true;
+    return std::nullopt;
+  }
+}
+
+void ucx_transport::impl::publish_records() {
+  for (auto& src : sources) {
+    if (src.sealed || src.record_tried) continue;
+    const peer_state* p = peer(src.rank);
+    if (!p || !p->dead.load(std::memory_order_acquire) || p->departed.load(std::memory_order_acquire) ||
+        p->left_early.load(std::memory_order_acquire) || holds_from(src.index))
+      continue;
+    // Nothing of it is held (its receives have landed or failed, the engine
+    // has collected what landed): what was taken from it is final.
+    src.record_tried = true;
+    if (!record_reachable(*p)) continue;
+    bootstrap::blob b(sizeof src.weight_taken);
+    std::memcpy(b.data(), &src.weight_taken, sizeof src.weight_taken);
+    try {
+      boot->put(fmt::format("gossip/ucx/{}/taken/{}/{}", generation, src.rank, setup.rank), b);
+      src.sealed = true;
+    } catch (const error&) {  // the rendezvous is gone or stalled: the source keeps its estimate
+    }
+  }
 }
 
 void ucx_transport::impl::shutdown_ucx() noexcept {

@@ -8,6 +8,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "impl.hpp"
@@ -42,6 +45,9 @@ post_status ucx_transport::impl::post(int to, std::span<const std::byte> msg, st
   buffers[static_cast<std::size_t>(e)].inflight.fetch_add(1, std::memory_order_acq_rel);
   p->inflight.fetch_add(1, std::memory_order_acq_rel);
   ++p->posted;
+  double weight;
+  std::memcpy(&weight, msg.data() + offsetof(wire_header, weight), sizeof weight);
+  if (std::isfinite(weight)) p->weight_posted += weight;
   queue[tail % queue_capacity] = {to, e, msg.data(), msg.size()};
   q_tail.store(tail + 1, std::memory_order_release);
   // Started here when the progress thread is elsewhere; it carries the
@@ -74,9 +80,9 @@ std::size_t ucx_transport::impl::collect(std::span<received> out) {
     while (src.taken < depth) {  // taken slots stay full until release()
       auto& slot = setup.inbox->at(src.index, src.read + src.taken);
       if (slot.state.load(std::memory_order_acquire) != inbox::full) break;
-      if (slot.bytes > 0 && n == out.size()) break;
+      if (slot.bytes > 0 && n == out.size() && !src.sealed) break;
       ++src.consumed;
-      if (slot.bytes > 0) {
+      if (slot.bytes > 0 && !src.sealed) {  // a sealed source's record says what was taken from it: no more
         wire_header h;
         std::memcpy(&h, slot.data, sizeof h);
         out[n] = received{h.sender, h.step, h.weight, reinterpret_cast<const float*>(slot.data + sizeof(wire_header)),
@@ -86,6 +92,7 @@ std::size_t ucx_transport::impl::collect(std::span<received> out) {
           out[n].weight += discarded_weight[si].exchange(0.0, std::memory_order_relaxed);  // the dropped shares ride with this one
           src.gaps_told = d;
         }
+        if (std::isfinite(out[n].weight)) src.weight_taken += out[n].weight;
         ++n;
       }
       ++src.taken;
