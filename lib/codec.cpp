@@ -958,7 +958,8 @@ decode_status decode_segment(std::span<const std::byte> seg, float* hat, std::si
   if (sg.flags & ~(codec_segment::reset | codec_segment::half_values)) return fail("a segment has unknown flags");
   if (half && kind != codec_kind::topk && kind != codec_kind::randomk) return fail("a segment that is not topk or randomk has fp16 values");
   if (reset && kind != codec_kind::fp16 && kind != codec_kind::int8) return fail("a segment that is not fp16 or int8 asks for a reset");
-  if (kind != codec_kind::none && !primed && !reset) return fail("a compressed change arrived before the stream's first full message");
+  if (kind != codec_kind::none && !primed && !reset)
+    return decode_status{"a compressed change arrived before the stream's first full message", 0, true};
   switch (kind) {
     case codec_kind::lowrank: return detail::decode_lowrank(sg, body, room, hat, n);
     case codec_kind::none:

@@ -101,6 +101,8 @@ std::string engine_stats::to_json(int indent) const {
   j["dropped"] = dropped;
   j["transport_rejoins"] = transport_rejoins;
   j["transport_dropped"] = transport_dropped;
+  j["codec_resyncs"] = codec_resyncs;
+  j["codec_resync_skipped"] = codec_resync_skipped;
   j["relative_drift"] = {{"last", relative_drift_last},
                          {"max", relative_drift_max},
                          {"mean_at_send", relative_drift_at_send_count ? relative_drift_at_send_sum / static_cast<double>(relative_drift_at_send_count) : 0.0}};

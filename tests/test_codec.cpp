@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <limits>
 #include <cmath>
@@ -931,6 +932,73 @@ TEST_CASE("a codec stream that lost a message in the transport is refused, namin
             std::string::npos);
       CHECK(errors[static_cast<std::size_t>(r)].find("set [codec] name = \"none\"") != std::string::npos);
     }
+  }
+}
+
+namespace {
+// Loopback, except that the third message collected is reported as coming
+// after one the transport dropped, and that a request for a full message
+// refuses the source's next post to this rank once, as the UCX transport does.
+struct resync_transport : loopback_forward {
+  struct shared_state {
+    std::atomic<bool> refuse_next[2] = {false, false};  // by sender: its next post is refused
+    std::atomic<int> requests{0};
+  };
+  shared_state* shared = nullptr;
+  int rank = 0;
+  int collected = 0;
+  post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step) {
+    if (shared->refuse_next[rank].exchange(false)) return post_status::busy;
+    return t.post(peer, msg, step);
+  }
+  std::size_t collect(std::uint64_t s, std::span<received> o) {
+    const std::size_t n = t.collect(s, o);
+    for (std::size_t i = 0; i < n; ++i)
+      if (++collected == 3) o[i].gap = true;
+    return n;
+  }
+  void request_full(int source) {
+    shared->refuse_next[source] = true;
+    ++shared->requests;
+  }
+};
+static_assert(gossip::transport<resync_transport>);
+}  // namespace
+
+TEST_CASE("a codec stream that lost a message starts again from a full message where the transport can ask for one; weight exact") {
+  for (const char* name : {"int8", "topk", "fp16"}) {
+    INFO("codec ", std::string(name));
+    const int world = 2;
+    loopback_fabric fabric(world);
+    resync_transport::shared_state shared;
+    std::vector<engine_stats> stats(world);
+    std::vector<std::string> errors(world);
+    run_ranks(world, [&](int r) {
+      toy_model m({64, 300}, static_cast<std::uint64_t>(r + 1));
+      auto spec = spec_of(any_policy(policies::periodic{.every = 1}, "periodic"), "ring", "push-sum", 5);
+      spec.codec.name = name;
+      engine e(m.view, r, world, std::move(spec), resync_transport{{fabric.endpoint(r)}, &shared, r});
+      try {
+        for (int s = 0; s < 12; ++s) {
+          for (auto& t : m.tensors)
+            for (std::size_t i = 0; i < t.size(); ++i) t[i] += 0.01f * static_cast<float>((r + 1) * static_cast<int>(i % 3));
+          e.step({.lr = 0.1});
+        }
+        e.finish(0);
+      } catch (const gossip::error& x) {
+        errors[static_cast<std::size_t>(r)] = x.what();
+      }
+      stats[static_cast<std::size_t>(r)] = e.stats();
+    });
+    for (int r = 0; r < world; ++r) {
+      const auto& c = stats[static_cast<std::size_t>(r)];
+      CHECK(errors[static_cast<std::size_t>(r)].empty());
+      CHECK(c.codec_resyncs == 1);
+      CHECK(c.codec_resync_skipped >= 1);  // the gapped change, and those before the full message
+      CHECK(c.dropped == 1);               // the post refused: its share stayed
+    }
+    CHECK(shared.requests == 2);
+    CHECK(stats[0].weight + stats[1].weight == doctest::Approx(2.0).epsilon(1e-12));
   }
 }
 

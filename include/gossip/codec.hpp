@@ -206,6 +206,9 @@ void lowrank_apply(const float* p, const float* q, std::size_t rows, std::size_t
 struct decode_status {
   const char* problem = nullptr;  ///< static text, null when ok
   std::size_t tensor = 0;         ///< index of the offending tensor, when it concerns one
+  /// The payload is well formed but a change against an x̂ this end does not
+  /// hold yet (`primed` false): it needs the stream's next full message.
+  bool before_full = false;
   bool ok() const noexcept { return problem == nullptr; }
 };
 

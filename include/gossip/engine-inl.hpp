@@ -220,6 +220,8 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
     m_merge_step = m_codec.settings().step;
     if (m_corrected_merge) m_in_estimate.assign(m_topology.sources().size() * m_elements, 0.0f);
     m_in_primed.assign(m_topology.sources().size(), 0);
+    m_in_resync.assign(m_topology.sources().size(), 0);
+    m_in_resync_weight.assign(m_topology.sources().size(), 0.0);
     m_segment_bytes.assign(m_slots.size(), 0);
     m_received_bytes.assign(m_received.size(), 0);
   }
@@ -363,6 +365,7 @@ inline void engine::handle_failures() {
     }
     m_topology.mark_dead(r);
     m_protocol.forget(r);
+    if (const int si = m_inbox.index_of(r); si >= 0 && static_cast<std::size_t>(si) < m_in_resync.size()) settle_resync(static_cast<std::size_t>(si));
     if (m_received[i].departed) {  // it finished and left: nothing is lost, only undelivered shares come back
       if (m_protocol.type() == protocol::kind::push_sum && m_received[i].weight > 0) m_protocol.refund(m_received[i].weight);
       continue;
@@ -396,12 +399,13 @@ inline void engine::handle_failures() {
 // completed here but never reached the peer's model; negative: one that
 // failed here but had landed there) and nothing sent to it is unconfirmed.
 inline void engine::settle_dead(int r, double share) {
-  if (m_protocol.type() != protocol::kind::push_sum) return;
-  const bool take = std::isfinite(share) && share != 0 && m_protocol.weight() + share > 0;
-  if (take) m_protocol.refund(share);
+  // A correction this rank cannot take (not finite, or more than its whole
+  // weight) leaves the record as it was, an estimate.
+  if (m_protocol.type() != protocol::kind::push_sum || !std::isfinite(share) || m_protocol.weight() + share <= 0) return;
+  m_protocol.refund(share);
   for (auto d = m_stats.dead.rbegin(); d != m_stats.dead.rend(); ++d)
     if (d->rank == r) {
-      if (take) d->weight_refunded += share;
+      d->weight_refunded += share;
       m_stats.lost_weight = std::max(0.0, m_stats.lost_weight - d->weight_unconfirmed);
       d->weight_unconfirmed = 0;
       break;
@@ -994,14 +998,23 @@ inline void engine::merge_collected(std::size_t n, std::uint64_t t) {
       for (std::size_t lo = 0; lo < n;) {
         std::size_t hi = lo + 1;
         while (hi < n && !in_run(lo, hi, m_received[hi].sender)) ++hi;
-        decode_inbound(lo, hi);
-        merge_received(lo, hi);
-        lo = hi;
+        const std::size_t kept = decode_inbound(lo, hi);
+        if (kept > lo) merge_received(lo, kept);
+        if (kept < hi) {  // what was taken out leaves no hole
+          std::move(m_received.begin() + static_cast<std::ptrdiff_t>(hi), m_received.begin() + static_cast<std::ptrdiff_t>(n),
+                    m_received.begin() + static_cast<std::ptrdiff_t>(kept));
+          std::move(m_received_bytes.begin() + static_cast<std::ptrdiff_t>(hi), m_received_bytes.begin() + static_cast<std::ptrdiff_t>(n),
+                    m_received_bytes.begin() + static_cast<std::ptrdiff_t>(kept));
+          n -= hi - kept;
+        }
+        lo = kept;
       }
     } else {
-      if (m_codec.compresses()) decode_inbound(0, n);
-      merge_received(0, n);
+      if (m_codec.compresses()) n = decode_inbound(0, n);
+      if (n > 0) merge_received(0, n);
     }
+  }
+  if (n > 0) {
     if (m_shared_schedule && std::isfinite(m_received[n - 1].weight)) m_group_drift_sq = m_received[n - 1].weight;
     if (m_merge_steps == 0) {  // the first merge since the last drift pass
       m_merge_steps = std::max<std::uint64_t>(1, t > m_last_merge_step ? t - m_last_merge_step : 1);
@@ -1114,6 +1127,7 @@ inline void engine::finish(int rounds) {
   // What is still in the inbox (sources that went on after this rank's last
   // step) leaves with this rank, where the transport can hand it over.
   while (const std::size_t n = m_transport.leftovers(m_received)) merge_collected(n, m_step);
+  for (std::size_t s = 0; s < m_in_resync.size(); ++s) settle_resync(s);  // their full messages will not come now
   m_finished = true;
   m_transport.leave();
   m_stats_pending = !m_settings.stats_path.empty();

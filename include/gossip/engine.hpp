@@ -241,7 +241,10 @@ class engine {
   }
   bool buffer_busy(int i) noexcept;  // any of buffer i's messages still on the wire
   std::uint32_t send_encoded(std::byte* buf, std::span<const peer> targets, std::uint64_t t, std::uint64_t& bytes, std::uint64_t& raw);
-  void decode_inbound(std::size_t lo, std::size_t hi);  // m_received[lo, hi), no sender twice
+  // m_received[lo, hi), no sender twice; returns the end of what is kept there
+  // (changes a stream out of step cannot apply are taken out, weight only).
+  std::size_t decode_inbound(std::size_t lo, std::size_t hi);
+  void settle_resync(std::size_t source);  // push-sum: a stream out of step gives up on its full message
   void start_shared_streams();
   void handle_failures();
   void settle_dead(int rank, double share);
@@ -324,6 +327,11 @@ class engine {
   double m_collect_gamma = 0;                   // …with this step
   std::vector<int> m_out_index;                 // rank → outgoing stream, or −1
   std::vector<char> m_out_primed, m_in_primed;  // both ends hold the same x̂: the shared start model, or a full message went through
+  // Per source: its stream lost a message in the transport and waits for a
+  // full one (m_in_primed is 0 meanwhile), and the push-sum weight of the
+  // changes taken out since, which rides with that full message.
+  std::vector<char> m_in_resync;
+  std::vector<double> m_in_resync_weight;
   std::vector<std::size_t> m_counts;            // tensor sizes, layout order
   std::vector<std::size_t> m_rows;              // per tensor: rows of a declared matrix, else 0
   std::vector<std::size_t> m_state_offset;      // per tensor: its codec state in a stream's share of m_out_state

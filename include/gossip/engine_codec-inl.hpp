@@ -3,6 +3,7 @@
 // messages C(x − x̂) encoded into the send buffer, received ones decoded into
 // the sender's x̂ (included by engine-inl.hpp).
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <cstring>
 
@@ -120,15 +121,23 @@ inline std::uint32_t engine::send_encoded(std::byte* buf, std::span<const peer> 
 // refused with the sender named. Under push-sum the range holds no sender
 // twice (merge_inbound), so each share is merged with the x̂ its own message
 // made; pairwise and stale-copy merge a sender's latest x̂.
-inline void engine::decode_inbound(std::size_t lo, std::size_t hi) {
+inline std::size_t engine::decode_inbound(std::size_t lo, std::size_t hi) {
   m_corrected_in_collect = 0;
+  std::size_t kept = lo;
   for (std::size_t i = lo; i < hi; ++i) {
     auto& m = m_received[i];
     const int si = m_inbox.index_of(m.sender);
     if (si < 0)
       throw transport_error(fmt::format("rank {}: received a message from rank {}, which is not among its sources", m_rank, m.sender));
     const auto source = static_cast<std::size_t>(si);
-    if (m.gap)
+    // The stream lost a message: this x̂ is no longer the sender's. Where the
+    // transport can ask the sender for a full message, the stream waits for
+    // it; the changes that come first are taken out below.
+    if (m.gap && m_transport.request_full(m.sender)) {
+      m_in_primed[source] = 0;
+      m_in_resync[source] = 1;
+      ++m_stats.codec_resyncs;
+    } else if (m.gap)
       throw transport_error(fmt::format(
           "rank {}: the transport dropped a message rank {} sent before step {}: its messages came faster than this rank merged "
           "them and the receive backlog overflowed (more busy threads than cores slow a rank's receiving; engine stats: "
@@ -140,12 +149,29 @@ inline void engine::decode_inbound(std::size_t lo, std::size_t hi) {
     float* hat = m_in_hat.data() + source * m_elements;
     const bool first = m_in_primed[source] == 0;  // the sender's exact model (fp32) or a dense reset: nothing lags
     const decode_status st = decode_payload(payload, m_counts, hat, !first);
+    if (!st.ok() && st.before_full && m_in_resync[source]) {
+      // A change against the x̂ the sender holds: its push-sum share waits
+      // for the full message (merged with it); this x̂ is rewritten by it.
+      if (m_protocol.type() == protocol::kind::push_sum && std::isfinite(m.weight)) m_in_resync_weight[source] += m.weight;
+      ++m_stats.codec_resync_skipped;
+      m_heard_step = std::max(m_heard_step, m.step);
+      if (const int k = m_peer_index[static_cast<std::size_t>(m.sender)]; k >= 0) {
+        auto& p = m_stats.peers[static_cast<std::size_t>(k)];
+        p.bytes_received += m_received_bytes[i];
+        ++p.messages_received;
+      }
+      continue;
+    }
     if (!st.ok())
       throw transport_error(fmt::format("rank {}: refused the message rank {} sent at step {} ({} payload bytes, codec '{}'): {} (tensor '{}'); "
                                         "give every rank the same libgossip and [codec] settings",
                                         m_rank, m.sender, m.step, payload.size(), m_codec.name(), st.problem,
                                         m_tensor_names[std::min(st.tensor, m_tensor_names.size() - 1)]));
     m_in_primed[source] = 1;
+    if (m_in_resync[source]) {
+      m.weight += std::exchange(m_in_resync_weight[source], 0.0);
+      m_in_resync[source] = 0;
+    }
     m.data = hat;
     m.elements = m_elements;
     if (m_corrected_merge && m_fresh_stream >= 0 && !first) {
@@ -167,7 +193,22 @@ inline void engine::decode_inbound(std::size_t lo, std::size_t hi) {
       ++m_corrected_in_collect;
       m_collect_gamma = gamma;
     }
+    if (kept != i) {
+      m_received[kept] = m;
+      m_received_bytes[kept] = m_received_bytes[i];
+    }
+    ++kept;
   }
+  return kept;
+}
+
+// A stream that waits for its full message gives up on it (its sender died,
+// or this rank finishes): the shares of the changes taken out stay with this
+// rank's model, so the push-sum weight stays exact.
+inline void engine::settle_resync(std::size_t source) {
+  if (!m_in_resync[source]) return;
+  m_protocol.refund(std::exchange(m_in_resync_weight[source], 0.0));
+  m_in_resync[source] = 0;
 }
 
 }  // namespace gossip

@@ -78,9 +78,14 @@ struct engine_stats {
   /// The transport's own count of what it dropped (transport_counters::dropped).
   /// UCX: messages dropped on arrival, a source's receive backlog having
   /// overflowed (a full model's push-sum share rides with the source's next
-  /// message; a codec's stream refuses the gap); loopback: posts to a peer
+  /// message; a codec's stream is started again, codec_resyncs); loopback: posts to a peer
   /// that had left; switch: packets retransmitted.
   std::uint64_t transport_dropped = 0;
+  /// Codec streams that lost a message in the transport and were started
+  /// again with a full message (UCX asks the source for one), and the
+  /// messages merged as weight only meanwhile: changes against the x̂ this
+  /// rank no longer holds, whose push-sum shares ride with the full one.
+  std::uint64_t codec_resyncs = 0, codec_resync_skipped = 0;
   /// The relative drift ‖x − x̂‖/‖x̂‖: at the last step, its largest value and
   /// its sum over the sends. A step whose x̂ was zero (a model started at 0)
   /// has an infinite one: it stays out of max and of the sum, which counts

@@ -245,6 +245,12 @@ class any_transport {
   /// out.size() per call; 0 when none are left), for the engine to merge, so
   /// that their push-sum mass leaves with this rank (loopback). 0 for the others.
   std::size_t leftovers(std::span<received> out) { return m_self->leftovers(out); }
+  /// A codec's stream from `source` lost a message here (received::gap): a
+  /// transport that can asks the source to make its next message to this
+  /// rank full (UCX: its next post() here is refused once, which the engine
+  /// answers with a full message), and says true; false when it cannot, and
+  /// the engine then stops with the error that explains the gap.
+  bool request_full(int source) { return m_self->request_full(source); }
 
  private:
   struct concept_t {
@@ -267,6 +273,7 @@ class any_transport {
     virtual std::uint64_t peer_model(int) const = 0;
     virtual void waiting() noexcept = 0;
     virtual std::size_t leftovers(std::span<received>) = 0;
+    virtual bool request_full(int) = 0;
   };
   template <class T>
   struct model final : concept_t {
@@ -320,6 +327,14 @@ class any_transport {
         return m_t.leftovers(o);
       else
         return 0;
+    }
+    bool request_full(int source) override {
+      if constexpr (requires { m_t.request_full(source); }) {
+        m_t.request_full(source);
+        return true;
+      } else {
+        return false;
+      }
     }
     T m_t;
   };

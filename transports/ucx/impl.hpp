@@ -46,6 +46,9 @@ inline constexpr unsigned ask_id = 0x4A;                 // a target waits on th
 // timeout_s: it may still be attaching.
 inline constexpr unsigned ping_id = 0x4B;                // header = the asking rank
 inline constexpr unsigned pong_id = 0x4C;                // the answer: header = the answering rank
+// A codec's stream lost a message here (received::gap): the receiver asks its
+// source to send the next one full (transport request_full); header = the asking rank.
+inline constexpr unsigned full_id = 0x4D;
 
 struct step_beacon_header {
   std::int32_t rank = -1;
@@ -139,6 +142,12 @@ struct ucx_transport::impl {
     ucx_detail::step_beacon_header beacon;  // progress thread: UCX reads it until beacon_req completes
     void* beacon_req = nullptr;              // progress thread: the beacon still in flight, if any
     void* ask_req = nullptr;                 // progress thread: the ask (ask_id) still in flight, if any
+    // Codec stream resync (full_id): the engine thread asks the progress
+    // thread to send the request to this source (full_asked); a target's
+    // request makes the next post() to it refused once (full_wanted), so the
+    // engine's next message to it is full.
+    std::atomic<bool> full_asked{false}, full_wanted{false};
+    void* full_req = nullptr;  // progress thread: the request still in flight, if any
     // Liveness probe (ping_id / pong_id), progress thread:
     void* ping_req = nullptr;  // our ping still in flight, if any
     void* pong_req = nullptr;  // our answer still in flight, if any
@@ -174,7 +183,12 @@ struct ucx_transport::impl {
     // sum is published as its dead source's record (publish_records()): from
     // then on nothing more of it is handed on, so the record stays true.
     double weight_taken = 0;
-    bool sealed = false, record_tried = false;
+    bool sealed = false;
+    // Engine thread, once it is found dead: it said it posts nothing more
+    // here (its "stopped" record), the record is published or given up on,
+    // and when the rendezvous was last asked and since when it is dead.
+    bool stopped = false, records_done = false;
+    std::chrono::steady_clock::time_point record_asked{}, record_dead_seen{};
     std::uint64_t expected = ~0ull;     // engine thread: what the source says it sent us, once known
     std::chrono::steady_clock::time_point dead_drain{};  // engine thread: when the drain first found it dead
     std::uint64_t heard = 0;            // progress thread: newest step its beacons or model headers carried (~0: finished or dead)
@@ -182,6 +196,7 @@ struct ucx_transport::impl {
     std::uint32_t late = 0;             // progress thread: that beacon's `late` (the source may be that far past `beacon`)
     std::vector<pending> backlog;       // progress thread: ring of `backlog` entries
     std::size_t head = 0, count = 0;
+    std::size_t held_bytes = 0;         // progress thread: eager data the ring holds inside UCX (ucx_options::backlog_bytes)
     std::vector<recv_ctx> recv;  // one per slot
   };
   struct send_op {
@@ -252,6 +267,8 @@ struct ucx_transport::impl {
   std::atomic<std::uint64_t> told_step{0};
   std::atomic<std::int64_t> told_at{0};
   std::atomic<bool> want_beacons{false};   // engine thread → progress thread: ask every source for its step
+  std::atomic<bool> want_full{false};      // engine thread → progress thread: some peer's full_asked is set
+  void request_full(int source) noexcept;  // engine thread
   bool ask_now = false;                    // progress thread: a target asked; tell a held step now
   std::int32_t ask_header = -1;            // this rank, the header of every ask (UCX reads it until the send completes)
   std::chrono::steady_clock::duration beacon_interval() const noexcept {
@@ -338,18 +355,41 @@ struct ucx_transport::impl {
   // the probe waits): a message under way between them can complete at its
   // sender and fail at its receiver (UCX 1.13 completes a rendezvous send
   // whose receiver closed the endpoint mid-transfer), or the reverse, and
-  // neither end alone knows where its share went. Each rank therefore
-  // publishes, for a source it found dead, the weight it took from it
-  // (`gossip/ucx/<generation>/taken/<source>/<rank>`, once nothing of that
-  // source is held any more), and the source, having reported this rank dead
-  // with the shares that failed at its end, reads that record and hands back
-  // the difference to what it posted (a later dead_peers() entry). A peer
-  // that really died publishes nothing: its sources keep the estimate. The
-  // rendezvous is asked at most every 250 ms, for up to 4 × timeout_s
-  // (20 s at least); never about rank 0 once it stopped answering probes,
-  // since the rendezvous is in its process.
-  void publish_records();
-  bool record_reachable(const peer_state& p) const noexcept;
+  // neither end alone knows where its share went. So, through the
+  // rendezvous (keys gossip/ucx/<generation>/<what>/<from>/<to>):
+  //  - a rank that reports a target dead says it posts nothing more to it
+  //    ("stopped"); its posts to it are refused from then on;
+  //  - a rank that found a source dead and read that source's "stopped"
+  //    seals it once nothing of it is held (collect hands nothing more of it
+  //    on) and publishes the weight it took from it ("taken");
+  //  - the source, having reported the rank dead with the shares that failed
+  //    at its end, reads "taken" and hands back the difference to what it
+  //    posted (a later dead_peers() entry, received::settled).
+  // A rank that really died publishes nothing: its peers keep the estimate.
+  // A source found dead that never finds this rank dead says nothing, and
+  // its messages are merged as before. The rendezvous is asked at most every
+  // 250 ms per peer, for up to 4 × timeout_s (20 s at least); after an error
+  // (the rendezvous is gone or stalled — a call to a rank 0 that froze
+  // without its connections reset waits up to timeout_s once) no more.
+  void publish_records(std::chrono::steady_clock::time_point now);
+  std::string record_key(std::string_view what, int from, int to) const;
+  // Whether to ask the rendezvous now (at most every 250 ms, within the
+  // window after dead_seen); sets gave_up once the window is over.
+  bool record_due(std::chrono::steady_clock::time_point& asked, std::chrono::steady_clock::time_point dead_seen,
+                  std::chrono::steady_clock::time_point now, bool& gave_up) const noexcept;
+  bool records_off = false;  // engine thread: the rendezvous failed a call; settling is given up
+  // Runs a call to the rendezvous; false (and records_off) when it threw.
+  template <class F>
+  bool store(F&& call) noexcept {
+    if (records_off || !boot) return false;
+    try {
+      call();
+      return true;
+    } catch (const std::exception&) {
+      records_off = true;
+      return false;
+    }
+  }
   std::optional<double> read_record(peer_state& p, std::chrono::steady_clock::time_point now);
 
   // ---- progress thread (and UCX callbacks, which run inside it) -----------
@@ -366,6 +406,8 @@ struct ucx_transport::impl {
   // A target waits on this rank: tell it the newest (held) step now.
   static ucs_status_t on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_asks() noexcept;
+  static ucs_status_t on_full(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  bool send_full_requests() noexcept;
   // Liveness probe (see ping_id): answers pings, pings targets whose sends
   // UCX has held for probe_after(), declares dead those that do not answer
   // within probe_timeout().
@@ -401,6 +443,8 @@ struct ucx_transport::impl {
   void failed(inbox::slot& slot) noexcept;
   static void on_recv_done(void* request, ucs_status_t status, std::size_t length, void* user);
   bool land_backlog() noexcept;
+  // Progress thread: the oldest message of the source's backlog, out of the ring.
+  pending pop_backlog(source_state& src) noexcept;
   void close_dead() noexcept;
   // Sends to a peer closed as dead that UCX has still not completed a while
   // later are given up on, as failed (see abandon_stuck_sends in progress.cpp).

@@ -182,6 +182,7 @@ void ucx_transport::impl::init_ucx() {
       {ask_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_ask},
       {ping_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_ping},
       {pong_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_pong},
+      {full_id, UCP_AM_FLAG_WHOLE_MSG, &impl::on_full},
   };
   for (const auto& h : handlers) {
     hp.id = h.id;
@@ -624,7 +625,7 @@ void ucx_transport::impl::teardown_now() noexcept {
 std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
   std::size_t n = 0;
   const auto now = std::chrono::steady_clock::now();
-  publish_records();
+  publish_records(now);
   for (int j : neighbours) {
     auto& p = *peer(j);
     if (!p.dead.load(std::memory_order_acquire)) continue;
@@ -648,9 +649,14 @@ std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
     // A goodbye told what it left unmerged (failed_weight): nothing to settle.
     if (departed || p.left_early.load(std::memory_order_acquire) || !p.target) {
       p.settled = true;
-    } else if (const auto taken = read_record(p, now)) {
-      r.weight = std::max(0.0, p.weight_posted - *taken);
-      r.settled = true;
+    } else {
+      // This rank posts nothing more to it: say so, so that it can seal what
+      // it took from this rank.
+      store([&] { boot->put(record_key("stopped", setup.rank, j), {}); });
+      if (const auto taken = read_record(p, now)) {
+        r.weight = std::max(0.0, p.weight_posted - *taken);
+        r.settled = true;
+      }
     }
     p.weight_handed_back = r.weight;
     out[n++] = r;
@@ -658,52 +664,63 @@ std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
   return n;
 }
 
-bool ucx_transport::impl::record_reachable(const peer_state& p) const noexcept {
-  return boot && !rendezvous_gone && !(p.rank == 0 && p.unresponsive.load(std::memory_order_relaxed));
+std::string ucx_transport::impl::record_key(std::string_view what, int from, int to) const {
+  return fmt::format("gossip/ucx/{}/{}/{}/{}", generation, what, from, to);
+}
+
+bool ucx_transport::impl::record_due(std::chrono::steady_clock::time_point& asked, std::chrono::steady_clock::time_point dead_seen,
+                                     std::chrono::steady_clock::time_point now, bool& gave_up) const noexcept {
+  const auto window = std::max<std::chrono::steady_clock::duration>(
+      std::chrono::seconds(20), std::chrono::duration_cast<std::chrono::steady_clock::duration>(4 * setup.timeout));
+  if (records_off || !boot || now - dead_seen >= window) {
+    gave_up = true;
+    return false;
+  }
+  if (asked != std::chrono::steady_clock::time_point{} && now - asked < std::chrono::milliseconds(250)) return false;
+  asked = now;
+  return true;
 }
 
 std::optional<double> ucx_transport::impl::read_record(peer_state& p, std::chrono::steady_clock::time_point now) {
-  const auto give_up = p.dead_seen + std::max<std::chrono::steady_clock::duration>(
-                                         std::chrono::seconds(20), std::chrono::duration_cast<std::chrono::steady_clock::duration>(4 * setup.timeout));
-  if (!record_reachable(p) || now >= give_up) {
-    p.settled = true;
-    return std::nullopt;
-  }
-  if (p.record_asked != std::chrono::steady_clock::time_point{} && now - p.record_asked < std::chrono::milliseconds(250)) return std::nullopt;
-  p.record_asked = now;
-  try {
-    const auto b = boot->try_get(fmt::format("gossip/ucx/{}/taken/{}/{}", generation, setup.rank, p.rank));
-    if (!b) return std::nullopt;
-    p.settled = true;
-    double taken;
-    if (b->size() != sizeof taken) return std::nullopt;
-    std::memcpy(&taken, b->data(), sizeof taken);
-    if (!std::isfinite(taken)) return std::nullopt;
-    return taken;
-  } catch (const error&) {  // the rendezvous is gone or stalled: keep the estimate
-    p.settled = true;
-    return std::nullopt;
-  }
+  if (!record_due(p.record_asked, p.dead_seen, now, p.settled)) return std::nullopt;
+  std::optional<bootstrap::blob> b;
+  if (!store([&] { b = boot->try_get(record_key("taken", setup.rank, p.rank)); })) p.settled = true;
+  double taken;
+  if (!b || b->size() != sizeof taken) return std::nullopt;
+  p.settled = true;
+  std::memcpy(&taken, b->data(), sizeof taken);
+  if (!std::isfinite(taken)) return std::nullopt;
+  return taken;
 }
 
-void ucx_transport::impl::publish_records() {
+void ucx_transport::impl::publish_records(std::chrono::steady_clock::time_point now) {
   for (auto& src : sources) {
-    if (src.sealed || src.record_tried) continue;
-    const peer_state* p = peer(src.rank);
+    if (src.records_done) continue;
+    peer_state* p = peer(src.rank);
     if (!p || !p->dead.load(std::memory_order_acquire) || p->departed.load(std::memory_order_acquire) ||
-        p->left_early.load(std::memory_order_acquire) || holds_from(src.index))
+        p->left_early.load(std::memory_order_acquire))
       continue;
+    if (src.record_dead_seen == std::chrono::steady_clock::time_point{}) src.record_dead_seen = now;
+    // Only once the source has said that it posts nothing more here: a rank
+    // found dead that still runs and never finds this one dead goes on
+    // sending, and what it sends is merged as before.
+    if (!src.stopped) {
+      if (!record_due(src.record_asked, src.record_dead_seen, now, src.records_done)) continue;
+      std::optional<bootstrap::blob> b;
+      if (!store([&] { b = boot->try_get(record_key("stopped", src.rank, setup.rank)); })) src.records_done = true;
+      if (!b) continue;
+      src.stopped = true;
+    }
     // Nothing of it is held (its receives have landed or failed, the engine
-    // has collected what landed): what was taken from it is final.
-    src.record_tried = true;
-    if (!record_reachable(*p)) continue;
+    // has collected what landed): what was taken from it is final. Sealed
+    // before the put, whatever the put does: one that reached the rendezvous
+    // but whose answer stalled must not let more be taken.
+    if (holds_from(src.index)) continue;
+    src.sealed = true;
+    src.records_done = true;
     bootstrap::blob b(sizeof src.weight_taken);
     std::memcpy(b.data(), &src.weight_taken, sizeof src.weight_taken);
-    try {
-      boot->put(fmt::format("gossip/ucx/{}/taken/{}/{}", generation, src.rank, setup.rank), b);
-      src.sealed = true;
-    } catch (const error&) {  // the rendezvous is gone or stalled: the source keeps its estimate
-    }
+    store([&] { boot->put(record_key("taken", src.rank, setup.rank), b); });
   }
 }
 
@@ -727,8 +744,8 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
       }
   }
   for (auto& src : sources) {
-    for (; src.count > 0; --src.count, src.head = (src.head + 1) % src.backlog.size()) {
-      ucp_am_data_release(worker, src.backlog[src.head].data);
+    while (src.count > 0) {
+      ucp_am_data_release(worker, pop_backlog(src).data);
       dropped.fetch_add(1, std::memory_order_relaxed);
     }
     for (auto& rc : src.recv)
@@ -739,6 +756,7 @@ void ucx_transport::impl::shutdown_ucx() noexcept {
     auto& p = *peer(j);
     if (p.beacon_req) closing.push_back(std::exchange(p.beacon_req, nullptr));
     if (p.ask_req) closing.push_back(std::exchange(p.ask_req, nullptr));
+    if (p.full_req) closing.push_back(std::exchange(p.full_req, nullptr));
     if (p.ping_req) closing.push_back(std::exchange(p.ping_req, nullptr));
     if (p.pong_req) closing.push_back(std::exchange(p.pong_req, nullptr));
   }

@@ -152,6 +152,13 @@ ucs_status_t ucx_transport::impl::on_ask(void* arg, const void* header, std::siz
   return UCS_OK;
 }
 
+ucs_status_t ucx_transport::impl::on_full(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
+                                         const ucp_am_recv_param_t*) {
+  peer_state* p = static_cast<impl*>(arg)->sender_of(header, header_length);
+  if (p && p->target) p->full_wanted.store(true, std::memory_order_release);  // else foreign: ignored
+  return UCS_OK;
+}
+
 ucs_status_t ucx_transport::impl::on_ping(void* arg, const void* header, std::size_t header_length, void*, std::size_t,
                                          const ucp_am_recv_param_t*) {
   // Answered from probe_peers, outside UCX's callback.
@@ -319,6 +326,40 @@ bool ucx_transport::impl::send_asks() noexcept {
   return any;
 }
 
+void ucx_transport::impl::request_full(int source) noexcept {
+  peer_state* p = peer(source);
+  if (!p || source_of[static_cast<std::size_t>(source)] < 0) return;
+  p->full_asked.store(true, std::memory_order_release);
+  want_full.store(true, std::memory_order_release);
+  wake();
+}
+
+bool ucx_transport::impl::send_full_requests() noexcept {
+  if (!want_full.exchange(false, std::memory_order_acq_rel)) return false;
+  bool any = false;
+  for (int j : neighbours) {
+    auto& p = *peer(j);
+    if (!p.full_asked.load(std::memory_order_acquire)) continue;
+    if (p.full_req) {
+      if (ucp_request_check_status(p.full_req) == UCS_INPROGRESS) {  // the one in flight says the same: ask again after it
+        want_full.store(true, std::memory_order_release);
+        continue;
+      }
+      ucp_request_free(std::exchange(p.full_req, nullptr));
+    }
+    p.full_asked.store(false, std::memory_order_release);
+    if (!p.ep || p.dead.load(std::memory_order_acquire) || p.departed.load(std::memory_order_acquire)) continue;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_EAGER;
+    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, full_id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
+    if (UCS_PTR_IS_ERR(r)) continue;  // a failing endpoint is reported by its error handler
+    p.full_req = r;                   // null: sent already
+    any = true;
+  }
+  return any;
+}
+
 bool ucx_transport::impl::send_beacons() noexcept {
   // This rank waits on its sources (max_lead): ask them for their newest step.
   bool asked = false;
@@ -374,17 +415,28 @@ ucs_status_t ucx_transport::impl::arrived(const void* header, std::size_t header
     discard(static_cast<std::size_t>(si), h.weight);
     return UCS_OK;
   }
-  if (src.count == src.backlog.size()) {  // keep the newest
-    auto& old = src.backlog[src.head];
+  // Keep the newest: the oldest go while the ring is full or its eager data
+  // would pass the byte bound (a message alone is always kept).
+  const std::size_t bytes = rndv ? 0 : length;
+  while (src.count > 0 && (src.count == src.backlog.size() || src.held_bytes + bytes > opt.backlog_bytes)) {
+    const pending old = pop_backlog(src);
     ucp_am_data_release(worker, old.data);
-    src.head = (src.head + 1) % src.backlog.size();
-    --src.count;
     discard(static_cast<std::size_t>(si), old.h.weight);
   }
   src.backlog[(src.head + src.count) % src.backlog.size()] = pending{h, data, length, rndv};
   ++src.count;
+  src.held_bytes += bytes;
   backlogged[static_cast<std::size_t>(si)].store(static_cast<std::uint32_t>(src.count), std::memory_order_relaxed);
   return UCS_INPROGRESS;
+}
+
+ucx_transport::impl::pending ucx_transport::impl::pop_backlog(source_state& src) noexcept {
+  const pending m = src.backlog[src.head];
+  src.head = (src.head + 1) % src.backlog.size();
+  --src.count;
+  if (!m.rndv) src.held_bytes -= m.length;
+  backlogged[src.index].store(static_cast<std::uint32_t>(src.count), std::memory_order_relaxed);
+  return m;
 }
 
 void ucx_transport::impl::discard(std::size_t si, double weight) noexcept {
@@ -454,11 +506,7 @@ bool ucx_transport::impl::land_backlog() noexcept {
   bool any = false;
   for (auto& src : sources)
     while (src.count > 0 && slot_free(src)) {
-      const pending m = src.backlog[src.head];
-      src.head = (src.head + 1) % src.backlog.size();
-      --src.count;
-      backlogged[src.index].store(static_cast<std::uint32_t>(src.count), std::memory_order_relaxed);
-      land(src, m, true);
+      land(src, pop_backlog(src), true);
       any = true;
     }
   return any;
@@ -498,6 +546,7 @@ void ucx_transport::impl::close_dead() noexcept {
       // A beacon still queued to it is released to UCX, which frees it when it ends.
       if (p.beacon_req) ucp_request_free(std::exchange(p.beacon_req, nullptr));
       if (p.ask_req) ucp_request_free(std::exchange(p.ask_req, nullptr));
+      if (p.full_req) ucp_request_free(std::exchange(p.full_req, nullptr));
       if (p.ping_req) ucp_request_free(std::exchange(p.ping_req, nullptr));
       if (p.pong_req) ucp_request_free(std::exchange(p.pong_req, nullptr));
     }
@@ -562,6 +611,7 @@ void ucx_transport::impl::run() noexcept {
     }
     bool work = drain_sends();
     work = send_beacons() || work;
+    work = send_full_requests() || work;
     work = land_backlog() || work;
     // Bounded, so that a stream of arrivals cannot keep the thread from its
     // other duties (a probe unanswered would make this rank look dead).

@@ -39,6 +39,9 @@ post_status ucx_transport::impl::post(int to, std::span<const std::byte> msg, st
     dropped.fetch_add(1, std::memory_order_relaxed);
     return post_status::peer_dead;
   }
+  // Its codec stream from this rank lost a message: refused once, so the
+  // engine's next message to it is full (and this one's share stays here).
+  if (p->full_wanted.load(std::memory_order_relaxed) && p->full_wanted.exchange(false, std::memory_order_acq_rel)) return post_status::busy;
   const int e = find_buffer(msg.data());
   const std::size_t tail = q_tail.load(std::memory_order_relaxed);
   if (e < 0 || tail - q_head.load(std::memory_order_acquire) >= queue_capacity) return post_status::busy;
@@ -127,6 +130,9 @@ void ucx_transport::attach(const transport_setup& setup) { m->attach(setup); }
 post_status ucx_transport::post(int peer, std::span<const std::byte> msg, std::uint64_t step) { return m->post(peer, msg, step); }
 std::size_t ucx_transport::collect(std::uint64_t, std::span<received> out) { return m->collect(out); }
 void ucx_transport::release(std::uint64_t) { m->release(); }
+void ucx_transport::request_full(int source) noexcept {
+  if (m->attached && !m->left) m->request_full(source);
+}
 void ucx_transport::end_step(std::uint64_t step) noexcept { m->end_step(step); }
 
 void ucx_transport::impl::end_step(std::uint64_t step) noexcept {

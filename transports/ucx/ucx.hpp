@@ -44,7 +44,7 @@
 /// slots; a message arriving while they are all full is kept inside UCX
 /// (persistent eager data, or an unstarted rendezvous — whose sender then
 /// stays busy(), which is natural back-pressure) in a backlog of
-/// `backlog` messages per source; when that overflows too, the oldest is
+/// `backlog` messages (and `backlog_bytes` of eager data) per source; when that overflows too, the oldest is
 /// dropped and counted in counters().dropped, and the next message collected
 /// from that source says so (received::gap: an engine with a codec then
 /// refuses the stream, which cannot skip a message).
@@ -105,6 +105,13 @@ struct ucx_options {
   /// 5-parameter model over 2 processes on 2 cores overflowed it within
   /// the first thousand steps in most runs.
   std::size_t backlog = 1024;
+  /// Bytes of eager data per source that the backlog may hold inside UCX (a
+  /// rendezvous message's data waits at its sender and costs nothing here).
+  /// Eager messages are small unless UCX_RNDV_THRESH is raised: with it at
+  /// `inf` and a 1 MiB model, 1024 held messages of a source whose receiver
+  /// stopped merging were 1 GiB. Past the bound the oldest are dropped as
+  /// when the backlog overflows (received::gap); one message is always kept.
+  std::size_t backlog_bytes = std::size_t{64} << 20;
   double keepalive_s = 1.0;      ///< UCX keepalive interval, unless UCX_KEEPALIVE_INTERVAL is set
   double close_timeout_s = 5.0;  ///< bound on the graceful endpoint close in leave()
   /// While a transfer is under way, the progress thread keeps polling (yielding
@@ -136,6 +143,11 @@ class ucx_transport {
   [[nodiscard]] post_status post(int peer, std::span<const std::byte> msg, std::uint64_t step);
   std::size_t collect(std::uint64_t step, std::span<received> out);
   void release(std::uint64_t step);
+  /// The codec stream from `source` lost a message here (received::gap):
+  /// asks it, in a message of a few bytes, to make its next message to this
+  /// rank full; there its next post() to this rank returns busy once, and
+  /// the engine, which then counts the stream as out of step, sends in full.
+  void request_full(int source) noexcept;
   void end_step(std::uint64_t step) noexcept;
   /// The engine waits for its sources (max_lead): a step beacon held back by
   /// ucx_options::beacon_interval_ms goes out now, and the sources are asked
