@@ -405,6 +405,10 @@ struct ucx_transport::impl {
   bool send_beacons() noexcept;
   // A target waits on this rank: tell it the newest (held) step now.
   static ucs_status_t on_ask(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
+  // A control message of this rank's number (ask, full, ping, pong) to p,
+  // one at a time per kind: `req` holds the one UCX has not completed.
+  enum class control_sent { sent, in_flight, failed };
+  control_sent send_control(peer_state& p, unsigned id, void*& req) noexcept;
   bool send_asks() noexcept;
   static ucs_status_t on_full(void* arg, const void* header, std::size_t header_length, void*, std::size_t, const ucp_am_recv_param_t*);
   bool send_full_requests() noexcept;

@@ -198,19 +198,9 @@ bool ucx_transport::impl::probe_peers(std::chrono::steady_clock::time_point now)
   bool any = false;
   // true: sent, or (in_flight_counts) the last one is still in flight.
   const auto send = [&](peer_state& p, unsigned id, void*& req, bool in_flight_counts) {
-    if (req) {  // one in flight at a time
-      if (ucp_request_check_status(req) == UCS_INPROGRESS) return in_flight_counts;
-      ucp_request_free(req);
-      req = nullptr;
-    }
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
-    if (UCS_PTR_IS_ERR(r)) return false;  // a failing endpoint is reported by its error handler
-    req = r;                              // null: sent already
-    any = true;
-    return true;
+    const control_sent st = send_control(p, id, req);
+    any = any || st == control_sent::sent;
+    return st == control_sent::sent || (st == control_sent::in_flight && in_flight_counts);
   };
   for (int j : neighbours) {
     auto& p = *peer(j);
@@ -304,24 +294,27 @@ std::uint64_t ucx_transport::impl::beacon_to_tell(std::int64_t now_ticks) noexce
   return told;
 }
 
+ucx_transport::impl::control_sent ucx_transport::impl::send_control(peer_state& p, unsigned id, void*& req) noexcept {
+  if (req) {  // one in flight at a time
+    if (ucp_request_check_status(req) == UCS_INPROGRESS) return control_sent::in_flight;
+    ucp_request_free(std::exchange(req, nullptr));
+  }
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  rp.flags = UCP_AM_SEND_FLAG_EAGER;
+  ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
+  if (UCS_PTR_IS_ERR(r)) return control_sent::failed;  // a failing endpoint is reported by its error handler
+  req = r;                                              // null: sent already
+  return control_sent::sent;
+}
+
 bool ucx_transport::impl::send_asks() noexcept {
   bool any = false;
   for (int j : neighbours) {
     if (source_of[static_cast<std::size_t>(j)] < 0) continue;
     auto& p = *peer(j);
-    if (p.ask_req) {  // one in flight per source is enough
-      if (ucp_request_check_status(p.ask_req) == UCS_INPROGRESS) continue;
-      ucp_request_free(p.ask_req);
-      p.ask_req = nullptr;
-    }
     if (!p.ep || p.dead.load(std::memory_order_acquire) || p.departed.load(std::memory_order_acquire)) continue;
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, ask_id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
-    if (UCS_PTR_IS_ERR(r)) continue;  // a failing endpoint is reported by its error handler
-    p.ask_req = r;                    // null: sent already
-    any = true;
+    any = send_control(p, ask_id, p.ask_req) == control_sent::sent || any;  // one in flight per source is enough
   }
   return any;
 }
@@ -340,22 +333,17 @@ bool ucx_transport::impl::send_full_requests() noexcept {
   for (int j : neighbours) {
     auto& p = *peer(j);
     if (!p.full_asked.load(std::memory_order_acquire)) continue;
-    if (p.full_req) {
-      if (ucp_request_check_status(p.full_req) == UCS_INPROGRESS) {  // the one in flight says the same: ask again after it
-        want_full.store(true, std::memory_order_release);
-        continue;
-      }
-      ucp_request_free(std::exchange(p.full_req, nullptr));
+    if (!p.ep || p.dead.load(std::memory_order_acquire) || p.departed.load(std::memory_order_acquire)) {
+      p.full_asked.store(false, std::memory_order_release);
+      continue;
+    }
+    const control_sent st = send_control(p, full_id, p.full_req);
+    if (st == control_sent::in_flight) {  // the one in flight says the same: ask again after it
+      want_full.store(true, std::memory_order_release);
+      continue;
     }
     p.full_asked.store(false, std::memory_order_release);
-    if (!p.ep || p.dead.load(std::memory_order_acquire) || p.departed.load(std::memory_order_acquire)) continue;
-    ucp_request_param_t rp{};
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_EAGER;
-    ucs_status_ptr_t r = ucp_am_send_nbx(p.ep, full_id, &ask_header, sizeof ask_header, nullptr, 0, &rp);
-    if (UCS_PTR_IS_ERR(r)) continue;  // a failing endpoint is reported by its error handler
-    p.full_req = r;                   // null: sent already
-    any = true;
+    any = any || st == control_sent::sent;
   }
   return any;
 }
