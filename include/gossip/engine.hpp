@@ -244,7 +244,7 @@ class engine {
   // m_received[lo, hi), no sender twice; returns the end of what is kept there
   // (changes a stream out of step cannot apply are taken out, weight only).
   std::size_t decode_inbound(std::size_t lo, std::size_t hi);
-  void settle_resync(std::size_t source);  // push-sum: a stream out of step gives up on its full message
+  void settle_resync(std::size_t source);  // push-sum: a stream out of step will not get its full message
   void start_shared_streams();
   void handle_failures();
   void settle_dead(int rank, double share);

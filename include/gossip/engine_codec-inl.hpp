@@ -136,12 +136,10 @@ inline std::size_t engine::decode_inbound(std::size_t lo, std::size_t hi) {
     if (m.gap && m_transport.request_full(m.sender)) {
       m_in_primed[source] = 0;
       m_in_resync[source] = 1;
-      ++m_stats.codec_resyncs;
     } else if (m.gap)
       throw transport_error(fmt::format(
-          "rank {}: the transport dropped a message rank {} sent before step {}: its messages came faster than this rank merged "
-          "them and the receive backlog overflowed (more busy threads than cores slow a rank's receiving; engine stats: "
-          "transport_dropped). A codec's stream cannot skip a message (both ends must keep the same x̂); set [codec] name = "
+          "rank {}: the transport dropped a message rank {} sent before step {} and cannot ask it for a full message "
+          "(request_full). A codec's stream cannot skip a message (both ends must keep the same x̂); set [codec] name = "
           "\"none\", with which a dropped model costs only freshness and its push-sum share rides with the next one",
           m_rank, m.sender, m.step));
     const std::span<const std::byte> payload(reinterpret_cast<const std::byte*>(m.data), m.elements * sizeof(float));
@@ -152,7 +150,14 @@ inline std::size_t engine::decode_inbound(std::size_t lo, std::size_t hi) {
     if (!st.ok() && st.before_full && m_in_resync[source]) {
       // A change against the x̂ the sender holds: its push-sum share waits
       // for the full message (merged with it); this x̂ is rewritten by it.
-      if (m_protocol.type() == protocol::kind::push_sum && std::isfinite(m.weight)) m_in_resync_weight[source] += m.weight;
+      // From a sender found dead or gone, no full message will come: the
+      // share stays with this rank's model at once.
+      if (m_protocol.type() == protocol::kind::push_sum && std::isfinite(m.weight)) {
+        if (m_topology.alive(m.sender))
+          m_in_resync_weight[source] += m.weight;
+        else
+          m_protocol.refund(m.weight);
+      }
       ++m_stats.codec_resync_skipped;
       m_heard_step = std::max(m_heard_step, m.step);
       if (const int k = m_peer_index[static_cast<std::size_t>(m.sender)]; k >= 0) {
@@ -168,9 +173,10 @@ inline std::size_t engine::decode_inbound(std::size_t lo, std::size_t hi) {
                                         m_rank, m.sender, m.step, payload.size(), m_codec.name(), st.problem,
                                         m_tensor_names[std::min(st.tensor, m_tensor_names.size() - 1)]));
     m_in_primed[source] = 1;
-    if (m_in_resync[source]) {
+    if (m_in_resync[source]) {  // the full message: the stream is in step again
       m.weight += std::exchange(m_in_resync_weight[source], 0.0);
       m_in_resync[source] = 0;
+      ++m_stats.codec_resyncs;
     }
     m.data = hat;
     m.elements = m_elements;
@@ -202,13 +208,12 @@ inline std::size_t engine::decode_inbound(std::size_t lo, std::size_t hi) {
   return kept;
 }
 
-// A stream that waits for its full message gives up on it (its sender died,
-// or this rank finishes): the shares of the changes taken out stay with this
-// rank's model, so the push-sum weight stays exact.
+// A stream that waits for its full message will not get it (its sender
+// died or left, or this rank finishes): the shares of the changes taken out
+// stay with this rank's model, so the push-sum weight stays exact. It still
+// waits: changes of that sender still held here are taken out as before.
 inline void engine::settle_resync(std::size_t source) {
-  if (!m_in_resync[source]) return;
-  m_protocol.refund(std::exchange(m_in_resync_weight[source], 0.0));
-  m_in_resync[source] = 0;
+  if (m_in_resync[source]) m_protocol.refund(std::exchange(m_in_resync_weight[source], 0.0));
 }
 
 }  // namespace gossip

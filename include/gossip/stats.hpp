@@ -82,9 +82,10 @@ struct engine_stats {
   /// that had left; switch: packets retransmitted.
   std::uint64_t transport_dropped = 0;
   /// Codec streams that lost a message in the transport and were started
-  /// again with a full message (UCX asks the source for one), and the
-  /// messages merged as weight only meanwhile: changes against the x̂ this
-  /// rank no longer holds, whose push-sum shares ride with the full one.
+  /// again with a full message (UCX asks the source for one), counted when
+  /// it arrives, and the messages merged as weight only meanwhile: changes
+  /// against the x̂ this rank no longer holds, whose push-sum shares ride
+  /// with the full one.
   std::uint64_t codec_resyncs = 0, codec_resync_skipped = 0;
   /// The relative drift ‖x − x̂‖/‖x̂‖: at the last step, its largest value and
   /// its sum over the sends. A step whose x̂ was zero (a model started at 0)

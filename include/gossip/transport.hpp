@@ -67,7 +67,8 @@ struct received {
   /// last one it delivered (UCX: its backlog overflowed while this rank did
   /// not collect). `weight` then includes the push-sum shares the dropped
   /// messages carried, so the total weight stays exact and the share merges
-  /// with this newer model; a codec's stream cannot skip a message.
+  /// with this newer model; a codec's stream cannot skip a message and asks
+  /// for a full one (any_transport::request_full).
   bool gap = false;
   /// dead_peers(): `weight` comes from the peer's own record of what it
   /// took from this rank, so the shares handed back are exact and nothing

@@ -369,8 +369,9 @@ struct ucx_transport::impl {
   // A source found dead that never finds this rank dead says nothing, and
   // its messages are merged as before. The rendezvous is asked at most every
   // 250 ms per peer, for up to 4 × timeout_s (20 s at least); after an error
-  // (the rendezvous is gone or stalled — a call to a rank 0 that froze
-  // without its connections reset waits up to timeout_s once) no more.
+  // (the rendezvous is gone or stalled — a call to a rank 0 whose host froze
+  // without its connections reset waits up to the bootstrap's timeout once)
+  // no more.
   void publish_records(std::chrono::steady_clock::time_point now);
   std::string record_key(std::string_view what, int from, int to) const;
   // Whether to ask the rendezvous now (at most every 250 ms, within the
@@ -378,10 +379,13 @@ struct ucx_transport::impl {
   bool record_due(std::chrono::steady_clock::time_point& asked, std::chrono::steady_clock::time_point dead_seen,
                   std::chrono::steady_clock::time_point now, bool& gave_up) const noexcept;
   bool records_off = false;  // engine thread: the rendezvous failed a call; settling is given up
-  // Runs a call to the rendezvous; false (and records_off) when it threw.
+  // Runs a call to the rendezvous about peer `about`; false (and records_off)
+  // when it threw. None once the rendezvous failed (here or in the drain),
+  // nor about a rank 0 that stopped answering probes: the rendezvous is in
+  // its process, and a call would wait for it.
   template <class F>
-  bool store(F&& call) noexcept {
-    if (records_off || !boot) return false;
+  bool store(const peer_state& about, F&& call) noexcept {
+    if (records_off || rendezvous_gone || !boot || (about.rank == 0 && about.unresponsive.load(std::memory_order_relaxed))) return false;
     try {
       call();
       return true;

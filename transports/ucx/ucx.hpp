@@ -46,8 +46,9 @@
 /// stays busy(), which is natural back-pressure) in a backlog of
 /// `backlog` messages (and `backlog_bytes` of eager data) per source; when that overflows too, the oldest is
 /// dropped and counted in counters().dropped, and the next message collected
-/// from that source says so (received::gap: an engine with a codec then
-/// refuses the stream, which cannot skip a message).
+/// from that source says so (received::gap: an engine with a codec, whose
+/// stream cannot skip a message, then asks the source for a full one,
+/// request_full()).
 ///
 /// Peer failure. A failed peer is reported once by dead_peers() and logged
 /// once on stderr as "rank J (host H)" with UCX's reason. tcp sees a killed peer as a reset connection; shared memory
