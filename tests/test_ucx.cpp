@@ -902,13 +902,18 @@ TEST_CASE("ucx: two live ranks that found each other dead settle every share bet
     final_barrier(*d.boot, "ready", {0, 1});
     const int other = 1 - r;
     double posted = 0, handed_back = 0, taken = 0;
-    bool reported = false, settled = false, continued = false;
+    bool reported = false, settled = false, resumed = false;
     std::optional<clock_type::time_point> reported_at;
+    clock_type::time_point continued_at{};
     const auto deadline = clock_type::now() + 60s;
     for (std::uint64_t s = 0;; ++s) {
       if (clock_type::now() > deadline)
         throw timeout_error(fmt::format("rank {}: reported {}, settled {} after 60 s", r, reported, settled));
-      if (r == 1 && s == 12) ::raise(SIGSTOP);  // rank 0 SIGCONTs us once it found us dead
+      if (r == 1 && s == 12) {  // rank 0 SIGCONTs us once it found us dead
+        d.boot->put("stopping", {});
+        ::raise(SIGSTOP);
+        d.boot->put("resumed", {});
+      }
       if (!reported) {
         auto& buf = d.send[s % 2];
         if (!d.t.busy(buf.data())) {
@@ -929,9 +934,14 @@ TEST_CASE("ucx: two live ranks that found each other dead settle every share bet
         settled = settled || dp[i].settled;
         if (!reported_at) reported_at = clock_type::now();
       }
-      if (r == 0 && !continued && reported_at && clock_type::now() - *reported_at > 1s) {
-        ::kill(d.pid_of(1), SIGCONT);
-        continued = true;
+      // Until rank 1 says it runs again (on a loaded machine the probe may
+      // find it dead before it stops itself, and one SIGCONT would come early).
+      if (r == 0 && !resumed && reported_at && clock_type::now() - *reported_at > 1s && clock_type::now() - continued_at > 100ms) {
+        continued_at = clock_type::now();
+        if (d.boot->try_get("resumed"))
+          resumed = true;
+        else if (d.boot->try_get("stopping"))
+          ::kill(d.pid_of(1), SIGCONT);
       }
       if (settled && !d.boot->try_get(fmt::format("settled/{}", r))) d.boot->put(fmt::format("settled/{}", r), {});
       if (settled && d.boot->try_get(fmt::format("settled/{}", other))) break;

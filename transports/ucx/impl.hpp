@@ -379,13 +379,14 @@ struct ucx_transport::impl {
   bool record_due(std::chrono::steady_clock::time_point& asked, std::chrono::steady_clock::time_point dead_seen,
                   std::chrono::steady_clock::time_point now, bool& gave_up) const noexcept;
   bool records_off = false;  // engine thread: the rendezvous failed a call; settling is given up
-  // Runs a call to the rendezvous about peer `about`; false (and records_off)
-  // when it threw. None once the rendezvous failed (here or in the drain),
-  // nor about a rank 0 that stopped answering probes: the rendezvous is in
-  // its process, and a call would wait for it.
+  // Runs a call to the rendezvous; false (and records_off) when it threw.
+  // None once the rendezvous failed (here or in the drain), nor once rank 0
+  // stopped answering probes: the rendezvous is in its process, and a call
+  // would wait for it.
   template <class F>
-  bool store(const peer_state& about, F&& call) noexcept {
-    if (records_off || rendezvous_gone || !boot || (about.rank == 0 && about.unresponsive.load(std::memory_order_relaxed))) return false;
+  bool store(F&& call) noexcept {
+    const peer_state* r0 = peer(0);
+    if (records_off || rendezvous_gone || !boot || (r0 && r0->unresponsive.load(std::memory_order_relaxed))) return false;
     try {
       call();
       return true;

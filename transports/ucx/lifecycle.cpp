@@ -652,7 +652,7 @@ std::size_t ucx_transport::impl::dead_peers(std::span<received> out) {
     } else {
       // This rank posts nothing more to it: say so, so that it can seal what
       // it took from this rank.
-      store(p, [&] { boot->put(record_key("stopped", setup.rank, j), {}); });
+      store([&] { boot->put(record_key("stopped", setup.rank, j), {}); });
       if (const auto taken = read_record(p, now)) {
         r.weight = std::max(0.0, p.weight_posted - *taken);
         r.settled = true;
@@ -684,7 +684,7 @@ bool ucx_transport::impl::record_due(std::chrono::steady_clock::time_point& aske
 std::optional<double> ucx_transport::impl::read_record(peer_state& p, std::chrono::steady_clock::time_point now) {
   if (!record_due(p.record_asked, p.dead_seen, now, p.settled)) return std::nullopt;
   std::optional<bootstrap::blob> b;
-  if (!store(p, [&] { b = boot->try_get(record_key("taken", setup.rank, p.rank)); })) p.settled = true;
+  if (!store([&] { b = boot->try_get(record_key("taken", setup.rank, p.rank)); })) p.settled = true;
   double taken;
   if (!b || b->size() != sizeof taken) return std::nullopt;
   p.settled = true;
@@ -707,7 +707,7 @@ void ucx_transport::impl::publish_records(std::chrono::steady_clock::time_point 
     if (!src.stopped) {
       if (!record_due(src.record_asked, src.record_dead_seen, now, src.records_done)) continue;
       std::optional<bootstrap::blob> b;
-      if (!store(*p, [&] { b = boot->try_get(record_key("stopped", src.rank, setup.rank)); })) src.records_done = true;
+      if (!store([&] { b = boot->try_get(record_key("stopped", src.rank, setup.rank)); })) src.records_done = true;
       if (!b) continue;
       src.stopped = true;
     }
@@ -720,7 +720,7 @@ void ucx_transport::impl::publish_records(std::chrono::steady_clock::time_point 
     src.records_done = true;
     bootstrap::blob b(sizeof src.weight_taken);
     std::memcpy(b.data(), &src.weight_taken, sizeof src.weight_taken);
-    store(*p, [&] { boot->put(record_key("taken", src.rank, setup.rank), b); });
+    store([&] { boot->put(record_key("taken", src.rank, setup.rank), b); });
   }
 }
 

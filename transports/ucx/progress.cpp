@@ -337,12 +337,13 @@ bool ucx_transport::impl::send_full_requests() noexcept {
       p.full_asked.store(false, std::memory_order_release);
       continue;
     }
+    p.full_asked.store(false, std::memory_order_release);  // before the send: a request made meanwhile is sent again
     const control_sent st = send_control(p, full_id, p.full_req);
     if (st == control_sent::in_flight) {  // the one in flight says the same: ask again after it
+      p.full_asked.store(true, std::memory_order_release);
       want_full.store(true, std::memory_order_release);
       continue;
     }
-    p.full_asked.store(false, std::memory_order_release);
     any = any || st == control_sent::sent;
   }
   return any;
