@@ -8,10 +8,12 @@
 // group, so valid headers (see the seed corpus) reach every handler.
 // Checked besides memory safety: every datagram is counted once, every reply
 // is a well-formed packet for a member of the group (a rejoin request only
-// from the async group, header only), a refusal answers exactly the drops
+// from the async group, header only; a sync_pending only from a sync group, to
+// a member its waiting set holds, with the holders' bitmap), a refusal answers exactly the drops
 // that say the packet and its group (or its version) disagree and is
 // dropped by a switch, and
 // the async group's joined count never exceeds its members.
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -39,6 +41,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       sw::packet_header h;
       if (!sw::read_header(reply.data(), reply.size(), h)) std::abort();
       const auto* g = agg.config(h.group);
+      if (h.type == sw::packet_type::sync_pending) {
+        // To a member whose share the waiting set holds: header, then the holders' bitmap.
+        std::uint64_t holders = 0;
+        if (!g || g->mode != sw::group_mode::sync || reply.size() != sw::pending_bytes || h.elements != 0 || worker != h.worker ||
+            worker >= g->members || h.magic != sw::packet_header::magic_value)
+          std::abort();
+        std::memcpy(&holders, reply.data() + sizeof h, sizeof holders);
+        if (!((holders >> worker) & 1u) || (g->members < 64 && (holders >> g->members) != 0) ||
+            h.count != static_cast<std::uint32_t>(std::popcount(holders)) || h.count >= g->members)
+          std::abort();
+        return;
+      }
       if (!g || worker != h.worker || worker >= g->members || h.elements > g->chunk ||
           reply.size() != sw::packet_bytes(h.elements) || h.magic != sw::packet_header::magic_value)
         std::abort();

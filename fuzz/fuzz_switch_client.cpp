@@ -14,6 +14,7 @@
 // `refused` of this worker's session, and says so; a reply fits its
 // datagram and the model, answers an active slot's chunk, and no chunk is
 // answered twice; a rejoin only in async mode, echoing this operation; a
+// sync_pending only in sync mode, for an active slot's chunk; a
 // leave's answer is header only and this session's.
 #include <cstddef>
 #include <cstdint>
@@ -117,6 +118,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     switch (c.kind) {
       case sw::detail::datagram_kind::malformed:
       case sw::detail::datagram_kind::stale:
+        continue;
+      case sw::detail::datagram_kind::pending:
+        // Sync only, header and bitmap, for an active slot's chunk of this operation and session.
+        if (!sync || len != sw::pending_bytes || h.type != sw::packet_type::sync_pending || h.elements != 0 || h.session != session ||
+            h.sequence != static_cast<std::uint32_t>(sequence) || h.group != group || h.worker != worker || c.slot >= flights.size() ||
+            !flights[c.slot].active || flights[c.slot].chunk != h.chunk || h.slot != c.slot || h.flags != ver[c.slot])
+          fail();
         continue;
       case sw::detail::datagram_kind::rejoin:
         if (sync || len != sizeof h || h.type != sw::packet_type::async_rejoin || h.session != session ||

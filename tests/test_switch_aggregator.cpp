@@ -2,6 +2,7 @@
 // with loss and duplicates, async exactly-once, validation of every field.
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <map>
 #include <optional>
 #include <random>
@@ -96,6 +97,14 @@ std::vector<std::vector<float>> simulate_sync(int members, std::size_t n, std::u
       for (auto& [to, rep] : wire) {
         auto& w = ws[to];
         const auto h = header_of(rep);
+        if (h.type == packet_type::sync_pending) {  // its set still waits: it names the members it holds, the worker among them
+          REQUIRE(rep.size() == pending_bytes);
+          std::uint64_t holders = 0;
+          std::memcpy(&holders, rep.data() + sizeof h, sizeof holders);
+          REQUIRE(((holders >> to) & 1u) == 1u);
+          REQUIRE(h.count == static_cast<std::uint32_t>(std::popcount(holders)));
+          continue;
+        }
         REQUIRE(h.type == packet_type::sync_result);
         const std::size_t s = h.slot;
         if (h.sequence != static_cast<std::uint64_t>(op) || w.flight[s] != static_cast<std::int64_t>(h.chunk) || h.flags != w.ver[s]) continue;
@@ -195,8 +204,22 @@ TEST_CASE("sync duplicate to a completed slot returns the stored result to that 
   const auto b = make_packet(h, {10, 20, 30, 40});
   CHECK(agg.handle(a, log.sink()) == drop_reason::accepted);
   CHECK(log.all.empty());
-  CHECK(agg.handle(a, log.sink()) == drop_reason::accepted);  // duplicate, in progress: ignored
-  CHECK(log.all.empty());
+  CHECK(agg.handle(a, log.sink()) == drop_reason::accepted);  // duplicate, in progress: answered sync_pending, to its sender only
+  REQUIRE(log.all.size() == 1);
+  {
+    CHECK(log.all[0].first == 0);
+    const auto& p = log.all[0].second;
+    REQUIRE(p.size() == pending_bytes);
+    const auto r = header_of(p);
+    CHECK(r.type == packet_type::sync_pending);
+    CHECK((r.group == 1 && r.worker == 0 && r.slot == 1 && r.chunk == 1 && r.sequence == 1 && r.flags == 0 && r.elements == 0));
+    CHECK(r.count == 1);  // the members whose share the set holds: worker 0 alone
+    std::uint64_t holders = 0;
+    std::memcpy(&holders, p.data() + sizeof r, sizeof holders);
+    CHECK(holders == 0b01);
+  }
+  CHECK(agg.stats().pending_answered == 1);
+  log.all.clear();
   CHECK(agg.handle(b, log.sink()) == drop_reason::accepted);
   REQUIRE(log.all.size() == 2);
   CHECK(values_of(log.all[0].second) == std::vector<float>{11, 22, 33, 44});
@@ -253,6 +276,9 @@ TEST_CASE("sync: a late copy of a share whose result the worker had changes noth
   CHECK((log.all[0].first == 0 && header_of(log.all[0].second).chunk == 0 && values_of(log.all[0].second) == std::vector<float>{7}));
   log.all.clear();
   CHECK(agg.handle(a1, log.sink()) == drop_reason::accepted);  // worker 0 retransmits chunk 1: still counted once
+  REQUIRE(log.all.size() == 1);  // and told that the set holds its share alone
+  CHECK((log.all[0].first == 0 && header_of(log.all[0].second).type == packet_type::sync_pending && header_of(log.all[0].second).count == 1));
+  log.all.clear();
   CHECK(agg.handle(share(1, 1, 1, 20), log.sink()) == drop_reason::accepted);
   CHECK(log.all.empty());  // worker 2 has not given its share of chunk 1
   CHECK(agg.handle(share(2, 1, 1, 40), log.sink()) == drop_reason::accepted);

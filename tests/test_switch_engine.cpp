@@ -574,7 +574,7 @@ TEST_CASE("two jobs on one sync group: the switch refuses both instead of mixing
   CHECK(agg.live_drops(gossip::sw::drop_reason::session_conflict) >= 2);
 }
 
-TEST_CASE("a sync all-reduce that a member never joins times out naming the chunk and what the worker sent and heard") {
+TEST_CASE("a sync all-reduce that a member never joins times out naming the chunk, the member and what the worker sent and heard") {
   udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 2, .chunk = 64, .slots = 16}});
   auto cfg = switch_config("periodic", agg.port());
   cfg.apply_override("transport.timeout_s=0.5");
@@ -596,18 +596,64 @@ TEST_CASE("a sync all-reduce that a member never joins times out naming the chun
     // A round starts with its small all-reduce (1 + 12 values a member: one chunk).
     CHECK(what.find("(group 1, worker 0 of 2, sync mode): chunk 0 of 1 unanswered (") != std::string::npos);
     CHECK(what.find("every member of a sync group must also have the same [transport] chunk and post at the same steps") != std::string::npos);
-    unsigned long long sent = 0, resent = 0, received = 1, stale = 1, malformed = 1;
+    // Each retransmission was answered sync_pending: the switch held rank 0's share and waited for rank 1's.
+    CHECK(what.find("the switch holds the shares of member(s) 0 of chunk 0 and waits for member(s) 1 (its last answer, ") != std::string::npos);
+    unsigned long long sent = 0, resent = 0, received = 0, stale = 1, malformed = 1;
     const auto at = what.find("unanswered (");
     REQUIRE(at != std::string::npos);
     REQUIRE(std::sscanf(what.c_str() + at, "unanswered (%llu packets sent, %llu of them retransmissions; %llu received, %llu of them stale and "
                                            "%llu malformed)", &sent, &resent, &received, &stale, &malformed) == 5);
     CHECK(resent > 0);
     CHECK(sent == 1 + resent);  // the chunk once, then retransmissions
-    CHECK((received == 0 && stale == 0 && malformed == 0));
+    CHECK((received > 0 && received <= resent && stale == 0 && malformed == 0));  // the switch's sync_pending answers
     // The stats of the failed run count them too.
     CHECK(e.stats().transport_dropped == resent);
   });
   CHECK(agg.stats().accepted() > 1);  // the retransmissions reached it
+  CHECK(agg.stats().pending_answered > 0);
+}
+
+TEST_CASE("sync: a member that stops mid-run is named in the others' timeout, as the switch saw it") {
+  // Three ranks in lockstep rounds; rank 2 stops stepping after 5 steps (as a
+  // process that died would), and ranks 0 and 1 time out in the next round,
+  // told that the switch holds their shares and waits for member 2's.
+  udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 3, .chunk = 64, .slots = 16}});
+  auto cfg = switch_config("periodic", agg.port());
+  cfg.apply_override("transport.timeout_s=2");
+  std::array<std::string, 3> what;
+  std::array<int, 3> steps{};
+  std::atomic<int> failed{0};
+  std::barrier ready(3);
+  gossip::test::run_ranks(3, [&](int r) {
+    std::vector<float> x(500, static_cast<float>(r));
+    gossip::model_view view;
+    view.add("w", x);
+    gossip::engine e(view, r, 3, cfg, gossip::make_switch_transport(cfg, r, 3));
+    ready.arrive_and_wait();  // a slow start is no death
+    try {
+      for (int s = 0; s < (r == 2 ? 5 : 200); ++s, ++steps[static_cast<std::size_t>(r)]) e.step();
+    } catch (const gossip::timeout_error& err) {
+      what[static_cast<std::size_t>(r)] = err.what();
+    }
+    if (r != 2) {
+      ++failed;
+      return;
+    }
+    // Rank 2 holds its transport open, silent, until the others gave up.
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (failed.load() < 2 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  CHECK(what[2].empty());
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CAPTURE(what[static_cast<std::size_t>(r)]);
+    CHECK(steps[static_cast<std::size_t>(r)] >= 5);
+    CHECK(steps[static_cast<std::size_t>(r)] < 200);
+    CHECK(what[static_cast<std::size_t>(r)].find(fmt::format("(group 1, worker {} of 3, sync mode)", r)) != std::string::npos);
+    CHECK(what[static_cast<std::size_t>(r)].find("the switch holds the shares of member(s) 0, 1 of chunk ") != std::string::npos);
+    CHECK(what[static_cast<std::size_t>(r)].find("and waits for member(s) 2 (its last answer, ") != std::string::npos);
+  }
+  CHECK(agg.stats().pending_answered > 0);
 }
 
 TEST_CASE("an engine that stops mid-run (an error unwound past it) gives up its operation at the switch at once") {

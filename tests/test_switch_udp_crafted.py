@@ -5,7 +5,8 @@ Every malformed or unwelcome packet (truncated, oversized, wrong magic,
 version, type, group, worker, element count, slot, chunk, mode, sequence,
 session, slot conflict) must be dropped and counted under its own reason, with
 the well-formed traffic around it still aggregated exactly: sync results are
-the exact sums, duplicates get the stored result again, async replies are the
+the exact sums, duplicates get the stored result again (or, while their set
+waits, a sync_pending naming the members it holds), async replies are the
 exact averages. A packet at odds with its group's configuration, or from a
 second live session on one member (two jobs on one group), or of another
 version of the wire format, is answered with
@@ -28,7 +29,7 @@ import tempfile
 import time
 
 MAGIC, VERSION = 0x31575347, 2
-SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN, REFUSED = 1, 2, 3, 4, 5, 6, 7
+SYNC, RESULT, DELTA, REPLY, LEAVE, REJOIN, REFUSED, PENDING = 1, 2, 3, 4, 5, 6, 7, 8
 # drop_reason codes (packet.hpp) of the drops the switch answers with REFUSED
 REFUSABLE = {"bad_version": 3, "unknown_group": 5, "bad_worker": 6, "bad_elements": 7, "bad_length": 8, "bad_chunk": 9, "bad_slot": 10,
              "wrong_mode": 11, "session_conflict": 25}
@@ -132,6 +133,12 @@ def main():
 
         # Sync all-reduce on chunk 0, malformed packets in between.
         w[0].sendto(packet(SYNC, 1, 0, a, session=7), addr)
+        w[0].sendto(packet(SYNC, 1, 0, a, session=7), addr)  # again, while the set waits for worker 1
+        raw = w[0].recvfrom(4096)[0]
+        r = parse(raw)
+        check(r["type"] == PENDING and r["length"] == HDR.size + 8 and r["elements"] == 0 and r["count"] == 1 and
+              (r["group"], r["worker"], r["chunk"], r["session"]) == (1, 0, 0, 7) and struct.unpack_from("<Q", raw, HDR.size)[0] == 0b01,
+              "a share sent again while its set waits is answered sync_pending, with the members the set holds (got %s)" % r)
         drop("too_short", b"GSW1\x02\x01")
         drop("bad_magic", packet(SYNC, 1, 0, a, session=7, magic=0x31575348))
         drop("bad_version", packet(SYNC, 1, 0, a, session=7, version=1))
@@ -232,7 +239,9 @@ def main():
         drop("session_conflict", packet(SYNC, 4, 0, a, session=400))  # the displaced session, alive: refused
         drop("session_conflict", packet(SYNC, 4, 0, a, session=401), sender=1)  # and the current one, once
         w[1].sendto(packet(SYNC, 4, 0, a, session=401), addr)
-        check(quiet(1), "after its one refusal the current session is served again (no result: the set needs worker 1)")
+        r = reply(1)
+        check(r["type"] == PENDING and r["session"] == 401 and r["count"] == 1 and quiet(1),
+              "after its one refusal the current session is served again (its share is held, the set needs worker 1: got %s)" % r)
 
         os.remove(stats)  # the switch wrote it when it started; SIGUSR1 writes it again
         os.kill(sw.pid, signal.SIGUSR1)
@@ -243,7 +252,8 @@ def main():
         s = json.load(open(stats))
         got = {k: v for k, v in s["drops"].items() if v}
         check(got == expected, "drops by reason: got %s, expected %s" % (sorted(got.items()), sorted(expected.items())))
-        check(s["accepted"] == 10 + seq + 2 + 3, "accepted %d packets, expected %d" % (s["accepted"], 10 + seq + 2 + 3))
+        check(s["accepted"] == 11 + seq + 2 + 3, "accepted %d packets, expected %d" % (s["accepted"], 11 + seq + 2 + 3))
+        check(s["pending_answered"] == 2, "pending_answered %d (2)" % s["pending_answered"])
         check(s["deltas_applied"] == 3 + seq + 2 and s["aggregations_completed"] == 2 and s["results_resent"] == 1,
               "deltas_applied %d (%d), aggregations_completed %d (2), results_resent %d (1)" %
               (s["deltas_applied"], 3 + seq + 2, s["aggregations_completed"], s["results_resent"]))

@@ -17,7 +17,8 @@
 /// contributed the sum goes back to each of them. A contribution from a
 /// worker whose bit is already set is a retransmission: if the set is complete
 /// the stored result is sent again to that worker only (its result was lost),
-/// otherwise it is ignored. A contribution to set v clears the worker's bit in
+/// otherwise it is answered with sync_pending, which names the members whose
+/// share the set holds (packet.hpp). A contribution to set v clears the worker's bit in
 /// set 1 − v: it proves the worker holds the result of that set, so the shadow
 /// copy can be reused once every member moved on. A late copy of a share of
 /// a completed set's chunk (or of an older one) from a worker that moved on
@@ -85,6 +86,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -181,6 +183,7 @@ struct aggregator_stats {
   std::array<std::uint64_t, drop_reason_count> drops{};  ///< [accepted] counts accepted packets
   std::uint64_t aggregations_completed = 0;  ///< sync slot sets that got every member
   std::uint64_t results_resent = 0;          ///< sync: stored result sent again to one worker
+  std::uint64_t pending_answered = 0;        ///< sync: retransmitted shares of incomplete sets answered sync_pending
   std::uint64_t retransmissions_seen = 0;    ///< contributions or deltas seen before (sync and async)
   std::uint64_t deltas_applied = 0;          ///< async
   std::uint64_t replies = 0;                 ///< reply datagrams emitted
@@ -481,6 +484,21 @@ class aggregator {
     emit(worker, std::span<const std::byte>(m_reply.data(), packet_bytes(n)));
   }
 
+  // The sync_pending answer to worker h.worker's retransmitted share of set
+  // `s`, still incomplete: the members whose share it holds (packet.hpp).
+  template <class Emit>
+  void pending(const packet_header& h, const slot_set& s, Emit& emit) {
+    packet_header r = h;
+    r.type = packet_type::sync_pending;
+    r.elements = 0;
+    r.count = static_cast<std::uint32_t>(std::popcount(s.seen));  // the bitmap's members
+    std::memcpy(m_reply.data(), &r, sizeof r);
+    std::memcpy(m_reply.data() + sizeof r, &s.seen, sizeof s.seen);  // little-endian (packet.hpp)
+    ++m_stats.pending_answered;
+    ++m_stats.replies;
+    emit(h.worker, std::span<const std::byte>(m_reply.data(), pending_bytes));
+  }
+
   template <class Emit>
   drop_reason handle_sync(group_state& g, const packet_header& h, const std::byte* values, Emit& emit) {
     const auto& c = g.cfg;
@@ -508,6 +526,8 @@ class aggregator {
       if (s.complete) {
         ++m_stats.results_resent;
         reply(out, acc, s.elements, h.worker, emit);
+      } else {
+        pending(h, s, emit);
       }
       return drop_reason::accepted;
     }

@@ -23,8 +23,11 @@
 ///
 /// The calls block until every chunk is answered, or throw
 /// gossip::timeout_error after `timeout_s` naming the group, worker, chunk and
-/// switch address. Chunks are pipelined: `window` packets in flight (at most
-/// the switch's slots per set in sync mode).
+/// switch address — in sync mode also, once the switch answered a
+/// retransmission with sync_pending, the members whose share it was still
+/// waiting for (a rank that died mid-round is named). Chunks are pipelined:
+/// `window` packets in flight (at most the switch's slots per set in sync
+/// mode).
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -101,6 +104,7 @@ struct flight {
   std::uint32_t chunk = 0;
   std::chrono::steady_clock::time_point due{};
   double rto = 0;
+  bool sent = false;  ///< the kernel took one copy of it: a later one is a retransmission
 };
 
 // Throws config_error when the datagram is the switch's refusal of one of
@@ -177,6 +181,7 @@ inline void check_refusal(const std::byte* p, std::size_t len, const client_conf
 enum class datagram_kind {
   reply,      ///< the answer to a chunk in flight: its floats go to out[offset, offset + h.elements)
   rejoin,     ///< async_rejoin for this session and operation: the switch holds nothing of this member
+  pending,    ///< sync_pending for a chunk in flight: `holders` are the members whose share the switch holds
   stale,      ///< a well-formed answer to something else (an earlier chunk, operation or session)
   malformed,  ///< not an answer of this group and worker of the type awaited, or of the wrong length
 };
@@ -196,8 +201,9 @@ struct awaited {
 struct classified {
   datagram_kind kind = datagram_kind::malformed;
   packet_header h;          ///< the datagram's header (unless too short)
-  std::size_t slot = 0;     ///< reply: the slot of the window it answers
+  std::size_t slot = 0;     ///< reply, pending: the slot of the window it answers
   std::uint64_t offset = 0; ///< reply: where its chunk starts in the model
+  std::uint64_t holders = 0;///< pending: bit i set when the switch holds member i's share of the chunk
 };
 
 /// Classifies a datagram of `len` bytes. A reply fits the datagram
@@ -213,6 +219,23 @@ inline classified classify_reply(const std::byte* p, std::size_t len, const awai
                      h.sequence == static_cast<std::uint32_t>(w.sequence)
                  ? datagram_kind::rejoin
                  : datagram_kind::stale;
+    return c;
+  }
+  if (w.sync && read_header(p, len, h) && h.magic == packet_header::magic_value && h.version == packet_header::version_value &&
+      h.type == packet_type::sync_pending) {
+    if (len != pending_bytes || h.group != w.group || h.worker != w.worker || h.elements != 0) {
+      c.kind = datagram_kind::malformed;
+      return c;
+    }
+    // Else one for an earlier chunk, operation or session.
+    const std::size_t slot = h.chunk % w.flights.size();
+    const bool match = h.sequence == static_cast<std::uint32_t>(w.sequence) && h.session == w.session && h.chunk < w.chunks &&
+                       h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
+    c.kind = match ? datagram_kind::pending : datagram_kind::stale;
+    if (match) {
+      c.slot = slot;
+      std::memcpy(&c.holders, p + sizeof h, sizeof c.holders);
+    }
     return c;
   }
   const auto want = w.sync ? packet_type::sync_result : packet_type::async_reply;
@@ -245,6 +268,15 @@ inline classified classify_reply(const std::byte* p, std::size_t len, const awai
   c.slot = slot;
   c.offset = off;
   return c;
+}
+
+/// The members 0..members-1 whose bit in `bits` is `set`, as "0, 2, 3"
+/// ("none" when there are none).
+inline std::string members_text(std::uint64_t bits, std::uint16_t members, bool set) {
+  std::string s;
+  for (std::uint16_t i = 0; i < members && i < 64; ++i)
+    if (((bits >> i) & 1u) == set) s += fmt::format("{}{}", s.empty() ? "" : ", ", i);
+  return s.empty() ? "none" : s;
 }
 
 /// True when a datagram of `len` bytes answers the leave of `session`
@@ -461,7 +493,7 @@ class client {
     std::size_t pending = 0;
     std::array<mmsghdr, batch> msgs{};
     std::array<iovec, batch> iovs{};
-    std::array<bool, batch> resends{};  // queued entry k is a retransmission
+    std::array<std::size_t, batch> queued_slot{};  // queued entry k carries the chunk of this slot of the window
 
     auto flush = [&] {
       std::size_t sent = 0;
@@ -482,13 +514,15 @@ class client {
         for (std::size_t k = sent; k < sent + static_cast<std::size_t>(r); ++k) {
           ++m_counters.packets_sent;
           m_counters.bytes_sent += iovs[k].iov_len;
-          if (resends[k]) ++m_counters.retransmits;
+          auto& f = m_flight[queued_slot[k]];
+          if (f.sent) ++m_counters.retransmits;  // a copy the kernel had taken before
+          f.sent = true;
         }
         sent += static_cast<std::size_t>(r);
       }
       pending = 0;
     };
-    auto queue = [&](std::size_t slot, std::uint32_t chunk, bool resend) {
+    auto queue = [&](std::size_t slot, std::uint32_t chunk) {
       if (pending == batch) flush();
       const std::uint64_t off = static_cast<std::uint64_t>(chunk) * m_cfg.chunk;
       const auto len = static_cast<std::uint16_t>(std::min<std::uint64_t>(m_cfg.chunk, n - off));
@@ -510,13 +544,13 @@ class client {
       msgs[pending].msg_hdr = msghdr{};
       msgs[pending].msg_hdr.msg_iov = &iovs[pending];
       msgs[pending].msg_hdr.msg_iovlen = 1;
-      resends[pending] = resend;
+      queued_slot[pending] = slot;
       ++pending;
     };
     auto launch = [&](std::size_t slot, std::uint32_t chunk, clock::time_point now) {
       auto& f = m_flight[slot];
       f = {true, chunk, now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(m_cfg.rto_s)), m_cfg.rto_s};
-      queue(slot, chunk, false);
+      queue(slot, chunk);
     };
 
     // Sync: chunk c always uses slot c % window. Async: any free slot.
@@ -538,6 +572,14 @@ class client {
                                    .flights = m_flight,
                                    .ver = m_ver};
     bool rejoin = false;
+    // Sync: the switch's last sync_pending answer (which members it held a
+    // share of for a chunk of this operation), for the timeout's error.
+    struct {
+      bool seen = false;
+      std::uint32_t chunk = 0;
+      std::uint64_t holders = 0;
+      clock::time_point at{};
+    } last_pending;
     while (done < chunks && !rejoin) {
       check_cancel(sync ? "an all-reduce" : "a delta");
       // Earliest retransmission due decides how long to sleep.
@@ -571,6 +613,10 @@ class client {
             rejoin = true;
             continue;
           }
+          if (c.kind == detail::datagram_kind::pending) {
+            last_pending = {true, c.h.chunk, c.holders, now};  // the retransmission timer runs on: a result may still be lost
+            continue;
+          }
           if (c.kind == detail::datagram_kind::malformed) {
             ++m_counters.malformed;
             continue;
@@ -602,20 +648,28 @@ class client {
         std::uint64_t waiting = chunks;
         for (const auto& f : m_flight)
           if (f.active) waiting = std::min<std::uint64_t>(waiting, f.chunk);
+        const std::string why =
+            last_pending.seen
+                ? fmt::format("the switch holds the shares of member(s) {} of chunk {} and waits for member(s) {} (its last answer, {:.1f} s "
+                              "before): did they stop, die, or post at other steps?",
+                              detail::members_text(last_pending.holders, m_cfg.members, true), last_pending.chunk,
+                              detail::members_text(last_pending.holders, m_cfg.members, false),
+                              std::chrono::duration<double>(now - last_pending.at).count())
+                : fmt::format("is gossip-switch running with this group and all {} members? (its --stats-json counts what it dropped, "
+                              "by reason)",
+                              m_cfg.members);
         throw timeout_error(fmt::format(
             "timed out after {:.1f} s waiting for the switch at {}:{} (group {}, worker {} of {}, {} mode): chunk {} of {} unanswered "
-            "({} packets sent, {} of them retransmissions; {} received, {} of them stale and {} malformed); is gossip-switch running with "
-            "this group and all {} members? (its --stats-json counts what it dropped, by reason)",
+            "({} packets sent, {} of them retransmissions; {} received, {} of them stale and {} malformed); {}",
             m_cfg.timeout_s, m_cfg.address, m_cfg.port, m_cfg.group, m_cfg.worker, m_cfg.members, sync ? "sync" : "async", waiting, chunks,
-            m_counters.packets_sent, m_counters.retransmits, m_counters.packets_received, m_counters.stale, m_counters.malformed,
-            m_cfg.members));
+            m_counters.packets_sent, m_counters.retransmits, m_counters.packets_received, m_counters.stale, m_counters.malformed, why));
       }
       for (std::size_t s = 0; s < m_flight.size(); ++s) {
         auto& f = m_flight[s];
         if (!f.active || f.due > now) continue;
         f.rto = std::min(f.rto * 2, m_cfg.rto_max_s);
         f.due = now + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(f.rto));
-        queue(s, f.chunk, true);
+        queue(s, f.chunk);
       }
       flush();
     }

@@ -7,13 +7,14 @@
 ///     offset  size  field
 ///          0     4  magic      "GSW1" (0x31575347)
 ///          4     1  version    2
-///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin | refused
+///          5     1  type       sync_contribution | sync_result | async_delta | async_reply | async_leave | async_rejoin | refused |
+///                              sync_pending
 ///          6     1  flags      bit 0: shadow set of the slot (sync); refused: the drop_reason
 ///          7     1  reserved   0 (refused: the group's mode, below)
 ///          8     2  group      aggregation group id (configured on the switch)
 ///         10     2  worker     member id within the group, 0..members-1
 ///         12     2  slot       sync: slot index = chunk % slots; async: 0
-///         14     2  elements   float32 values that follow: 1..chunk size of the group (0 for async_leave and its reply)
+///         14     2  elements   float32 values that follow: 1..chunk size of the group (0 for async_leave, its reply and sync_pending)
 ///         16     4  chunk      chunk index within the model (offset = chunk * chunk size)
 ///         20     4  count      replies: members aggregated (sync) or joined (async); requests: the
 ///                              members the worker's run has (0: not checked), refused as bad_worker
@@ -47,6 +48,17 @@
 /// one to a packet of another version shorter than a header is cut to its
 /// length), and a refusal sent to a
 /// switch is dropped there as bad_type, never answered.
+///
+/// A sync contribution that arrives again while its set still waits for
+/// other members (the worker's retransmission: no result came) is answered
+/// with `sync_pending`, to that worker only: its header echoes the
+/// contribution (group, worker, slot, flags, chunk, sequence, session) with
+/// `elements` = 0 and `count` = the members whose share the set holds, and 8
+/// bytes follow, the bitmap of those members (bit i: member i; little-endian
+/// 64 bits). The worker goes on retransmitting as before; when its operation
+/// times out, its error names the members the switch was still waiting for
+/// (a rank that died or stopped, or that posts at other steps). Workers that
+/// do not know the type count it as malformed and are otherwise unaffected.
 ///
 /// The first 8 bytes (magic, version, type, flags) keep these offsets in
 /// every version of the format, and `refused` keeps its value, so that a
@@ -85,6 +97,7 @@ enum class packet_type : std::uint8_t {
   async_leave = 5,  ///< header only: remove my contribution from S; answered by an async_reply of 0 elements
   async_rejoin = 6, ///< switch to worker, header only: "I hold no session of yours" (an answer to a delta, echoing its fields)
   refused = 7,      ///< switch to worker, header only: a packet dropped as inconsistent with the group (see above)
+  sync_pending = 8, ///< switch to worker: a retransmitted contribution's set still waits; the members it holds follow (see above)
 };
 
 struct packet_header {
@@ -108,6 +121,8 @@ static_assert(sizeof(packet_header) == 32);
 
 inline constexpr std::size_t packet_bytes(std::size_t elements) noexcept { return sizeof(packet_header) + elements * sizeof(float); }
 inline constexpr std::size_t max_packet_bytes = packet_bytes(max_chunk);
+/// A sync_pending answer: the header and the 64-bit bitmap of the members whose share the set holds.
+inline constexpr std::size_t pending_bytes = sizeof(packet_header) + sizeof(std::uint64_t);
 
 /// Why a packet was not aggregated. Everything but `accepted` is a drop,
 /// counted per reason by whoever saw it.

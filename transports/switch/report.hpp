@@ -55,9 +55,10 @@ struct switch_report {
       first = false;
     }
     s += fmt::format("}},\n  \"dropped\": {},\n  \"accepted\": {},\n  \"aggregations_completed\": {},\n  \"results_resent\": {},\n"
-                     "  \"retransmissions_seen\": {},\n  \"deltas_applied\": {},\n  \"replies\": {},\n  \"evictions\": {},\n  \"arp_replies\": {}\n}}\n",
+                     "  \"retransmissions_seen\": {},\n  \"pending_answered\": {},\n  \"deltas_applied\": {},\n  \"replies\": {},\n  \"evictions\": {},\n"
+                     "  \"arp_replies\": {}\n}}\n",
                      agg.dropped(), agg.accepted(), agg.aggregations_completed, agg.results_resent, agg.retransmissions_seen,
-                     agg.deltas_applied, agg.replies, agg.evictions, arp_replies);
+                     agg.pending_answered, agg.deltas_applied, agg.replies, agg.evictions, arp_replies);
     return s;
   }
 
@@ -68,9 +69,10 @@ struct switch_report {
     for (const auto& p : ports)
       s += fmt::format("  {:<16} {:>12} {:>12} {:>14} {:>14} {:>10} {:>10}\n", p.name, p.rx_packets, p.tx_packets, p.rx_bytes, p.tx_bytes,
                        p.rx_missed, p.tx_failed);
-    s += fmt::format("  accepted {}  aggregations completed {}  deltas applied {}  retransmissions seen {}  results resent {}  replies {}  "
-                     "evictions {}{}\n",
-                     agg.accepted(), agg.aggregations_completed, agg.deltas_applied, agg.retransmissions_seen, agg.results_resent, agg.replies,
+    s += fmt::format("  accepted {}  aggregations completed {}  deltas applied {}  retransmissions seen {}  results resent {}  pending answered {}  "
+                     "replies {}  evictions {}{}\n",
+                     agg.accepted(), agg.aggregations_completed, agg.deltas_applied, agg.retransmissions_seen, agg.results_resent,
+                     agg.pending_answered, agg.replies,
                      agg.evictions, arp_replies ? fmt::format("  arp replies {}", arp_replies) : std::string());
     s += fmt::format("  dropped {}", agg.dropped());
     for (std::size_t i = 1; i < drop_reason_count; ++i)
