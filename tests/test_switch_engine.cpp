@@ -619,7 +619,7 @@ TEST_CASE("sync: a member that stops mid-run is named in the others' timeout, as
   // told that the switch holds their shares and waits for member 2's.
   udp_aggregator agg({gossip::sw::group_config{.id = 1, .mode = gossip::sw::group_mode::sync, .members = 3, .chunk = 64, .slots = 16}});
   auto cfg = switch_config("periodic", agg.port());
-  cfg.apply_override("transport.timeout_s=2");
+  cfg.apply_override("transport.timeout_s=4");
   std::array<std::string, 3> what;
   std::array<int, 3> steps{};
   std::atomic<int> failed{0};

@@ -18,7 +18,8 @@
 /// worker whose bit is already set is a retransmission: if the set is complete
 /// the stored result is sent again to that worker only (its result was lost),
 /// otherwise it is answered with sync_pending, which names the members whose
-/// share the set holds (packet.hpp). A contribution to set v clears the worker's bit in
+/// share the set holds (packet.hpp; not for a share of one value, whose
+/// answer would be larger than it). A contribution to set v clears the worker's bit in
 /// set 1 − v: it proves the worker holds the result of that set, so the shadow
 /// copy can be reused once every member moved on. A late copy of a share of
 /// a completed set's chunk (or of an older one) from a worker that moved on
@@ -526,7 +527,9 @@ class aggregator {
       if (s.complete) {
         ++m_stats.results_resent;
         reply(out, acc, s.elements, h.worker, emit);
-      } else {
+      } else if (s.chunk == h.chunk && s.sequence == h.sequence && packet_bytes(h.elements) >= pending_bytes) {
+        // The set is this share's own (not one that holds another of the
+        // worker's shares), and the answer is no larger than what it answers.
         pending(h, s, emit);
       }
       return drop_reason::accepted;

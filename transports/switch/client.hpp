@@ -648,10 +648,14 @@ class client {
         std::uint64_t waiting = chunks;
         for (const auto& f : m_flight)
           if (f.active) waiting = std::min<std::uint64_t>(waiting, f.chunk);
+        // The switch's last word on a chunk still unanswered (an earlier
+        // chunk's says nothing about this one).
+        const auto& at_slot = m_flight[last_pending.chunk % m_flight.size()];
+        const bool still = last_pending.seen && at_slot.active && at_slot.chunk == last_pending.chunk;
         const std::string why =
-            last_pending.seen
+            still
                 ? fmt::format("the switch holds the shares of member(s) {} of chunk {} and waits for member(s) {} (its last answer, {:.1f} s "
-                              "before): did they stop, die, or post at other steps?",
+                              "before): did they stop, die, or post at other steps (or did the switch restart after they sent theirs)?",
                               detail::members_text(last_pending.holders, m_cfg.members, true), last_pending.chunk,
                               detail::members_text(last_pending.holders, m_cfg.members, false),
                               std::chrono::duration<double>(now - last_pending.at).count())

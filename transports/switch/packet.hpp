@@ -51,7 +51,9 @@
 ///
 /// A sync contribution that arrives again while its set still waits for
 /// other members (the worker's retransmission: no result came) is answered
-/// with `sync_pending`, to that worker only: its header echoes the
+/// with `sync_pending`, to that worker's address (as its result would be;
+/// not for a contribution of one value, which is shorter than the answer):
+/// its header echoes the
 /// contribution (group, worker, slot, flags, chunk, sequence, session) with
 /// `elements` = 0 and `count` = the members whose share the set holds, and 8
 /// bytes follow, the bitmap of those members (bit i: member i; little-endian
