@@ -4,14 +4,16 @@
 //
 // Input: a sequence of connections, each a little-endian 16-bit length and
 // that many bytes (a length past the end takes what is left), served in turn
-// by one store (identity 0x5354), as handle() serves them. The bytes of each
+// by one store (identity 0x5354, limited to 4096 bytes so that a full store
+// is reached), as handle() serves them. The bytes of each
 // connection are also read as the head of a reply (zeros past its end, as a
 // client reads a reply cut short).
 // Checked besides memory safety: no read past the connection, no allocation
 // above twice what arrived plus one value chunk; an accepted request is
 // exactly what encode_request() makes of its fields, and the store and its
 // reply agree with what it asked ('S' changes nothing, 'X' only when another
-// value is there); every reply the server sends reads back as what was
+// value is there, 'F' changes nothing and only past the limit, 'D' removes
+// exactly the key asked); the bytes the store counts are those it holds; every reply the server sends reads back as what was
 // meant; a rank list decodes to the ints it holds and encodes back.
 #include <sanitizer/allocator_interface.h>
 
@@ -64,7 +66,14 @@ void check_ranks(const rv::blob& b) {
     if (dead[static_cast<std::size_t>(r)] != (std::find(ranks.begin(), ranks.end(), r) != ranks.end())) fail();
 }
 
-void serve(rv::store_map& store, const std::byte* p, std::size_t size) {
+// The bytes a store holds by its own count (rv::put).
+std::uint64_t held(const rv::store& s) {
+  std::uint64_t n = 0;
+  for (const auto& [k, v] : s.map) n += k.size() + v.size() + rv::entry_overhead;
+  return n;
+}
+
+void serve(rv::store& store, const std::byte* p, std::size_t size) {
   std::size_t at = 0;
   const auto read = [&](void* to, std::size_t n) {
     if (n > size - at) return false;  // cut short: the client closed
@@ -89,31 +98,45 @@ void serve(rv::store_map& store, const std::byte* p, std::size_t size) {
 
   // The request is what a client makes of its fields, byte for byte.
   const bool put = req.op == 'P' || req.op == 'O';
-  if (!put && req.op != 'G') fail();
+  if (!put && req.op != 'G' && req.op != 'D') fail();
   if (req.key.size() > rv::max_key || req.value.size() > rv::max_blob || (!put && !req.value.empty())) fail();
   const auto again = rv::encode_request(req.op, req.joined, req.key, put ? &req.value : nullptr);
   if (again.size() != at || std::memcmp(again.data(), p, at) != 0) fail();
 
-  const auto before = store.find(req.key) != store.end() ? std::optional<rv::blob>(store.at(req.key)) : std::nullopt;
-  const std::size_t entries = store.size();
+  const auto look = [&] { return store.map.contains(req.key) ? std::optional<rv::blob>(store.map.find(req.key)->second) : std::nullopt; };
+  const auto before = look();
+  const std::size_t entries = store.map.size();
+  const std::uint64_t bytes = store.bytes;
   const rv::blob value = req.value;
   rv::blob reply_value;
   const char status = rv::answer(store, store_id, req, reply_value);
-  const auto after = store.find(req.key) != store.end() ? std::optional<rv::blob>(store.at(req.key)) : std::nullopt;
+  const auto after = look();
   const bool stranger = req.joined != 0 && req.joined != store_id;
+  if (store.bytes != held(store) || store.bytes > store.limit) fail();
   switch (status) {
     case 'S':
-      if (!stranger || after != before || store.size() != entries || !reply_value.empty()) fail();
+      if (!stranger || after != before || store.map.size() != entries || !reply_value.empty()) fail();
       break;
     case 'X':
       if (stranger || req.op != 'O' || !before || *before == value || after != before) fail();
       break;
+    case 'F': {
+      // Nothing changed, and storing it would have passed the limit.
+      const std::uint64_t would = before ? bytes - before->size() + value.size() : bytes + req.key.size() + value.size() + rv::entry_overhead;
+      std::uint64_t told[2] = {};
+      if (reply_value.size() == sizeof told) std::memcpy(told, reply_value.data(), sizeof told);
+      if (stranger || !put || after != before || store.bytes != bytes || would <= store.limit || reply_value.size() != sizeof told ||
+          told[0] != bytes || told[1] != store.limit || (req.op == 'O' && before))
+        fail();
+      break;
+    }
     case 'N':
-      if (stranger || req.op != 'G' || before || after || !reply_value.empty()) fail();
+      if (stranger || (req.op != 'G' && req.op != 'D') || before || after || !reply_value.empty()) fail();
       break;
     case 'Y':
       if (stranger) fail();
       if (req.op == 'G' && (!before || reply_value != *before || after != before)) fail();
+      if (req.op == 'D' && (!before || after || !reply_value.empty() || store.map.size() != entries - 1)) fail();
       if (put && (after != value || !reply_value.empty() || (req.op == 'O' && before && *before != value))) fail();
       break;
     default:
@@ -157,7 +180,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  rv::store_map store;
+  rv::store store;
+  store.limit = 4096;
   while (size >= 2) {
     std::size_t len = static_cast<std::size_t>(data[0]) | static_cast<std::size_t>(data[1]) << 8;
     data += 2, size -= 2;

@@ -171,7 +171,7 @@ put("idx", "empty", idx_pair(0, 1, 1))
 STORE = 0x5354
 
 
-def rv_request(op, key, value=None, joined=0, magic=b"GRV4"):
+def rv_request(op, key, value=None, joined=0, magic=b"GRV5"):
     r = magic + op + struct.pack("<QI", joined, len(key)) + key
     if value is not None:
         r += struct.pack("<Q", len(value)) + value
@@ -194,9 +194,12 @@ put("bootstrap", "stranger", connections(rv_request(b"P", b"k", b"v"), rv_reques
 put("bootstrap", "other-version", connections(rv_request(b"G", b"k", magic=b"GRV3"), rv_request(b"G", b"k", magic=b"HTTP")))
 put("bootstrap", "cut-short", connections(rv_request(b"P", b"k", b"value")[:-2], rv_request(b"P", b"k", b"")[:20],
                                           rv_request(b"Q", b"k"), rv_request(b"P", b"big", b"")[:-8] + struct.pack("<Q", 64 << 20)))
+put("bootstrap", "erase-full", connections(rv_request(b"P", b"model/1/1", b"x" * 3000), rv_request(b"P", b"model/1/2", b"y" * 3000, joined=STORE),
+                                           rv_request(b"D", b"model/1/1", joined=STORE), rv_request(b"D", b"model/1/1", joined=STORE),
+                                           rv_request(b"P", b"model/2/1", b"z" * 1000, joined=STORE)))
 # Reply heads as a client reads them.
-put("bootstrap", "replies", connections(b"GRV4Y" + struct.pack("<QQ", STORE, 3) + b"abc", b"GRV4S" + struct.pack("<QQ", STORE, 0),
-                                        b"GRV3N", b"GRV4N" + struct.pack("<QQ", STORE, (64 << 20) + 1)))
+put("bootstrap", "replies", connections(b"GRV5Y" + struct.pack("<QQ", STORE, 3) + b"abc", b"GRV5S" + struct.pack("<QQ", STORE, 0),
+                                        b"GRV3N", b"GRV5N" + struct.pack("<QQ", STORE, (64 << 20) + 1)))
 
 # ucx_blob: byte 0 even, then a rendezvous entry as transports/ucx/peer_blob.hpp
 # encodes it; byte 0 odd, then bytes a FuzzedDataProvider turns into a setup.

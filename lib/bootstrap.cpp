@@ -48,6 +48,17 @@ void check_blob_size(const std::string& key, const bootstrap::blob& value) {
     throw config_error(fmt::format("bootstrap: blob '{}' of {} bytes exceeds the {} byte limit", key, value.size(), max_blob));
 }
 
+// The error for a put that rank 0's store refused as full (status 'F'):
+// it holds `held` bytes of at most `limit`.
+config_error store_full(int rank, const std::string& where, const std::string& key, std::size_t bytes, std::uint64_t held,
+                        std::uint64_t limit) {
+  return config_error(fmt::format(
+      "bootstrap: rank {}: rank 0's rendezvous at {} refused key '{}' ({} bytes): it holds {} bytes of keys and values and takes at most "
+      "{}; erase the keys that were read and are not needed again (bootstrap::erase), e.g. a model published for every epoch, or "
+      "raise rank 0's limit (bootstrap::set_store_limit)",
+      rank, where, key.substr(0, 256), bytes, held, limit));
+}
+
 clock::time_point deadline_after(std::chrono::duration<double> d) { return clock::now() + std::chrono::duration_cast<clock::duration>(d); }
 
 int remaining_ms(clock::time_point deadline) {
@@ -246,11 +257,11 @@ bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given
 // Rank 0's key-value store and the thread that serves it.
 struct bootstrap::server {
   std::mutex mutex;
-  rendezvous::store_map store;
-  // Stores `value` under `key` (the caller holds `mutex`). `once`: only when
-  // the key is new or holds the same value (a request asked again after a
-  // lost reply); false when another value is there.
-  bool put_locked(bool once, const std::string& key, blob value) { return rendezvous::put(store, once, key, std::move(value)); }
+  rendezvous::store store;
+  // Stores `value` under `key` (the caller holds `mutex`); see rendezvous::put.
+  rendezvous::put_result put_locked(bool once, const std::string& key, blob value) {
+    return rendezvous::put(store, once, key, std::move(value));
+  }
   int listen_fd = -1;
   int stop_pipe[2] = {-1, -1};  // written once at shutdown: readable from then on, for every waiter
   std::thread thread;
@@ -437,7 +448,7 @@ std::string bootstrap::local_address() const {
   return {};
 }
 
-bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* value, clock::time_point deadline, bool& found) {
+bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* value, clock::time_point deadline, char& status) {
   std::string err;
   const auto addrs = resolve(m_address, m_port, false, err);
   if (addrs.empty())
@@ -553,8 +564,16 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
       if (reply.kind == rendezvous::reply_kind::too_long)
         throw transport_error(
             fmt::format("bootstrap: rank {}: {} sent a reply of {} bytes; not a gossip rendezvous", m_rank, where(), len));
-      blob out(len);
-      if (const io rr = recv_all(s.fd, out.data(), len, phase(), idle, -1, deadline); rr != io::ok) {
+      // Grown as it arrives, as the server reads a value: a reply cut short
+      // holds no more than what came.
+      blob out;
+      io rr = io::ok;
+      while (rr == io::ok && out.size() < len) {
+        const std::size_t at = out.size(), n = static_cast<std::size_t>(std::min<std::uint64_t>(len - at, rendezvous::value_chunk));
+        out.resize(at + n);
+        rr = recv_all(s.fd, out.data() + at, n, phase(), idle, -1, deadline);
+      }
+      if (rr != io::ok) {
         if (rr == io::timeout) {
           if (stalled()) {
             reset_on_close(s.fd);
@@ -567,7 +586,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         if (m_contacted) continue;
         throw transport_error(fmt::format("bootstrap: rank {}: the reply from {} was cut short", m_rank, where()));
       }
-      found = reply.status == 'Y';
+      status = reply.status;
       m_contacted = true;
       if (m_store == 0) m_store = reply.store;
       return out;
@@ -575,26 +594,56 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   }
 }
 
-void bootstrap::put(const std::string& key, const blob& value) {
+// What a put's status says: 'Y' stored, 'X' another value is there; 'F'
+// (the store is full, `answer` the bytes it holds) throws.
+char bootstrap::put_status(char op, const std::string& key, const blob& value) {
   check_blob_size(key, value);
+  std::uint64_t held = 0, limit = 0;
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
-    m_server->put_locked(false, key, blob(value));
-    return;
+    switch (m_server->put_locked(op == 'O', key, blob(value))) {
+      case rendezvous::put_result::stored:
+        return 'Y';
+      case rendezvous::put_result::other_value:
+        return 'X';
+      case rendezvous::put_result::full:
+        held = m_server->store.bytes;
+        limit = m_server->store.limit;
+        break;
+    }
+  } else {
+    char status = 0;
+    const blob answer = request(op, key, &value, deadline_after(m_timeout), status);
+    if (status != 'F') return status;
+    if (answer.size() == sizeof held + sizeof limit) {
+      std::memcpy(&held, answer.data(), sizeof held);
+      std::memcpy(&limit, answer.data() + sizeof held, sizeof limit);
+    }
   }
-  bool found = false;
-  request('P', key, &value, deadline_after(m_timeout), found);
+  throw store_full(m_rank, where(), key, value.size(), held, limit);
+}
+
+void bootstrap::set_store_limit(std::uint64_t bytes) {
+  if (!m_server) throw config_error(fmt::format("bootstrap: rank {} holds no store (rank 0 serves it): set_store_limit is for rank 0", m_rank));
+  std::lock_guard lock(m_server->mutex);
+  m_server->store.limit = bytes;
+}
+
+void bootstrap::put(const std::string& key, const blob& value) { (void)put_status('P', key, value); }
+
+bool bootstrap::erase(const std::string& key) {
+  check_key_size(key);
+  if (m_server) {
+    std::lock_guard lock(m_server->mutex);
+    return rendezvous::erase(m_server->store, key);
+  }
+  char status = 0;
+  (void)request('D', key, nullptr, deadline_after(m_timeout), status);
+  return status == 'Y';
 }
 
 void bootstrap::put_once(const std::string& key, const blob& value, const std::string& what) {
-  check_blob_size(key, value);
-  bool stored = false;
-  if (m_server) {
-    std::lock_guard lock(m_server->mutex);
-    stored = m_server->put_locked(true, key, blob(value));
-  } else {
-    request('O', key, &value, deadline_after(m_timeout), stored);
-  }
+  const bool stored = put_status('O', key, value) == 'Y';
   if (!stored)
     throw config_error(fmt::format(
         "bootstrap: rank {}: another process has published {} at the rendezvous {} ({}) already (key '{}'): a rank number started "
@@ -616,12 +665,12 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
     const bool last = clock::now() >= deadline;
     if (m_server) {
       std::lock_guard lock(m_server->mutex);
-      if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
+      if (auto it = m_server->store.map.find(key); it != m_server->store.map.end()) return it->second;
     } else {
-      bool found = false;
+      char status = 0;
       blob b;
       try {
-        b = request('G', key, nullptr, std::max(deadline, clock::now() + grace), found);
+        b = request('G', key, nullptr, std::max(deadline, clock::now() + grace), status);
       } catch (const timeout_error&) {
         // Rank 0 answered this wait's earlier polls: it stalled on this one.
         if (i == 0) throw;
@@ -630,7 +679,7 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
             "the last one unanswered for {:.1f} s: is rank 0 stalled or overloaded?)",
             timeout.count(), waiting_for, where(), m_rank, key, i, std::chrono::duration<double>(grace).count()));
       }
-      if (found) return b;
+      if (status == 'Y') return b;
     }
     if (last)
       throw timeout_error(fmt::format("timed out after {:.1f} s waiting for {} at the rendezvous {} (rank {} asking for '{}')",
@@ -645,12 +694,12 @@ std::optional<bootstrap::blob> bootstrap::try_get(const std::string& key) {
   check_key_size(key);
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
-    if (auto it = m_server->store.find(key); it != m_server->store.end()) return it->second;
+    if (auto it = m_server->store.map.find(key); it != m_server->store.map.end()) return it->second;
     return std::nullopt;
   }
-  bool found = false;
-  blob b = request('G', key, nullptr, deadline_after(m_timeout), found);
-  if (found) return b;
+  char status = 0;
+  blob b = request('G', key, nullptr, deadline_after(m_timeout), status);
+  if (status == 'Y') return b;
   return std::nullopt;
 }
 

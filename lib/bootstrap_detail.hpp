@@ -5,13 +5,14 @@
 // the fuzzer (fuzz/fuzz_bootstrap.cpp) runs the server's and the client's
 // parsing on bytes alone.
 //
-// Request (one per connection): magic "GRV4", op ('P' put, 'O' put unless
-// another value is there, 'G' get), u64 identity of the store the client
-// joined (0: none yet), u32 key length, key; for 'P' and 'O' then u64 value
-// length and value.
-// Reply: magic, status ('Y' found or stored, 'N' not found, 'X' another value
-// is there, 'S' the client joined another store, 'V' a request of another
-// version), u64 identity of the store, u64 value length, value.
+// Request (one per connection): magic "GRV5", op ('P' put, 'O' put unless
+// another value is there, 'G' get, 'D' erase), u64 identity of the store the
+// client joined (0: none yet), u32 key length, key; for 'P' and 'O' then u64
+// value length and value.
+// Reply: magic, status ('Y' found, stored or erased, 'N' not found, 'X'
+// another value is there, 'F' the store is full — the value is then two u64,
+// the bytes it holds and its limit —, 'S' the client joined another store, 'V' a request of
+// another version), u64 identity of the store, u64 value length, value.
 // Integers are in host byte order.
 //
 //     rendezvous::request req;
@@ -25,6 +26,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace gossip::detail::rendezvous {
@@ -37,8 +39,15 @@ using blob = std::vector<std::byte>;  // bootstrap::blob
 // another value (answered 'X'). Version 4: nothing new here, but the UCX
 // transport's ranks answer each other's liveness probes, which a rank of an
 // earlier release would leave unanswered: the version keeps them apart.
-inline constexpr char magic[4] = {'G', 'R', 'V', '4'};
+// Version 5: operation 'D' (erase) and status 'F' (the store is full).
+inline constexpr char magic[4] = {'G', 'R', 'V', '5'};
 inline constexpr std::uint64_t max_blob = 64ull << 20;
+/// The most one store holds, keys and values together, each entry counted
+/// with entry_overhead bytes more: a put past it is refused ('F'), so that a
+/// run that never erases what it read fails with an error that says so
+/// instead of rank 0 running out of memory.
+inline constexpr std::uint64_t max_store_bytes = 4ull << 30;
+inline constexpr std::uint64_t entry_overhead = 64;
 inline constexpr std::size_t max_key = 4096;
 inline constexpr std::size_t request_head_bytes = 4 + 1 + 8 + 4;
 inline constexpr std::size_t reply_head_bytes = 4 + 1 + 8 + 8;
@@ -85,7 +94,7 @@ read_status read_request(Read&& read, request& req) {
       req.value.resize(at + n);
       if (!read(req.value.data() + at, n)) return read_status::dropped;
     }
-  } else if (req.op != 'G') {
+  } else if (req.op != 'G' && req.op != 'D') {
     return read_status::dropped;
   }
   return read_status::ok;
@@ -93,29 +102,71 @@ read_status read_request(Read&& read, request& req) {
 
 using store_map = std::map<std::string, blob, std::less<>>;
 
+/// Rank 0's key-value store and the bytes it holds (keys, values and
+/// entry_overhead per entry), bounded by `limit`.
+struct store {
+  store_map map;
+  std::uint64_t bytes = 0;
+  std::uint64_t limit = max_store_bytes;
+};
+
+enum class put_result { stored, other_value, full };
+
 /// Stores `value` under `key`. `once`: only when the key is new or holds the
-/// same value (a request asked again after a lost reply); false when another
-/// value is there.
-inline bool put(store_map& store, bool once, const std::string& key, blob value) {
-  auto [it, fresh] = store.try_emplace(key);
-  if (!fresh && once) return it->second == value;
-  it->second = std::move(value);
+/// same value (a request asked again after a lost reply); other_value when
+/// another value is there. full (nothing changed) when the store would then
+/// hold more than its limit.
+inline put_result put(store& s, bool once, const std::string& key, blob value) {
+  if (const auto it = s.map.find(key); it != s.map.end()) {
+    if (once) return it->second == value ? put_result::stored : put_result::other_value;
+    const std::uint64_t bytes = s.bytes - it->second.size() + value.size();
+    if (value.size() > it->second.size() && bytes > s.limit) return put_result::full;
+    s.bytes = bytes;
+    it->second = std::move(value);
+    return put_result::stored;
+  }
+  const std::uint64_t need = key.size() + value.size() + entry_overhead;
+  if (need > s.limit || s.bytes > s.limit - need) return put_result::full;
+  s.map.emplace(key, std::move(value));
+  s.bytes += need;
+  return put_result::stored;
+}
+
+/// Removes `key`; false when it was not there.
+inline bool erase(store& s, std::string_view key) {
+  const auto it = s.map.find(key);
+  if (it == s.map.end()) return false;
+  s.bytes -= it->first.size() + it->second.size() + entry_overhead;
+  s.map.erase(it);
   return true;
 }
 
 /// The status with which the store `id` answers `req` (read_status::ok),
 /// applying it: a client of an earlier store on this port (a run that has
 /// ended) is told so ('S') and changes nothing. A found value goes to
-/// `value`. Takes the request's value.
-inline char answer(store_map& store, std::uint64_t id, request& req, blob& value) {
+/// `value`, and so do, for 'F', the bytes the store holds and its limit
+/// (two u64). Takes the request's value.
+inline char answer(store& s, std::uint64_t id, request& req, blob& value) {
   if (req.joined != 0 && req.joined != id) return 'S';
   if (req.op == 'G') {
-    const auto it = store.find(req.key);
-    if (it == store.end()) return 'N';
+    const auto it = s.map.find(req.key);
+    if (it == s.map.end()) return 'N';
     value = it->second;
     return 'Y';
   }
-  return put(store, req.op == 'O', req.key, std::move(req.value)) ? 'Y' : 'X';
+  if (req.op == 'D') return erase(s, req.key) ? 'Y' : 'N';
+  switch (put(s, req.op == 'O', req.key, std::move(req.value))) {
+    case put_result::stored:
+      return 'Y';
+    case put_result::other_value:
+      return 'X';
+    case put_result::full:
+      break;
+  }
+  value.resize(2 * sizeof(std::uint64_t));
+  std::memcpy(value.data(), &s.bytes, sizeof s.bytes);
+  std::memcpy(value.data() + sizeof s.bytes, &s.limit, sizeof s.limit);
+  return 'F';
 }
 
 /// A request as a client sends it; `value` for 'P' and 'O' only.

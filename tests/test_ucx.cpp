@@ -359,7 +359,7 @@ class stand_in_rendezvous {
 
 // Rendezvous replies: magic, 'N' (not there yet) or 'Y', the store's u64
 // identity (7 here), u64 length, blob.
-constexpr char not_there_yet[21] = {'G', 'R', 'V', '4', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+constexpr char not_there_yet[21] = {'G', 'R', 'V', '5', 'N', 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error within the timeout") {
   const std::uint16_t port = free_port();
@@ -417,7 +417,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n <= 2) {
         ++cut;
       } else {
-        const char reply[22] = {'G', 'R', 'V', '4', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '5', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -438,7 +438,7 @@ TEST_CASE("bootstrap: an unreachable master or a wrong port is a clear error wit
       } else if (n == 1) {
         held = ::dup(c);
       } else {
-        const char reply[22] = {'G', 'R', 'V', '4', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
+        const char reply[22] = {'G', 'R', 'V', '5', 'Y', 7, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 'x'};
         [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
       }
     });
@@ -470,7 +470,7 @@ TEST_CASE("bootstrap: a client that connects and stays silent delays neither oth
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     a.sin_port = htons(port);
     REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-    const char part[] = "GRV4";  // the start of a request, then nothing
+    const char part[] = "GRV5";  // the start of a request, then nothing
     REQUIRE(::write(fd, part, 4) == 4);
     silent.push_back(fd);
   }
@@ -546,6 +546,35 @@ TEST_CASE("bootstrap: an entry published once is not overwritten by a second pro
   CHECK(server.try_get("free") == std::optional<bootstrap::blob>(a));
 }
 
+TEST_CASE("bootstrap: erase removes a key, and a store past its limit refuses a put, naming the key, holding what it had") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  bootstrap server(0, 2, "127.0.0.1", port, timeout);
+  bootstrap client(1, 2, "127.0.0.1", port, timeout);
+  // Each entry counts its key, its value and 64 bytes: "epoch/1/1" + 1000 = 1073.
+  server.set_store_limit(2500);
+  const bootstrap::blob model(1000, std::byte{5});
+  client.put("epoch/1/1", model);
+  server.put("epoch/1/0", model);
+  const std::string full = fmt::format("rank 1: rank 0's rendezvous at 127.0.0.1:{} refused key 'epoch/2/1' (1000 bytes): it holds 2146 bytes "
+                                       "of keys and values and takes at most 2500; erase the keys that were read",
+                                       port);
+  CHECK_THROWS_WITH_AS(client.put("epoch/2/1", model), doctest::Contains(full.c_str()), config_error);
+  CHECK_THROWS_WITH_AS(server.put("epoch/2/0", model), doctest::Contains("rank 0: rank 0's rendezvous at 127.0.0.1:"), config_error);
+  CHECK_THROWS_WITH_AS(client.put_once("epoch/2/1", model, "rank 1's model"), doctest::Contains("refused key 'epoch/2/1'"), config_error);
+  CHECK(client.try_get("epoch/1/1") == std::optional<bootstrap::blob>(model));  // what it held stays
+  client.put("epoch/1/1", bootstrap::blob(10, std::byte{1}));                  // a smaller value fits where a larger one would not
+  // Erased by anyone, through the store or locally; a second erase finds nothing.
+  CHECK(server.erase("epoch/1/1"));
+  CHECK_FALSE(client.erase("epoch/1/1"));
+  CHECK(client.erase("epoch/1/0"));
+  CHECK_FALSE(server.try_get("epoch/1/0").has_value());
+  client.put("epoch/2/1", model);
+  server.put("epoch/2/0", model);
+  CHECK(client.try_get("epoch/2/0") == std::optional<bootstrap::blob>(model));
+  CHECK_THROWS_WITH_AS(client.set_store_limit(1), doctest::Contains("rank 1 holds no store"), config_error);
+}
+
 TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") {
   // A rank 0 of another version: its reply names its version.
   const std::uint16_t port = free_port();
@@ -555,7 +584,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
       [[maybe_unused]] auto k = ::write(c, reply, sizeof reply);
     });
     bootstrap b(1, 2, "127.0.0.1", port, std::chrono::duration<double>(5.0));
-    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 4"), transport_error);
+    CHECK_THROWS_WITH_AS((void)b.try_get("k"), doctest::Contains("speaks version 9 of its protocol and this rank version 5"), transport_error);
   }
   // A client of another version: this rank 0 answers with its own magic and 'V'.
   const std::uint16_t port2 = free_port();
@@ -572,7 +601,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
   std::size_t got = 0;
   for (ssize_t n; got < sizeof reply && (n = ::read(fd, reply + got, sizeof reply - got)) > 0;) got += static_cast<std::size_t>(n);
   ::close(fd);
-  CHECK(std::string(reply, got) == "GRV4V");
+  CHECK(std::string(reply, got) == "GRV5V");
 }
 
 TEST_CASE("bootstrap: a barrier does not wait for a rank that an arrived rank found dead") {

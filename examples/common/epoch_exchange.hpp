@@ -211,7 +211,9 @@ class bootstrap_exchange final : public epoch_exchange {
       for (int j = 1; j < m_boot->world(); ++j) {
         const auto ju = static_cast<std::size_t>(j);
         if (got[ju] || m_dead.contains(j)) continue;
-        if (auto b = m_boot->try_get(fmt::format("epoch/{}/{}", epoch, j))) {
+        const std::string key = fmt::format("epoch/{}/{}", epoch, j);
+        if (auto b = m_boot->try_get(key)) {
+          m_boot->erase(key);  // read once: the store would otherwise hold every rank's model of every epoch
           got[ju] = unpack(*b);
           m_hosts[ju] = got[ju]->host;
           m_last_epoch[ju] = epoch + 1;
@@ -457,6 +459,8 @@ class bootstrap_exchange final : public epoch_exchange {
     try {
       m_boot->put(key, value);
       return true;
+    } catch (const config_error&) {
+      throw;  // rank 0 answered: its store refused the value (full), which no waiting mends
     } catch (const error& e) {
       m_rank0_gone = true;
       fmt::print(stderr, "rank {}: rank 0's rendezvous does not answer (rank 0 died?); training goes on without epoch evaluation: {}\n",

@@ -75,7 +75,10 @@ class bootstrap {
   /// "address:port" of the rendezvous, for messages.
   std::string where() const;
 
-  /// Publishes `value` under `key` (overwrites).
+  /// Publishes `value` under `key` (overwrites). Rank 0's store holds every
+  /// key until it is erased or rank 0's bootstrap ends, at most 4 GiB of keys
+  /// and values (set_store_limit): a put past that throws config_error
+  /// naming the key, instead of rank 0 running out of memory.
   void put(const std::string& key, const blob& value);
   /// Publishes `value` under `key` unless another value is there already: a
   /// config_error naming `what` (e.g. "rank 3's UCX address") and the
@@ -87,6 +90,14 @@ class bootstrap {
   blob get(const std::string& key, const std::string& waiting_for, std::chrono::duration<double> timeout);
   /// One look-up without waiting: the blob, or nothing when no rank has published `key` yet.
   std::optional<blob> try_get(const std::string& key);
+  /// Removes `key` from the store; true when it was there. Erase what was
+  /// read and is not needed again (a model published for every epoch), or
+  /// the store grows with the run.
+  bool erase(const std::string& key);
+  /// Rank 0 only: the most its store holds, keys and values together (each
+  /// key counted with 64 bytes more); default 4 GiB. Puts past it are
+  /// refused; what is held stays.
+  void set_store_limit(std::uint64_t bytes);
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.
   /// A name may be used again: the k-th barrier of a name that returned on
@@ -120,7 +131,8 @@ class bootstrap {
 
  private:
   struct server;
-  blob request(char op, const std::string& key, const blob* value, std::chrono::steady_clock::time_point deadline, bool& found);
+  blob request(char op, const std::string& key, const blob* value, std::chrono::steady_clock::time_point deadline, char& status);
+  char put_status(char op, const std::string& key, const blob& value);
   std::string barrier_key(const std::string& name) const;
 
   int m_rank = 0, m_world = 1;
