@@ -474,8 +474,9 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   // Once rank 0 has answered, an exchange in which no byte moved for `stall`
   // is asked again on a new connection: on a lossy link TCP's retransmission
   // timeout backs off to tens of seconds, and a new connection starts again
-  // from its initial timeout. Requests are idempotent (a put stores the same
-  // value again).
+  // from its initial timeout. Asking again is safe: a put stores the same
+  // value again (anew, if the key was erased meanwhile: whoever erases reads
+  // so), a get reads again, and an erase asked again finds nothing.
   const auto stall = std::chrono::duration_cast<clock::duration>(
       std::clamp(m_timeout / 12, std::chrono::duration<double>(1.0), std::chrono::duration<double>(5.0)));
   unsigned stalls = 0;
@@ -536,8 +537,8 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
         throw timeout_error(describe());
       }
       // Once rank 0 has answered, an exchange cut short is the link's doing
-      // (a lossy network resets connections): requests are idempotent (a put
-      // stores the same value again), so ask again until the deadline.
+      // (a lossy network resets connections): asking again is safe (above),
+      // so ask again until the deadline.
       if (r != io::ok && m_contacted) {
         last = "the connection was cut before the reply (a failing link?)";
         continue;

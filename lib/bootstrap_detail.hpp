@@ -44,8 +44,7 @@ inline constexpr char magic[4] = {'G', 'R', 'V', '5'};
 inline constexpr std::uint64_t max_blob = 64ull << 20;
 /// The most one store holds, keys and values together, each entry counted
 /// with entry_overhead bytes more: a put past it is refused ('F'), so that a
-/// run that never erases what it read fails with an error that says so
-/// instead of rank 0 running out of memory.
+/// run that never erases what it read fails with an error that says so.
 inline constexpr std::uint64_t max_store_bytes = 4ull << 30;
 inline constexpr std::uint64_t entry_overhead = 64;
 inline constexpr std::size_t max_key = 4096;

@@ -233,6 +233,13 @@ class bootstrap_exchange final : public epoch_exchange {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(std::min(1u + i, 20u)));
     }
+    // What no one reads again: this epoch's models of ranks left out (one
+    // declared dead may still be alive, and publish), and the last epoch's
+    // that a put asked again after a lost reply stored anew once read.
+    for (int j = 1; j < m_boot->world(); ++j) {
+      if (m_dead.contains(j)) m_boot->erase(fmt::format("epoch/{}/{}", epoch, j));
+      if (epoch > 0) m_boot->erase(fmt::format("epoch/{}/{}", epoch - 1, j));
+    }
     for (auto& e : got)
       if (e && !m_dead.contains(e->rank)) all.push_back(std::move(*e));
     return all;

@@ -78,7 +78,7 @@ class bootstrap {
   /// Publishes `value` under `key` (overwrites). Rank 0's store holds every
   /// key until it is erased or rank 0's bootstrap ends, at most 4 GiB of keys
   /// and values (set_store_limit): a put past that throws config_error
-  /// naming the key, instead of rank 0 running out of memory.
+  /// naming the key and what the store holds.
   void put(const std::string& key, const blob& value);
   /// Publishes `value` under `key` unless another value is there already: a
   /// config_error naming `what` (e.g. "rank 3's UCX address") and the
@@ -90,9 +90,11 @@ class bootstrap {
   blob get(const std::string& key, const std::string& waiting_for, std::chrono::duration<double> timeout);
   /// One look-up without waiting: the blob, or nothing when no rank has published `key` yet.
   std::optional<blob> try_get(const std::string& key);
-  /// Removes `key` from the store; true when it was there. Erase what was
+  /// Removes `key` from the store; true when it was there (an erase asked
+  /// again after a lost reply finds nothing, and says false). Erase what was
   /// read and is not needed again (a model published for every epoch), or
-  /// the store grows with the run.
+  /// the store grows with the run; a put asked again after a lost reply may
+  /// store a key anew after it was erased.
   bool erase(const std::string& key);
   /// Rank 0 only: the most its store holds, keys and values together (each
   /// key counted with 64 bytes more); default 4 GiB. Puts past it are
