@@ -330,6 +330,34 @@ TEST_CASE("sync: a late copy of a share whose result the worker had changes noth
   CHECK(agg.stats().drops[static_cast<std::size_t>(drop_reason::slot_conflict)] == 0);
 }
 
+TEST_CASE("sync: a share to one set while the other still waits with the worker's share is refused, and that share counted once") {
+  // No client does this (a worker gives a set a share only once it holds the
+  // other set's result); a crafted packet must not take worker 0's share of
+  // chunk 0 out of set 0's bitmap, or its retransmission would add it again.
+  aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 3, .chunk = 1, .slots = 1}});
+  reply_log log;
+  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
+    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
+                                     .sequence = 1},
+                       {v});
+  };
+  CHECK(agg.handle(share(0, 0, 0, 1), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(0, 1, 1, 10), log.sink()) == drop_reason::slot_conflict);
+  CHECK(agg.handle(share(0, 0, 0, 1), log.sink()) == drop_reason::accepted);  // a retransmission: not added again
+  CHECK(agg.stats().retransmissions_seen == 1);
+  CHECK(agg.handle(share(1, 0, 0, 2), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(2, 0, 0, 4), log.sink()) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 3);
+  for (const auto& [w, r] : log.all) CHECK(values_of(r) == std::vector<float>{7});
+  // Once set 0 is complete, the same share of chunk 1 is the worker's next one.
+  log.all.clear();
+  CHECK(agg.handle(share(0, 1, 1, 10), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(1, 1, 1, 20), log.sink()) == drop_reason::accepted);
+  CHECK(agg.handle(share(2, 1, 1, 40), log.sink()) == drop_reason::accepted);
+  REQUIRE(log.all.size() == 3);
+  CHECK(values_of(log.all[0].second) == std::vector<float>{70});
+}
+
 TEST_CASE("async applies each delta exactly once under duplication and loss") {
   const std::uint64_t n = 1000;
   aggregator agg({group_config{.id = 2, .mode = group_mode::async, .members = 3, .chunk = 256, .elements = n}});

@@ -19,12 +19,15 @@
 /// the stored result is sent again to that worker only (its result was lost),
 /// otherwise it is answered with sync_pending, which names the members whose
 /// share the set holds (packet.hpp; not for a share of one value, whose
-/// answer would be larger than it). A contribution to set v clears the worker's bit in
-/// set 1 − v: it proves the worker holds the result of that set, so the shadow
-/// copy can be reused once every member moved on. A late copy of a share of
-/// a completed set's chunk (or of an older one) from a worker that moved on
-/// is answered with the stored result (if the chunk is the set's) and changes
-/// nothing: it neither starts the set again nor touches the other set.
+/// answer would be larger than it). A contribution to set v clears the
+/// worker's bit in set 1 − v: it proves the worker holds the result of that
+/// set, so the shadow copy can be reused once every member moved on. (One to
+/// set v while set 1 − v still waits with this worker's share in it cannot
+/// come from a client: it is dropped as slot_conflict.) A late copy of a
+/// share of a completed set's chunk (or of an older one) from a worker that
+/// moved on is answered with the stored result (if the chunk is the set's)
+/// and changes nothing: it neither starts the set again nor touches the other
+/// set.
 ///
 /// Async groups (shared aggregate): S holds, per chunk, the sum of every
 /// member's last-sent model, and the switch keeps each member's part of it
@@ -560,6 +563,13 @@ class aggregator {
         reply(out, acc, s.elements, h.worker, emit);
       }
       return drop_reason::accepted;
+    }
+    if (shadow.used && !shadow.complete && (shadow.seen & bit)) {
+      // The other set still waits with this worker's share in it: a worker
+      // gives a set a share only once it holds the other set's result, so no
+      // client sends this. Clearing its bit there would leave its share in
+      // the count, and a retransmission would add it again.
+      return drop_reason::slot_conflict;
     }
     shadow.seen &= ~bit;
     if (!s.used || s.complete) {
