@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <cstdlib>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -359,9 +360,15 @@ std::string settings_difference(std::string_view mine, std::string_view theirs, 
     return out;
   };
   const auto a = entries(mine), b = entries(theirs);
-  const auto find = [](const auto& list, std::string_view key) -> std::optional<std::string_view> {
-    for (const auto& [k, v] : list)
-      if (k == key) return v;
+  // Looked up by key (a key's first line counts): a peer's text need not be short.
+  const auto index = [](const auto& list) {
+    std::map<std::string_view, std::string_view> m;
+    for (const auto& [k, v] : list) m.emplace(k, v);
+    return m;
+  };
+  const auto ia = index(a), ib = index(b);
+  const auto find = [](const auto& m, std::string_view key) -> std::optional<std::string_view> {
+    if (const auto it = m.find(key); it != m.end()) return it->second;
     return std::nullopt;
   };
   const auto show = [](const std::optional<std::string_view>& v) { return v ? std::string(*v) : std::string("not set"); };
@@ -371,7 +378,7 @@ std::string settings_difference(std::string_view mine, std::string_view theirs, 
     for (const auto* list : {&a, &b})
       for (const auto& [k, v] : *list) {
         if ((k == "codec.in_use") != resolved) continue;
-        const auto va = find(a, k), vb = find(b, k);
+        const auto va = find(ia, k), vb = find(ib, k);
         if (va != vb) return fmt::format("{} is {} here but {} on {}", k, show(va), show(vb), their_name);
       }
   return {};
