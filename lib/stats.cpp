@@ -150,7 +150,8 @@ void write_stats_file(const std::string& path, const engine_stats& stats) {
   write_text(expand_rank(path, stats.rank), stats.to_json(), "stats report");
 }
 
-void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec) {
+void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec,
+                        double start_unix_us) {
   nlohmann::json list = nlohmann::json::array();
   list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", rank}, {"args", {{"name", fmt::format("rank {}", rank)}}}});
   for (const auto& e : events) {
@@ -158,7 +159,7 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
                          {"cat", "decision"},
                          {"pid", 0},
                          {"tid", rank},
-                         {"ts", e.t_us},
+                         {"ts", start_unix_us + e.t_us},
                          {"args",
                           {{"step", e.step},
                            {"reason", to_string(e.why)},
@@ -181,7 +182,10 @@ void write_chrome_trace(const std::string& path, int rank, const std::vector<tra
     }
     list.push_back(std::move(ev));
   }
-  write_text(expand_rank(path, rank), nlohmann::json{{"traceEvents", list}, {"displayTimeUnit", "ms"}}.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "trace");
+  const nlohmann::json trace = {{"traceEvents", std::move(list)},
+                                {"displayTimeUnit", "ms"},
+                                {"otherData", {{"rank", rank}, {"start_unix_us", start_unix_us}}}};
+  write_text(expand_rank(path, rank), trace.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace), "trace");
 }
 
 }  // namespace gossip

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -522,10 +523,18 @@ TEST_CASE("an engine built from a config file reports its components, stats and 
     REQUIRE(tf.good());
     const auto t = nlohmann::json::parse(tf);
     CHECK(t["traceEvents"].size() == 1 + j["steps"].get<std::size_t>() + j["finish_rounds"].get<std::size_t>());
+    // Times are on the wall clock (µs since the Unix epoch), so that the ranks' files line up.
+    CHECK(t["otherData"]["rank"] == r);
+    const double start = t["otherData"]["start_unix_us"].get<double>();
+    const double now = std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
+    CHECK(start > now - 600e6);
+    CHECK(start <= now);
     // Each decision says what came of it: a send is "sent", a skip the policy chose "not_fired".
     for (const auto& ev : t["traceEvents"]) {
       if (ev["ph"] == "M") continue;
       CHECK(ev["args"]["outcome"] == (ev["name"] == "send" ? "sent" : "not_fired"));
+      CHECK(ev["ts"].get<double>() >= start);
+      CHECK(ev["ts"].get<double>() <= now);
     }
   }
   fs::remove_all(dir);

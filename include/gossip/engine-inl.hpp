@@ -280,6 +280,7 @@ inline engine::engine(const model_view& model, int rank, int world, engine_spec 
   m_transport.attach(setup);
   if (m_model_fingerprint) start_shared_streams();
   m_start = m_last_send_time = std::chrono::steady_clock::now();
+  m_start_unix_us = std::chrono::duration<double, std::micro>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 // What the engine is about to allocate for a host model, with the model
@@ -1077,7 +1078,7 @@ inline void engine::write_outputs() {
     }
   };
   attempt(m_stats_pending, [&] { write_stats_file(m_settings.stats_path, stats()); });
-  attempt(m_trace_pending, [&] { write_chrome_trace(m_settings.trace_path, m_rank, m_trace, m_codec.name()); });
+  attempt(m_trace_pending, [&] { write_chrome_trace(m_settings.trace_path, m_rank, m_trace, m_codec.name(), m_start_unix_us); });
   if (!failed.empty())
     throw error(fmt::format("engine (rank {}): finished, but {} (call finish() again to write it again)", m_rank, failed));
 }

@@ -361,6 +361,7 @@ class engine {
   std::uint64_t m_round = 0;  // sends so far: the topology round of the next send
   std::int64_t m_last_send_step = -1;
   std::chrono::steady_clock::time_point m_start, m_last_send_time;
+  double m_start_unix_us = 0;  // the wall clock at m_start (the trace's time base, so that ranks line up)
   bool m_copies_on_post = false, m_finished = false;
   // How far a finish() that an exception (a Ctrl-C in a wait) cut short got:
   // the next call goes on from there rather than sending its rounds again,

@@ -193,8 +193,14 @@ void check_output_path(const std::string& path, int rank, int world, std::string
 /// "." and ".." and links resolved as far as the paths exist).
 bool same_output_file(const std::string& a, const std::string& b, int rank);
 
-/// Writes events as Chrome-trace / Perfetto JSON (one track per rank).
+/// Writes events as Chrome-trace / Perfetto JSON (one track per rank, all in
+/// process 0, so that the files of a run's ranks concatenated are one trace).
 /// A send's args carry `codec` and its `ratio` (bytes after / before the codec).
-void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec = "none");
+/// An event's `ts` is `start_unix_us` + its t_us: with the wall-clock time at
+/// which the engine started, microseconds since the Unix epoch, so that the
+/// ranks' tracks line up as far as their hosts' clocks agree (0: since the
+/// start). `otherData` holds the rank and start_unix_us.
+void write_chrome_trace(const std::string& path, int rank, const std::vector<trace_event>& events, std::string_view codec = "none",
+                        double start_unix_us = 0);
 
 }  // namespace gossip
