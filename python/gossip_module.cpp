@@ -25,6 +25,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -720,8 +721,14 @@ class py_engine {
     if (m_boot && !m_finished && m_rank != 0) {
       try {
         m_boot->pass(finish_barrier);
-      } catch (const std::exception&) {
+      } catch (const transport_error&) {
         // rank 0 is gone already: nobody is left to wait
+      } catch (const std::exception& e) {
+        // Rank 0 is there but refused the mark (its store is full): its
+        // finish barrier waits for this rank until its timeout. Said, as
+        // this runs where nothing may be thrown.
+        std::fprintf(stderr, "gossip.Engine (rank %d): could not tell rank 0 that this rank left, so its finish waits for it until it "
+                     "times out: %s\n", m_rank, e.what());
       }
     }
     m_boot.reset();

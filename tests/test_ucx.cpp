@@ -1223,6 +1223,53 @@ TEST_CASE("ucx: a rank that leaves before its drain handshake completes, or with
     }
 }
 
+TEST_CASE("ucx: a drain count that rank 0's full store refuses is a config error naming the key, not a rendezvous gone") {
+  require_ucx();
+  const std::uint16_t port = free_port();
+  check_all_ok(run_procs(2, "tcp", 60, [&](int r) {
+    direct d(r, 2, port, 64);
+    d.attach();
+    final_barrier(*d.boot, "ready", {0, 1});
+    const auto refused = [&] {
+      try {
+        (void)d.t.drained();
+      } catch (const config_error& e) {
+        const std::string what = e.what();
+        if (what.find(fmt::format("/drain/{}'", r)) == std::string::npos || what.find("set_store_limit") == std::string::npos)
+          throw error(fmt::format("rank {}: the refusal names neither the drain key nor the limit: {}", r, what));
+        return;
+      }
+      throw error(fmt::format("rank {}: drained() went on past a store that refused its count", r));
+    };
+    if (r == 0) {
+      d.boot->put("flag", {});
+      d.boot->set_store_limit(1);  // below what it holds: every put is refused from now on
+      refused();
+      const auto t0 = clock_type::now();
+      while (d.boot->try_get("flag")) {  // rank 1 erases it once done (an erase needs no room)
+        if (clock_type::now() - t0 > 20s) throw error("rank 0: rank 1 did not get through");
+        std::this_thread::sleep_for(1ms);
+      }
+      d.t.leave();
+      return 0;
+    }
+    const auto t0 = clock_type::now();
+    for (int i = 0;; ++i) {  // until rank 0 has set its limit
+      try {
+        d.boot->put(fmt::format("probe/{}", i), {});
+      } catch (const config_error&) {
+        break;
+      }
+      if (clock_type::now() - t0 > 20s) throw error("rank 1: rank 0's store never refused a put");
+      std::this_thread::sleep_for(1ms);
+    }
+    refused();
+    if (!d.boot->erase("flag")) throw error("rank 1: the flag was gone");
+    d.t.leave();
+    return 0;
+  }));
+}
+
 TEST_CASE("ucx: the drain merges what a source that finished and left sent before its endpoint closed") {
   // Rank 0 is far ahead: its drain handshake completes (it waits only for
   // what is sent to it), it says goodbye and closes its endpoint, which over

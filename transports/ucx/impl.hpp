@@ -11,6 +11,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -390,6 +391,13 @@ struct ucx_transport::impl {
     try {
       call();
       return true;
+    } catch (const config_error& e) {
+      // Rank 0 is there but its store refused a record (full): settling
+      // stops as if it were gone, but not unseen.
+      records_off = true;
+      std::fprintf(stderr, "libgossip ucx (%s): settling the push-sum weight of peers found dead stops, their shares stay estimates: %s\n",
+                   self_name.c_str(), e.what());
+      return false;
     } catch (const std::exception&) {
       records_off = true;
       return false;

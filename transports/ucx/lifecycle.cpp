@@ -484,6 +484,11 @@ bool ucx_transport::impl::drained() {
   if (rendezvous_gone) return true;
   try {
     return drained_through_rendezvous();
+  } catch (const config_error&) {
+    // Rank 0's store refused this rank's drain count (full: the error names
+    // the key and the limit). Rank 0 is there, and the peers wait for the
+    // count: the caller is told, not a handshake skipped as if it were gone.
+    throw;
   } catch (const error& e) {
     // Rank 0 is gone: no peer can publish or read drain counts any more.
     // Leave with what has been merged; messages still on their way are lost.
