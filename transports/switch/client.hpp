@@ -209,6 +209,14 @@ struct classified {
 /// Classifies a datagram of `len` bytes. A reply fits the datagram
 /// (len == packet_bytes(h.elements)) and the model (offset + h.elements <= n),
 /// and answers an active slot of the window.
+// Whether `h` answers a chunk of this sync operation and session that is in
+// flight on its slot under the slot's current set (`slot`: that slot).
+inline bool in_flight_sync(const packet_header& h, const awaited& w, std::size_t& slot) noexcept {
+  if (h.sequence != static_cast<std::uint32_t>(w.sequence) || h.session != w.session || h.chunk >= w.chunks) return false;
+  slot = h.chunk % w.flights.size();
+  return h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
+}
+
 inline classified classify_reply(const std::byte* p, std::size_t len, const awaited& w) noexcept {
   classified c;
   packet_header& h = c.h;
@@ -228,9 +236,8 @@ inline classified classify_reply(const std::byte* p, std::size_t len, const awai
       return c;
     }
     // Else one for an earlier chunk, operation or session.
-    const std::size_t slot = h.chunk % w.flights.size();
-    const bool match = h.sequence == static_cast<std::uint32_t>(w.sequence) && h.session == w.session && h.chunk < w.chunks &&
-                       h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
+    std::size_t slot = 0;
+    const bool match = in_flight_sync(h, w, slot);
     c.kind = match ? datagram_kind::pending : datagram_kind::stale;
     if (match) {
       c.slot = slot;
@@ -247,17 +254,14 @@ inline classified classify_reply(const std::byte* p, std::size_t len, const awai
   }
   std::size_t slot = 0;
   bool match = false;
-  if (h.sequence == static_cast<std::uint32_t>(w.sequence) && h.session == w.session && h.chunk < w.chunks) {
-    if (w.sync) {
-      slot = h.chunk % w.flights.size();
-      match = h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
-    } else {
-      for (slot = 0; slot < w.flights.size(); ++slot)
-        if (w.flights[slot].active && w.flights[slot].chunk == h.chunk) {
-          match = true;
-          break;
-        }
-    }
+  if (w.sync) {
+    match = in_flight_sync(h, w, slot);
+  } else if (h.sequence == static_cast<std::uint32_t>(w.sequence) && h.session == w.session && h.chunk < w.chunks) {
+    for (slot = 0; slot < w.flights.size(); ++slot)
+      if (w.flights[slot].active && w.flights[slot].chunk == h.chunk) {
+        match = true;
+        break;
+      }
   }
   const std::uint64_t off = static_cast<std::uint64_t>(h.chunk) * w.chunk;
   if (!match || h.elements != std::min<std::uint64_t>(w.chunk, w.n - off)) {
