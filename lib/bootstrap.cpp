@@ -596,7 +596,7 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
 }
 
 // What a put's status says: 'Y' stored, 'X' another value is there; 'F'
-// (the store is full, `answer` the bytes it holds) throws.
+// (the store is full, `answer` the bytes it holds and its limit) throws config_error.
 char bootstrap::put_status(char op, const std::string& key, const blob& value) {
   check_blob_size(key, value);
   std::uint64_t held = 0, limit = 0;

@@ -167,10 +167,14 @@ class cuda_model final : public device_model {
       // Uploads of received payloads are asynchronous only from pinned memory;
       // when pinning the inbox fails they are still correct, just synchronous.
       if (!s.inbox.empty()) {
-        if (cudaHostRegister(s.inbox.data(), s.inbox.size(), cudaHostRegisterDefault) == cudaSuccess)
+        if (const cudaError_t e = cudaHostRegister(s.inbox.data(), s.inbox.size(), cudaHostRegisterDefault); e == cudaSuccess) {
           m_inbox = s.inbox.data();
-        else
+        } else {
           (void)cudaGetLastError();
+          fmt::print(stderr, "libgossip cuda (rank {}): cudaHostRegister refused the inbox ({} bytes: {}), so received models are uploaded "
+                     "synchronously: correct, but each upload waits for the copy\n",
+                     m_rank, s.inbox.size(), cudaGetErrorString(e));
+        }
       }
 
       check(cudaMemcpyAsync(m_d_blocks, blocks.data(), blocks.size() * sizeof(block_desc), cudaMemcpyHostToDevice, m_stream),
