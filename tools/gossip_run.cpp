@@ -227,6 +227,11 @@ int main(int argc, char** argv) {
   }
   std::signal(SIGPIPE, SIG_IGN);
   const pid_t supervisor = ::getpid();
+  // What a rank leaves behind becomes this process's child when the rank
+  // exits, so that it is reaped here once it ends: else it would wait, a
+  // zombie still in the rank's process group, for an init that may reap late
+  // (or never, in a container), and count as left running below.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
 
   std::vector<child> kids(static_cast<std::size_t>(n));
   // Ranks started before a failure to start the next are not left running.
@@ -392,11 +397,16 @@ int main(int argc, char** argv) {
   // the background, a data loader it did not join) does not outlive the job:
   // SIGTERM, then SIGKILL after the grace period.
   const auto left_running = [&] {
+    while (::waitpid(-1, nullptr, WNOHANG) > 0) {
+    }  // every rank was reaped in the loop: these are what they left, ended since
     std::string ranks;
     for (const auto& k : kids)
       if (::kill(-k.pid, 0) == 0) ranks += fmt::format("{}{}", ranks.empty() ? "" : ", ", k.rank);
     return ranks;
   };
+  // One whose exit closed the rank's pipes (ending the loop above) may not be
+  // a zombie to reap yet: a moment for it.
+  for (int i = 0; i < 10 && !left_running().empty(); ++i) ::usleep(10000);
   if (const std::string ranks = left_running(); !ranks.empty()) {
     note("gossip-run: stopping the processes that rank(s) {} left running (SIGTERM, SIGKILL after {:.1f} s)\n", ranks, grace);
     for (const auto& k : kids) ::kill(-k.pid, SIGTERM);
