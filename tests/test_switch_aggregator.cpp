@@ -41,6 +41,13 @@ std::vector<float> values_of(std::span<const std::byte> p) {
   return v;
 }
 
+// A one-value share of worker w to slot 0 of group 1, set `set`.
+std::vector<std::byte> one_value_share(std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v, std::uint32_t session = 0) {
+  return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
+                                   .sequence = 1, .session = session},
+                     {v});
+}
+
 // Simulates `members` SwitchML workers over a lossy channel against one
 // aggregator; returns each worker's result.
 std::vector<std::vector<float>> simulate_sync(int members, std::size_t n, std::uint16_t chunk, std::uint16_t slots, double loss,
@@ -282,11 +289,7 @@ TEST_CASE("sync: a late copy of a share whose result the worker had changes noth
   // to chunk 1 on set 1 and a late copy of its chunk 0 arrives.
   aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 3, .chunk = 1, .slots = 1}});
   reply_log log;
-  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
-    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
-                                     .sequence = 1},
-                       {v});
-  };
+  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) { return one_value_share(w, set, chunk, v); };
   const auto a0 = share(0, 0, 0, 1);
   CHECK(agg.handle(a0, log.sink()) == drop_reason::accepted);
   CHECK(agg.handle(share(1, 0, 0, 2), log.sink()) == drop_reason::accepted);
@@ -314,11 +317,7 @@ TEST_CASE("sync: a late copy of a share whose result the worker had changes noth
   CHECK(values_of(log.all[0].second) == std::vector<float>{6});
   // A new job on the group (new sessions, sequences from 1 again) meets sets
   // completed by the old one at the same sequence and chunk: they start again.
-  const auto share2 = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
-    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
-                                     .sequence = 1, .session = 2},
-                       {v});
-  };
+  const auto share2 = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) { return one_value_share(w, set, chunk, v, 2); };
   for (std::uint32_t chunk = 0; chunk < 3; ++chunk) {
     log.all.clear();
     for (std::uint16_t w = 0; w < 3; ++w)
@@ -336,11 +335,7 @@ TEST_CASE("sync: a share to one set while the other still waits with the worker'
   // chunk 0 out of set 0's bitmap, or its retransmission would add it again.
   aggregator agg({group_config{.id = 1, .mode = group_mode::sync, .members = 3, .chunk = 1, .slots = 1}});
   reply_log log;
-  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) {
-    return make_packet(packet_header{.type = packet_type::sync_contribution, .flags = set, .group = 1, .worker = w, .slot = 0, .chunk = chunk,
-                                     .sequence = 1},
-                       {v});
-  };
+  const auto share = [](std::uint16_t w, std::uint8_t set, std::uint32_t chunk, float v) { return one_value_share(w, set, chunk, v); };
   CHECK(agg.handle(share(0, 0, 0, 1), log.sink()) == drop_reason::accepted);
   CHECK(agg.handle(share(0, 1, 1, 10), log.sink()) == drop_reason::slot_conflict);
   CHECK(agg.handle(share(0, 0, 0, 1), log.sink()) == drop_reason::accepted);  // a retransmission: not added again
