@@ -1250,6 +1250,9 @@ TEST_CASE("ucx: a drain count that rank 0's full store refuses is a config error
         if (clock_type::now() - t0 > 20s) throw error("rank 0: rank 1 did not get through");
         std::this_thread::sleep_for(1ms);
       }
+      // Rank 1 left without its count: a failure, not a departure (nobody waits for its count).
+      if (const received gone = d.wait_gone(); gone.sender != 1 || gone.departed)
+        throw error(fmt::format("rank 0: rank {} was reported as {}", gone.sender, gone.departed ? "departed" : "failed"));
       d.t.leave();
       return 0;
     }

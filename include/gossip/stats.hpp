@@ -194,7 +194,8 @@ void check_output_path(const std::string& path, int rank, int world, std::string
 bool same_output_file(const std::string& a, const std::string& b, int rank);
 
 /// Writes events as Chrome-trace / Perfetto JSON (one track per rank, all in
-/// process 0, so that the files of a run's ranks concatenated are one trace).
+/// process 0, so that the files of a run's ranks merged — their traceEvents
+/// arrays joined — are one trace).
 /// A send's args carry `codec` and its `ratio` (bytes after / before the codec).
 /// An event's `ts` is `start_unix_us` + its t_us: with the wall-clock time at
 /// which the engine started, microseconds since the Unix epoch, so that the

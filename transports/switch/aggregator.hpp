@@ -22,8 +22,10 @@
 /// answer would be larger than it). A contribution to set v clears the
 /// worker's bit in set 1 − v: it proves the worker holds the result of that
 /// set, so the shadow copy can be reused once every member moved on. (One to
-/// set v while set 1 − v still waits with this worker's share in it cannot
-/// come from a client: it is dropped as slot_conflict.) A late copy of a
+/// set v while set 1 − v still waits with this worker's share in it comes
+/// from no client while the switch keeps its state — after a restart, a late
+/// copy of a share whose result the worker had may — and is dropped as
+/// slot_conflict.) A late copy of a
 /// share of a completed set's chunk (or of an older one) from a worker that
 /// moved on is answered with the stored result (if the chunk is the set's)
 /// and changes nothing: it neither starts the set again nor touches the other
@@ -567,8 +569,10 @@ class aggregator {
     if (shadow.used && !shadow.complete && (shadow.seen & bit)) {
       // The other set still waits with this worker's share in it: a worker
       // gives a set a share only once it holds the other set's result, so no
-      // client sends this. Clearing its bit there would leave its share in
-      // the count, and a retransmission would add it again.
+      // client sends this while the switch keeps its state (after a restart,
+      // a late copy of a share whose result the worker had can). Clearing
+      // its bit there would leave its share in the count, and a
+      // retransmission would add it again.
       return drop_reason::slot_conflict;
     }
     shadow.seen &= ~bit;

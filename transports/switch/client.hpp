@@ -206,9 +206,6 @@ struct classified {
   std::uint64_t holders = 0;///< pending: bit i set when the switch holds member i's share of the chunk
 };
 
-/// Classifies a datagram of `len` bytes. A reply fits the datagram
-/// (len == packet_bytes(h.elements)) and the model (offset + h.elements <= n),
-/// and answers an active slot of the window.
 // Whether `h` answers a chunk of this sync operation and session that is in
 // flight on its slot under the slot's current set (`slot`: that slot).
 inline bool in_flight_sync(const packet_header& h, const awaited& w, std::size_t& slot) noexcept {
@@ -217,6 +214,9 @@ inline bool in_flight_sync(const packet_header& h, const awaited& w, std::size_t
   return h.slot == slot && w.flights[slot].active && w.flights[slot].chunk == h.chunk && h.flags == w.ver[slot];
 }
 
+/// Classifies a datagram of `len` bytes. A reply fits the datagram
+/// (len == packet_bytes(h.elements)) and the model (offset + h.elements <= n),
+/// and answers an active slot of the window.
 inline classified classify_reply(const std::byte* p, std::size_t len, const awaited& w) noexcept {
   classified c;
   packet_header& h = c.h;

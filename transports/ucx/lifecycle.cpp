@@ -488,6 +488,9 @@ bool ucx_transport::impl::drained() {
     // Rank 0's store refused this rank's drain count (full: the error names
     // the key and the limit). Rank 0 is there, and the peers wait for the
     // count: the caller is told, not a handshake skipped as if it were gone.
+    // Leaving now without a count is no departure: the goodbye says failed,
+    // so that the peers stop waiting for it and count what it held.
+    if (!drain_published) finishing = false;
     throw;
   } catch (const error& e) {
     // Rank 0 is gone: no peer can publish or read drain counts any more.
