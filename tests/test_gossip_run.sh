@@ -86,7 +86,7 @@ sleep 0.5
 ! pgrep -f "^$mark\$" >/dev/null || fail "leftover: processes left running after gossip-run exited: $(pgrep -af "^$mark\$")"
 # One that ended after its rank (it held the rank's output a moment longer) is
 # reaped, not taken for one left running, whatever this machine's init does.
-"$run" -n 1 -- sh -c "(sleep 0.2) & exit 0" 2>"$tmp/err11" || fail "ended: a rank that exits 0 is a success"
+"$run" -n 1 -- sh -c "(sleep 0.05) & exit 0" 2>"$tmp/err11" || fail "ended: a rank that exits 0 is a success"
 ! grep -q "left running" "$tmp/err11" || fail "ended: a process that ended was taken for one left running: $(cat "$tmp/err11")"
 
 # A program that does not exist is a clear error.

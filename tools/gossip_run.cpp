@@ -232,6 +232,9 @@ int main(int argc, char** argv) {
   // zombie still in the rank's process group, for an init that may reap late
   // (or never, in a container), and count as left running below.
   ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+  // Started with SIGCHLD ignored, the kernel would reap the ranks unasked and
+  // their exits would go unseen here.
+  std::signal(SIGCHLD, SIG_DFL);
 
   std::vector<child> kids(static_cast<std::size_t>(n));
   // Ranks started before a failure to start the next are not left running.

@@ -1,6 +1,7 @@
 // gossip::cuda::device(): the device_backend for CUDA memory. Host code only;
 // the kernels are in kernels.cu.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -171,9 +172,12 @@ class cuda_model final : public device_model {
           m_inbox = s.inbox.data();
         } else {
           (void)cudaGetLastError();
-          fmt::print(stderr, "libgossip cuda (rank {}): cudaHostRegister refused the inbox ({} bytes: {}), so received models are uploaded "
-                     "synchronously: correct, but each upload waits for the copy\n",
-                     m_rank, s.inbox.size(), cudaGetErrorString(e));
+          // Already registered (by the caller): pinned all the same, and not ours to unregister.
+          if (e != cudaErrorHostMemoryAlreadyRegistered)
+            std::fprintf(stderr,
+                         "libgossip CUDA backend (rank %d): cudaHostRegister refused the inbox (%zu bytes: %s), so received models are "
+                         "uploaded synchronously: correct, but each upload waits for the copy\n",
+                         m_rank, s.inbox.size(), cudaGetErrorString(e));
         }
       }
 
