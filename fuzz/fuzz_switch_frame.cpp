@@ -12,7 +12,8 @@
 // an accepted datagram's payload and sender are the bytes the headers point
 // at, inside the frame and the IP datagram; an accepted frame is accepted
 // alike with padding behind it and cut to its IP datagram (or ARP packet),
-// and dropped one byte shorter; no checksum, TTL, identification or payload
+// and dropped one byte shorter; a header whose IPv4 checksum does not verify
+// is dropped (bad_ip), and no UDP checksum, TTL, identification or payload
 // byte changes what is accepted; another switch IP or port drops it (or
 // ignores the ARP request); the ARP reply and a UDP frame built to the sender
 // are well-formed (the IPv4 header checksum verifies), fit their buffers
@@ -66,6 +67,14 @@ bool same(const fd::frame_view& a, const std::uint8_t* fa, const fd::frame_view&
   return a.payload.data() == nullptr && b.payload.data() == nullptr;
 }
 
+// The ones' complement sum of a header with its checksum, big-endian words: all ones when it verifies.
+bool checksum_ok(const std::uint8_t* h, std::size_t n) {
+  std::uint32_t s = 0;
+  for (std::size_t i = 0; i < n; i += 2) s += get16(h + i);
+  while (s >> 16) s = (s & 0xffff) + (s >> 16);
+  return s == 0xffff;
+}
+
 // frame.hpp's rules, in its order: the expected drop reason, accepted for a
 // datagram to the switch, nullopt for ARP (checked apart).
 std::optional<sw::drop_reason> expected(const std::vector<std::uint8_t>& f) {
@@ -77,6 +86,7 @@ std::optional<sw::drop_reason> expected(const std::vector<std::uint8_t>& f) {
   if (n < 34 || f[14] >> 4 != 4) return drop_reason::bad_ip;
   const std::size_t ihl = (f[14] & 15u) * 4, total = get16(&f[16]);
   if (ihl < 20 || total < ihl || 14 + total > n) return drop_reason::bad_ip;
+  if (!checksum_ok(&f[14], ihl)) return drop_reason::bad_ip;
   if (f[20] & 0x3f || f[21]) return drop_reason::bad_ip;  // more fragments or an offset
   if (ip_of(&f[30]) != switch_ip) return drop_reason::not_for_us;
   if (f[23] != 17) return drop_reason::not_udp;
@@ -107,14 +117,6 @@ void check_udp(const std::vector<std::uint8_t>& f, const fd::frame_view& v) {
   if (udp + 8 + v.payload.size() > 14 + total || 14 + total > f.size()) fail();
   if (std::memcmp(v.src_mac.data(), &f[6], 6) != 0 || v.src_ip != ip_of(&f[26]) || std::memcmp(&v.src_port, &f[udp], 2) != 0) fail();
   if (v.arp_sender_mac != fd::mac_address{}) fail();
-}
-
-// The ones' complement sum of a header with its checksum, big-endian words: all ones when it verifies.
-bool checksum_ok(const std::uint8_t* h, std::size_t n) {
-  std::uint32_t s = 0;
-  for (std::size_t i = 0; i < n; i += 2) s += get16(h + i);
-  while (s >> 16) s = (s & 0xffff) + (s >> 16);
-  return s == 0xffff;
 }
 
 void check_arp_reply(const fd::frame_view& req) {
@@ -202,14 +204,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   check_udp(f, v);
 
-  // Neither checksum, nor the TOS, identification, TTL or the payload's bytes
-  // decide what is accepted.
+  // Neither the UDP checksum, nor the TOS, identification, TTL or the
+  // payload's bytes decide what is accepted, once the IPv4 header's checksum
+  // is made right again; a header byte changed without it is dropped.
   auto changed = f;
-  const std::size_t udp = 14 + (f[14] & 15u) * 4;
-  for (std::size_t i : {std::size_t{15}, std::size_t{18}, std::size_t{19}, std::size_t{22}, std::size_t{24}, std::size_t{25}, udp + 6, udp + 7})
+  const std::size_t ihl = (f[14] & 15u) * 4, udp = 14 + ihl;
+  for (std::size_t i : {std::size_t{15}, std::size_t{18}, std::size_t{19}, std::size_t{22}, udp + 6, udp + 7})
     changed[i] = static_cast<std::uint8_t>(~changed[i]);
   for (std::size_t i = udp + 8; i < changed.size(); ++i) changed[i] ^= 0x5a;
+  changed[24] = changed[25] = 0;
+  const std::uint16_t ck = fd::ipv4_checksum(&changed[14], ihl);
+  std::memcpy(&changed[24], &ck, 2);
   if (!same(v, f.data(), parse(changed), changed.data())) fail();
+  auto damaged = f;
+  damaged[22] = static_cast<std::uint8_t>(~damaged[22]);  // one byte changes its word's sum by an odd multiple of 1 or 256: never 0 mod 0xffff
+  if (parse(damaged).why != sw::drop_reason::bad_ip) fail();
 
   // The answers the switch sends to this sender: the payload back, and a refusal-sized head of it.
   const auto payload = std::as_bytes(v.payload);

@@ -254,10 +254,18 @@ SWITCH_IP, WORKER_IP = bytes([10, 77, 0, 1]), bytes([10, 77, 0, 10])
 WORKER_MAC, BROADCAST = bytes([2, 0, 0, 0, 0, 1]), b"\xff" * 6
 
 
+def ipv4_checksum(header):
+    s = sum(struct.unpack(">%dH" % (len(header) // 2), header))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    return ~s & 0xFFFF
+
+
 def udp_frame(payload, dport=47000, sport=40000, ihl=5, proto=17, frag=0x4000, dst=SWITCH_IP, pad=0):
     options = bytes(4 * (ihl - 5))
     total = 4 * ihl + 8 + len(payload)
     ip = struct.pack(">BBHHHBBH4s4s", 0x40 | ihl, 0, total, 0x1234, frag, 64, proto, 0, WORKER_IP, dst) + options
+    ip = ip[:10] + struct.pack(">H", ipv4_checksum(ip)) + ip[12:]
     udp = struct.pack(">HHHH", sport, dport, 8 + len(payload), 0)
     return BROADCAST + WORKER_MAC + b"\x08\x00" + ip + udp + payload + bytes(pad)
 
@@ -277,4 +285,5 @@ put("switch_frame", "arp-reply", b"\x06" + arp_frame(2, SWITCH_IP))
 put("switch_frame", "wrong-port", b"\x06" + udp_frame(delta, dport=47001))
 put("switch_frame", "fragment", b"\x06" + udp_frame(delta, frag=0x2000))
 put("switch_frame", "tcp", b"\x06" + udp_frame(delta, proto=6))
+put("switch_frame", "bad-checksum", b"\x06" + (lambda f: f[:24] + bytes([f[24] ^ 0x10]) + f[25:])(udp_frame(delta)))
 put("switch_frame", "vlan", b"\x06" + BROADCAST + WORKER_MAC + b"\x81\x00\x00\x01" + udp_frame(delta)[12:])

@@ -29,6 +29,15 @@ const std::uint32_t switch_ip = ip_of(switch_ip_bytes);
 void put16(std::uint8_t* p, std::uint16_t v) { p[0] = static_cast<std::uint8_t>(v >> 8), p[1] = static_cast<std::uint8_t>(v); }
 std::uint16_t get16(const std::uint8_t* p) { return static_cast<std::uint16_t>(p[0] << 8 | p[1]); }
 
+/// Sets the IPv4 header checksum of frame `f` (header length from its first byte).
+void seal(bytes& f) {
+  auto* ip = f.data() + 14;
+  const std::size_t ihl = static_cast<std::size_t>(ip[0] & 0x0f) * 4;
+  ip[10] = ip[11] = 0;
+  const std::uint16_t ck = ipv4_checksum(ip, ihl);
+  std::memcpy(ip + 10, &ck, 2);
+}
+
 /// Ethernet + IPv4 + UDP from 10.77.0.10:40000 to the switch, around `payload_bytes` bytes.
 bytes udp_frame(std::size_t payload_bytes) {
   bytes f(14 + 20 + 8 + payload_bytes, 0);
@@ -46,6 +55,7 @@ bytes udp_frame(std::size_t payload_bytes) {
   put16(udp + 2, default_port);
   put16(udp + 4, static_cast<std::uint16_t>(8 + payload_bytes));
   for (std::size_t i = 0; i < payload_bytes; ++i) udp[8 + i] = static_cast<std::uint8_t>(i);
+  seal(f);
   return f;
 }
 
@@ -93,14 +103,24 @@ TEST_CASE("parse_frame accepts a datagram to the switch's IP and port, padded or
   o.insert(o.begin() + 34, 8, 0x01);  // two NOP-filled option words
   o[14] = 0x47;
   put16(o.data() + 16, 28 + 8 + 4);
+  seal(o);
   v = parse(o);
   REQUIRE(v.kind == frame_kind::udp);
   CHECK(v.payload.data() == o.data() + 50);
   CHECK(v.payload.size() == 4);
 
-  // Neither checksum is verified.
+  // The UDP checksum is not verified; the IPv4 header's is.
   f = udp_frame(8);
-  put16(f.data() + 24, 0xdead), put16(f.data() + 40, 0xbeef);
+  put16(f.data() + 40, 0xbeef);
+  CHECK(parse(f).kind == frame_kind::udp);
+  put16(f.data() + 24, static_cast<std::uint16_t>(get16(f.data() + 24) ^ 1));
+  CHECK(parse(f).why == drop_reason::bad_ip);
+  // A header damaged on the way (here its source address) does not verify,
+  // so its datagram teaches no one a wrong address.
+  f = udp_frame(8);
+  f[29] ^= 0x40;
+  CHECK(parse(f).why == drop_reason::bad_ip);
+  seal(f);
   CHECK(parse(f).kind == frame_kind::udp);
 }
 
@@ -112,9 +132,12 @@ TEST_CASE("parse_frame drops each malformed frame under its reason, reading noth
     bytes frame;
   };
   std::vector<bad_case> cases;
-  auto edit = [&](const char* what, drop_reason why, auto&& change) {
+  // Each edit but the checksum's keeps the header's checksum right, so that
+  // the drop is for what it changed.
+  auto edit = [&](const char* what, drop_reason why, auto&& change, bool reseal = true) {
     bytes f = good;
     change(f);
+    if (reseal && f.size() >= 14 + 20 && get16(f.data() + 12) == 0x0800 && f.size() >= 14 + std::size_t{4} * (f[14] & 0x0f)) seal(f);
     cases.push_back({what, why, f});
   };
   edit("empty", drop_reason::not_ipv4, [](bytes& f) { f.clear(); });
@@ -127,6 +150,8 @@ TEST_CASE("parse_frame drops each malformed frame under its reason, reading noth
   edit("IP header of 16 bytes", drop_reason::bad_ip, [](bytes& f) { f[14] = 0x44; });
   edit("IP header longer than the datagram", drop_reason::bad_ip, [](bytes& f) { f[14] = 0x4f; });
   edit("IP total length past the frame", drop_reason::bad_ip, [](bytes& f) { put16(f.data() + 16, static_cast<std::uint16_t>(f.size() - 13)); });
+  edit("IP header checksum wrong", drop_reason::bad_ip, [](bytes& f) { f[25] ^= 0x10; }, false);
+  edit("IP header changed after its checksum", drop_reason::bad_ip, [](bytes& f) { f[33] = 2; }, false);
   edit("more fragments", drop_reason::bad_ip, [](bytes& f) { f[20] = 0x20; });
   edit("fragment offset", drop_reason::bad_ip, [](bytes& f) { f[21] = 1; });
   edit("someone else's IP", drop_reason::not_for_us, [](bytes& f) { f[33] = 2; });
@@ -146,6 +171,7 @@ TEST_CASE("parse_frame drops each malformed frame under its reason, reading noth
   // Don't-fragment alone is no fragment.
   bytes df = good;
   df[20] = 0x40;
+  seal(df);
   CHECK(parse(df).kind == frame_kind::udp);
 }
 

@@ -37,6 +37,16 @@ struct endpoint {
 void put16(std::uint8_t* p, std::uint16_t v) { p[0] = static_cast<std::uint8_t>(v >> 8), p[1] = static_cast<std::uint8_t>(v); }
 std::uint16_t get16(const std::uint8_t* p) { return static_cast<std::uint16_t>(p[0] << 8 | p[1]); }
 
+/// Sets the IPv4 header checksum of frame `f` as DPDK computes it.
+void seal(bytes& f) {
+  auto* ip = f.data() + 14;
+  rte_ipv4_hdr hdr;
+  std::memcpy(&hdr, ip, 20);
+  hdr.hdr_checksum = 0;
+  const std::uint16_t ck = rte_ipv4_cksum(&hdr);
+  std::memcpy(ip + 10, &ck, 2);
+}
+
 /// Ethernet + IPv4 + UDP around `payload`, valid unless a caller edits it.
 bytes udp_frame(const endpoint& from, std::span<const std::byte> payload, std::uint16_t dport = default_port) {
   bytes f(14 + 20 + 8 + payload.size(), 0);
@@ -55,6 +65,7 @@ bytes udp_frame(const endpoint& from, std::span<const std::byte> payload, std::u
   put16(udp + 2, dport);
   put16(udp + 4, static_cast<std::uint16_t>(8 + payload.size()));
   std::memcpy(udp + 8, payload.data(), payload.size());
+  seal(f);
   return f;
 }
 
@@ -208,9 +219,11 @@ TEST_CASE("gossip-switch's packet path on a net_ring port: ARP, replies, and eve
     drop_reason why;
   };
   std::vector<bad_case> cases;
-  auto edit = [&](const char* what, drop_reason why, auto&& change) {
+  // Each edit but the checksum's keeps the IPv4 header's checksum right.
+  auto edit = [&](const char* what, drop_reason why, auto&& change, bool reseal = true) {
     bytes f = good;
     change(f);
+    if (reseal && f.size() >= 34 && (f[14] & 0x0f) == 5) seal(f);
     cases.push_back({what, f, why});
   };
   edit("runt frame", drop_reason::not_ipv4, [](bytes& f) { f.resize(10); });
@@ -219,6 +232,8 @@ TEST_CASE("gossip-switch's packet path on a net_ring port: ARP, replies, and eve
   edit("IP header of 16 bytes", drop_reason::bad_ip, [](bytes& f) { f[14] = 0x44; });
   edit("IP total length past the frame", drop_reason::bad_ip, [](bytes& f) { put16(f.data() + 16, static_cast<std::uint16_t>(f.size())); });
   edit("IP truncated to its header", drop_reason::bad_ip, [](bytes& f) { f.resize(34 + 4); });
+  edit("IP header checksum wrong", drop_reason::bad_ip, [](bytes& f) { f[25] ^= 0x10; }, false);
+  edit("source address damaged after the checksum", drop_reason::bad_ip, [](bytes& f) { f[29] ^= 0x40; }, false);
   edit("fragment", drop_reason::bad_ip, [](bytes& f) { f[20] = 0x20; });
   edit("someone else's IP", drop_reason::not_for_us, [](bytes& f) { f[33] = 2; });
   edit("TCP", drop_reason::not_udp, [](bytes& f) { f[23] = IPPROTO_TCP; });

@@ -14,13 +14,17 @@
 ///   - ethertype 0x0800 (else not_ipv4; 0x0806 is ARP, below), at least 14 bytes (else not_ipv4);
 ///   - IPv4: version 4, a header of 20 to 60 bytes, a total length from the
 ///     header's length up to the bytes after the Ethernet header (frames may
-///     be padded past the datagram, never short of it), not a fragment
-///     (else bad_ip); to the switch's IP (else not_for_us); UDP (else not_udp);
+///     be padded past the datagram, never short of it), a header checksum
+///     that verifies, not a fragment (else bad_ip); to the switch's IP (else
+///     not_for_us); UDP (else not_udp);
 ///   - UDP: an 8-byte header and a length from 8 up to the IP datagram's
 ///     payload (else bad_ip); to the switch's port (else wrong_port).
-/// Neither the IPv4 header checksum nor the UDP checksum is verified (kernel
-/// senders on a veth hand af_packet a partial UDP checksum). The payload is
-/// the UDP length's bytes after the UDP header, inside the frame.
+/// The IPv4 header checksum is verified, so that a header damaged on the way
+/// does not teach the switch a wrong address for a member (dpdk_switch.hpp
+/// learns a member's address from its last datagram). The UDP checksum is
+/// not (kernel senders on a veth hand af_packet a partial one): a damaged
+/// payload is the aggregator's to refuse. The payload is the UDP length's
+/// bytes after the UDP header, inside the frame.
 ///
 /// ARP (ethertype 0x0806): at least 14 + 28 bytes, Ethernet/IPv4 (hardware
 /// type 1, protocol 0x0800, lengths 6 and 4), else a drop (not_ipv4). A
@@ -76,6 +80,22 @@ inline std::uint16_t be16(const std::uint8_t* p) noexcept { return static_cast<s
 
 inline frame_view frame_dropped(drop_reason why) noexcept { return {.why = why}; }
 
+/// The IPv4 header checksum of `bytes` bytes at `h` (its checksum field
+/// zero), as rte_ipv4_cksum() computes it: stored with memcpy, it is in
+/// network order. Over a header that holds its checksum, 0.
+inline std::uint16_t ipv4_checksum(const std::uint8_t* h, std::size_t bytes) noexcept {
+  std::uint32_t sum = 0;
+  for (std::size_t i = 0; i + 1 < bytes; i += 2) {
+    std::uint16_t w;
+    std::memcpy(&w, h + i, 2);
+    sum += w;
+  }
+  if (bytes % 2) sum += h[bytes - 1];
+  sum = (sum >> 16) + (sum & 0xffff);
+  sum = (sum >> 16) + (sum & 0xffff);
+  return static_cast<std::uint16_t>(~sum);
+}
+
 /// The ARP part of parse_frame(): `f` holds `len` bytes, ethertype ARP.
 inline frame_view parse_arp(const std::uint8_t* f, std::size_t len, std::uint32_t ip) noexcept {
   if (len < ether_bytes + arp_bytes) return frame_dropped(drop_reason::not_ipv4);
@@ -105,6 +125,7 @@ inline frame_view parse_frame(const std::uint8_t* f, std::size_t len, std::uint3
   const std::size_t total = be16(iph + 2);
   // Frames may be padded past the IP datagram (60-byte minimum), never short of it.
   if (ihl < 20 || total < ihl || total > ip_room) return frame_dropped(drop_reason::bad_ip);
+  if (ipv4_checksum(iph, ihl) != 0) return frame_dropped(drop_reason::bad_ip);  // over a valid header, with its checksum: 0
   if ((be16(iph + 6) & 0x3fff) != 0) return frame_dropped(drop_reason::bad_ip);  // fragment
   std::uint32_t dst;
   std::memcpy(&dst, iph + 16, 4);
@@ -138,22 +159,6 @@ inline void build_arp_reply(std::span<std::uint8_t, arp_reply_bytes> out, const 
   std::memcpy(ra + 14, &ip, 4);
   std::memcpy(ra + 18, request.arp_sender_mac.data(), 6);  // target: the asker's MAC and IP
   std::memcpy(ra + 24, &request.src_ip, 4);
-}
-
-/// The IPv4 header checksum of `bytes` bytes at `h` (its checksum field
-/// zero), as rte_ipv4_cksum() computes it: stored with memcpy, it is in
-/// network order.
-inline std::uint16_t ipv4_checksum(const std::uint8_t* h, std::size_t bytes) noexcept {
-  std::uint32_t sum = 0;
-  for (std::size_t i = 0; i + 1 < bytes; i += 2) {
-    std::uint16_t w;
-    std::memcpy(&w, h + i, 2);
-    sum += w;
-  }
-  if (bytes % 2) sum += h[bytes - 1];
-  sum = (sum >> 16) + (sum & 0xffff);
-  sum = (sum >> 16) + (sum & 0xffff);
-  return static_cast<std::uint16_t>(~sum);
 }
 
 /// Where a UDP frame from the switch goes. Addresses and `dst_port` in

@@ -146,7 +146,7 @@ enum class drop_reason : std::uint8_t {
   stale_session,  ///< async delta of a session that left, or of a new session with sequence != 1
   injected,       ///< dropped on purpose (loss injection)
   not_ipv4,       ///< switch only: not IPv4 (nor ARP)
-  bad_ip,         ///< switch only: IPv4 header invalid, fragmented or truncated
+  bad_ip,         ///< switch only: IPv4 header invalid (its checksum included), fragmented or truncated
   not_udp,
   wrong_port,
   not_for_us,     ///< switch only: destination IP is not the switch's
