@@ -11,6 +11,8 @@
 #include <fstream>
 #include <new>
 #include <numeric>
+#include <optional>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -197,17 +199,27 @@ TEST_CASE("a rank whose model turned NaN restores it and its momentum from a che
 TEST_CASE("loopback: an engine destroyed without finish() (an error unwound past it) is a dead peer, not a departed one") {
   loopback_fabric fabric(2);
   std::vector<int> dead_seen(2, -1);
+  std::atomic<bool> destroyed{false};
   run_ranks(2, [&](int r) {
     std::vector<float> x(4, static_cast<float>(r));
     model_view v;
     v.add("x", x);
-    engine e(v, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
-    for (int s = 0; s < 3; ++s) e.step();
-    if (r == 1) return;  // no finish(): as if step() had thrown
-    for (int s = 0; s < 3; ++s) e.step();
-    dead_seen[0] = static_cast<int>(e.stats().dead_peers.size());
-    e.finish(0);
+    std::optional<engine> e(std::in_place, v, r, 2, spec_of(any_policy(policies::periodic{}, "periodic"), "ring"), fabric.endpoint(r));
+    for (int s = 0; s < 3; ++s) e->step();
+    if (r == 1) {
+      e.reset();  // no finish(): as if step() had thrown
+      destroyed = true;
+      return;
+    }
+    // Rank 0 steps on once rank 1's engine is gone (else its steps may all
+    // come before, and find nothing).
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!destroyed && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    for (int s = 0; s < 3; ++s) e->step();
+    dead_seen[0] = static_cast<int>(e->stats().dead_peers.size());
+    e->finish(0);
   });
+  CHECK(destroyed);
   CHECK(dead_seen[0] == 1);
 }
 
