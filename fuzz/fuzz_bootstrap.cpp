@@ -12,7 +12,9 @@
 // above twice what arrived plus one value chunk; an accepted request is
 // exactly what encode_request() makes of its fields, and the store and its
 // reply agree with what it asked ('S' changes nothing, 'X' only when another
-// value is there, 'F' changes nothing and only past the limit, 'D' removes
+// value is there, 'F' changes nothing and only past the limit, a value
+// refused before it arrived (as the server admits one) is read past and
+// never held and is answered 'F' or 'S', 'D' removes
 // exactly the key asked); the bytes the store counts are those it holds; every reply the server sends reads back as what was
 // meant; a rank list decodes to the ints it holds and encodes back.
 #include <sanitizer/allocator_interface.h>
@@ -84,9 +86,13 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
   rv::request req;
   largest = 0;
   tracking = true;
-  const auto st = rv::read_request(read, req);
+  // As rank 0's server admits a put's value (one connection at a time here).
+  const auto st = rv::read_request(read, req, [&](const rv::request& r, std::uint64_t length) {
+    return (r.joined == 0 || r.joined == store_id) && rv::admit(store, 0, r.op == 'O', r.key, length);
+  });
   tracking = false;
   if (largest > 2 * size + rv::value_chunk + 64) fail();
+  if (req.refused && largest > rv::max_key + 64) fail();  // a refused value is read past, never held
   if (at > size) fail();
   if (st == rv::read_status::other_version) {
     if (at != 4 || std::memcmp(p, rv::magic, 3) != 0 || std::memcmp(p, rv::magic, 4) == 0) fail();
@@ -100,8 +106,19 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
   const bool put = req.op == 'P' || req.op == 'O';
   if (!put && req.op != 'G' && req.op != 'D') fail();
   if (req.key.size() > rv::max_key || req.value.size() > rv::max_blob || (!put && !req.value.empty())) fail();
-  const auto again = rv::encode_request(req.op, req.joined, req.key, put ? &req.value : nullptr);
-  if (again.size() != at || std::memcmp(again.data(), p, at) != 0) fail();
+  if (req.refused && (!put || !req.value.empty() || req.refused_bytes > rv::max_blob)) fail();
+  if (!req.refused) {
+    const auto again = rv::encode_request(req.op, req.joined, req.key, put ? &req.value : nullptr);
+    if (again.size() != at || std::memcmp(again.data(), p, at) != 0) fail();
+  } else {
+    // The head as a client makes it, the value's length, and the value's bytes all read.
+    const rv::blob none;
+    const auto head = rv::encode_request(req.op, req.joined, req.key, &none);
+    const std::size_t key_end = rv::request_head_bytes + req.key.size();
+    std::uint64_t length;
+    std::memcpy(&length, p + key_end, 8);
+    if (std::memcmp(head.data(), p, key_end) != 0 || length != req.refused_bytes || at != key_end + 8 + length) fail();
+  }
 
   const auto look = [&] { return store.map.contains(req.key) ? std::optional<rv::blob>(store.map.find(req.key)->second) : std::nullopt; };
   const auto before = look();
@@ -121,13 +138,16 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
       if (stranger || req.op != 'O' || !before || *before == value || after != before) fail();
       break;
     case 'F': {
-      // Nothing changed, and storing it would have passed the limit.
-      const std::uint64_t would = before ? bytes - before->size() + value.size() : bytes + req.key.size() + value.size() + rv::entry_overhead;
+      // Nothing changed, and storing it would have passed the limit (or,
+      // refused before it was received, the value alone would have).
+      const std::uint64_t length = req.refused ? req.refused_bytes : value.size();
+      const std::uint64_t would = before ? bytes - before->size() + length : bytes + req.key.size() + length + rv::entry_overhead;
       std::uint64_t told[2] = {};
       if (reply_value.size() == sizeof told) std::memcpy(told, reply_value.data(), sizeof told);
-      if (stranger || !put || after != before || store.bytes != bytes || would <= store.limit || reply_value.size() != sizeof told ||
-          told[0] != bytes || told[1] != store.limit || (req.op == 'O' && before))
+      if (stranger || !put || after != before || store.bytes != bytes || reply_value.size() != sizeof told || told[0] != bytes ||
+          told[1] != store.limit)
         fail();
+      if (req.refused ? length <= store.limit && would <= store.limit : would <= store.limit || (req.op == 'O' && before)) fail();
       break;
     }
     case 'N':
@@ -142,6 +162,7 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
     default:
       fail();
   }
+  if (req.refused && status != 'F' && status != 'S') fail();
   check_reply(rv::encode_reply(status, store_id, reply_value), status, store_id, reply_value);
   // A barrier reads an arrival value as the ranks its sender found dead.
   if (put) check_ranks(value);

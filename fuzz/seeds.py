@@ -197,6 +197,8 @@ put("bootstrap", "cut-short", connections(rv_request(b"P", b"k", b"value")[:-2],
 put("bootstrap", "erase-full", connections(rv_request(b"P", b"model/1/1", b"x" * 3000), rv_request(b"P", b"model/1/2", b"y" * 3000, joined=STORE),
                                            rv_request(b"D", b"model/1/1", joined=STORE), rv_request(b"D", b"model/1/1", joined=STORE),
                                            rv_request(b"P", b"model/2/1", b"z" * 1000, joined=STORE)))
+put("bootstrap", "refused-value", connections(rv_request(b"P", b"k", b"v" * 5000), rv_request(b"O", b"k", b"w" * 100, joined=7),
+                                              rv_request(b"P", b"k", b"v" * 100), rv_request(b"O", b"k", b"u" * 5000, joined=STORE)))
 # Reply heads as a client reads them.
 put("bootstrap", "replies", connections(b"GRV5Y" + struct.pack("<QQ", STORE, 3) + b"abc", b"GRV5S" + struct.pack("<QQ", STORE, 0),
                                         b"GRV3N", b"GRV5N" + struct.pack("<QQ", STORE, (64 << 20) + 1)))

@@ -49,11 +49,12 @@ void check_blob_size(const std::string& key, const bootstrap::blob& value) {
 }
 
 // The error for a put that rank 0's store refused as full (status 'F'):
-// it holds `held` bytes of at most `limit`.
+// it holds or is receiving `held` bytes of at most `limit`.
 config_error store_full(int rank, const std::string& where, const std::string& key, std::size_t bytes, std::uint64_t held,
                         std::uint64_t limit) {
   return config_error(fmt::format(
-      "bootstrap: rank {}: rank 0's rendezvous at {} refused key '{}' ({} bytes): it holds {} bytes of keys and values and takes at most "
+      "bootstrap: rank {}: rank 0's rendezvous at {} refused key '{}' ({} bytes): it holds or is receiving {} bytes of keys and values "
+      "and takes at most "
       "{}; erase the keys that were read and are not needed again (bootstrap::erase), e.g. a model published for every epoch, or "
       "raise rank 0's limit (bootstrap::set_store_limit)",
       rank, where, key.substr(0, 256), bytes, held, limit));
@@ -258,6 +259,7 @@ bootstrap bootstrap::from_env(std::optional<std::chrono::duration<double>> given
 struct bootstrap::server {
   std::mutex mutex;
   rendezvous::store store;
+  std::uint64_t receiving = 0;  // bytes of the values that connections were admitted to receive (under `mutex`)
   // Stores `value` under `key` (the caller holds `mutex`); see rendezvous::put.
   rendezvous::put_result put_locked(bool once, const std::string& key, blob value) {
     return rendezvous::put(store, once, key, std::move(value));
@@ -330,7 +332,28 @@ struct bootstrap::server {
     const int stop = stop_pipe[0];
     const auto read = [&](void* p, std::size_t n) { return recv_all(c, p, n, clock::now() + idle, idle, stop) == io::ok; };
     rendezvous::request req;
-    switch (rendezvous::read_request(read, req)) {
+    // A put's value is received only when it fits beside what the store
+    // holds and what other connections are receiving (rendezvous::admit), so
+    // that clients announcing large values cannot make rank 0 hold more
+    // than its limit; a stranger's (answered 'S') is never held.
+    std::uint64_t admitted = 0;
+    const auto admit = [&](const rendezvous::request& r, std::uint64_t length) {
+      std::lock_guard lock(mutex);
+      if ((r.joined != 0 && r.joined != id) || !rendezvous::admit(store, receiving, r.op == 'O', r.key, length)) return false;
+      receiving += length;
+      admitted = length;
+      return true;
+    };
+    struct release_guard {
+      server& s;
+      std::uint64_t& n;
+      ~release_guard() {
+        if (n == 0) return;
+        std::lock_guard lock(s.mutex);
+        s.receiving -= n;
+      }
+    } release{*this, admitted};
+    switch (rendezvous::read_request(read, req, admit)) {
       case rendezvous::read_status::ok:
         break;
       case rendezvous::read_status::other_version: {
@@ -356,7 +379,9 @@ struct bootstrap::server {
     char status;
     {
       std::lock_guard lock(mutex);
-      status = rendezvous::answer(store, id, req, reply_value);
+      receiving -= admitted;
+      admitted = 0;
+      status = rendezvous::answer(store, id, req, reply_value, receiving);
     }
     const blob out = rendezvous::encode_reply(status, id, reply_value);
     send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
@@ -608,7 +633,7 @@ char bootstrap::put_status(char op, const std::string& key, const blob& value) {
       case rendezvous::put_result::other_value:
         return 'X';
       case rendezvous::put_result::full:
-        held = m_server->store.bytes;
+        held = m_server->store.bytes + m_server->receiving;
         limit = m_server->store.limit;
         break;
     }

@@ -16,7 +16,7 @@
 // Integers are in host byte order.
 //
 //     rendezvous::request req;
-//     if (rendezvous::read_request(read, req) == rendezvous::read_status::ok)   // read(p, n): n bytes or false
+//     if (rendezvous::read_request(read, req, admit) == rendezvous::read_status::ok)   // read(p, n): n bytes or false
 //       status = rendezvous::answer(store, id, req, value);
 #include <algorithm>
 #include <cstddef>
@@ -59,6 +59,11 @@ struct request {
   std::uint64_t joined = 0;  ///< the store the client joined (0: none yet)
   std::string key;
   blob value;  ///< 'P' and 'O'
+  /// 'P' and 'O': the value was refused before it was received (read_request's
+  /// admit) and read past without being kept; `value` is then empty and
+  /// `refused_bytes` its length. answer() says 'F' (or 'S' to a stranger).
+  bool refused = false;
+  std::uint64_t refused_bytes = 0;
 };
 
 enum class read_status {
@@ -71,8 +76,13 @@ enum class read_status {
 /// Reads one request through `read(void* p, std::size_t n)`, which fills n
 /// bytes or returns false. Reads no byte past the request; holds at most
 /// max_key bytes of key, and of a value what arrived plus value_chunk.
-template <class Read>
-read_status read_request(Read&& read, request& req) {
+/// `admit(const request&, std::uint64_t length)` is asked, once a put's key
+/// and value length are read, whether its value may be held: when it says
+/// no, the value's bytes are read in small pieces and dropped (so that the
+/// connection stays in step and the answer reaches the client) and the
+/// request comes back `refused`.
+template <class Read, class Admit>
+read_status read_request(Read&& read, request& req, Admit&& admit) {
   char hdr[request_head_bytes];
   if (!read(hdr, 4)) return read_status::dropped;
   if (std::memcmp(hdr, magic, 4) != 0) return std::memcmp(hdr, magic, 3) == 0 ? read_status::other_version : read_status::foreign;
@@ -85,9 +95,22 @@ read_status read_request(Read&& read, request& req) {
   req.key.assign(klen, '\0');
   if (!read(req.key.data(), klen)) return read_status::dropped;
   req.value.clear();
+  req.refused = false;
+  req.refused_bytes = 0;
   if (req.op == 'P' || req.op == 'O') {
     std::uint64_t vlen;
     if (!read(&vlen, 8) || vlen > max_blob) return read_status::dropped;
+    if (!admit(static_cast<const request&>(req), vlen)) {
+      char sink[4096];
+      for (std::uint64_t left = vlen; left > 0;) {
+        const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
+        if (!read(sink, n)) return read_status::dropped;
+        left -= n;
+      }
+      req.refused = true;
+      req.refused_bytes = vlen;
+      return read_status::ok;
+    }
     while (req.value.size() < vlen) {
       const std::size_t at = req.value.size(), n = static_cast<std::size_t>(std::min<std::uint64_t>(vlen - at, value_chunk));
       req.value.resize(at + n);
@@ -97,6 +120,12 @@ read_status read_request(Read&& read, request& req) {
     return read_status::dropped;
   }
   return read_status::ok;
+}
+
+/// read_request() that holds every value.
+template <class Read>
+read_status read_request(Read&& read, request& req) {
+  return read_request(read, req, [](const request&, std::uint64_t) { return true; });
 }
 
 using store_map = std::map<std::string, blob, std::less<>>;
@@ -111,23 +140,45 @@ struct store {
 
 enum class put_result { stored, other_value, full };
 
+/// The bytes by which a put of a `length`-byte value under `key` grows the
+/// store: 0 for a put `once` of a key that is there (it stores nothing new)
+/// and for a value no longer than the one it replaces.
+inline std::uint64_t put_growth(const store& s, bool once, std::string_view key, std::uint64_t length) {
+  if (const auto it = s.map.find(key); it != s.map.end()) return once || length <= it->second.size() ? 0 : length - it->second.size();
+  return key.size() + length + entry_overhead;
+}
+
+/// Whether the store, holding its bytes and `receiving` more that puts under
+/// way were admitted with, may grow by `growth` within its limit.
+inline bool fits(const store& s, std::uint64_t receiving, std::uint64_t growth) {
+  return growth == 0 || (growth <= s.limit && receiving <= s.limit - growth && s.bytes <= s.limit - growth - receiving);
+}
+
+/// Whether a put of a `length`-byte value under `key` may be received while
+/// other puts' values of `receiving` bytes are: its value must fit the limit
+/// beside theirs, and the store must have room for it beside them (counted
+/// as the values, so that this errs towards refusing only while other puts
+/// are under way). A value refused here is never held: the most a store's
+/// connections hold of values at once is its limit.
+inline bool admit(const store& s, std::uint64_t receiving, bool once, std::string_view key, std::uint64_t length) {
+  return length <= s.limit && receiving <= s.limit - length && fits(s, receiving, put_growth(s, once, key, length));
+}
+
 /// Stores `value` under `key`. `once`: only when the key is new or holds the
 /// same value (a request asked again after a lost reply); other_value when
 /// another value is there. full (nothing changed) when the store would then
 /// hold more than its limit.
 inline put_result put(store& s, bool once, const std::string& key, blob value) {
-  if (const auto it = s.map.find(key); it != s.map.end()) {
-    if (once) return it->second == value ? put_result::stored : put_result::other_value;
-    const std::uint64_t bytes = s.bytes - it->second.size() + value.size();
-    if (value.size() > it->second.size() && bytes > s.limit) return put_result::full;
-    s.bytes = bytes;
+  const auto it = s.map.find(key);
+  if (it != s.map.end() && once) return it->second == value ? put_result::stored : put_result::other_value;
+  if (!fits(s, 0, put_growth(s, once, key, value.size()))) return put_result::full;
+  if (it != s.map.end()) {
+    s.bytes = s.bytes - it->second.size() + value.size();
     it->second = std::move(value);
-    return put_result::stored;
+  } else {
+    s.bytes += key.size() + value.size() + entry_overhead;
+    s.map.emplace(key, std::move(value));
   }
-  const std::uint64_t need = key.size() + value.size() + entry_overhead;
-  if (need > s.limit || s.bytes > s.limit - need) return put_result::full;
-  s.map.emplace(key, std::move(value));
-  s.bytes += need;
   return put_result::stored;
 }
 
@@ -143,10 +194,19 @@ inline bool erase(store& s, std::string_view key) {
 /// The status with which the store `id` answers `req` (read_status::ok),
 /// applying it: a client of an earlier store on this port (a run that has
 /// ended) is told so ('S') and changes nothing. A found value goes to
-/// `value`, and so do, for 'F', the bytes the store holds and its limit
-/// (two u64). Takes the request's value.
-inline char answer(store& s, std::uint64_t id, request& req, blob& value) {
+/// `value`, and so do, for 'F', the bytes the store holds (plus `receiving`,
+/// what puts under way were admitted with) and its limit (two u64). Takes
+/// the request's value.
+inline char answer(store& s, std::uint64_t id, request& req, blob& value, std::uint64_t receiving = 0) {
   if (req.joined != 0 && req.joined != id) return 'S';
+  const auto full = [&] {
+    const std::uint64_t held = s.bytes + receiving;
+    value.resize(2 * sizeof(std::uint64_t));
+    std::memcpy(value.data(), &held, sizeof held);
+    std::memcpy(value.data() + sizeof held, &s.limit, sizeof s.limit);
+    return 'F';
+  };
+  if (req.refused) return full();
   if (req.op == 'G') {
     const auto it = s.map.find(req.key);
     if (it == s.map.end()) return 'N';
@@ -162,10 +222,7 @@ inline char answer(store& s, std::uint64_t id, request& req, blob& value) {
     case put_result::full:
       break;
   }
-  value.resize(2 * sizeof(std::uint64_t));
-  std::memcpy(value.data(), &s.bytes, sizeof s.bytes);
-  std::memcpy(value.data() + sizeof s.bytes, &s.limit, sizeof s.limit);
-  return 'F';
+  return full();
 }
 
 /// A request as a client sends it; `value` for 'P' and 'O' only.

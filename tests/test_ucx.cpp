@@ -556,8 +556,8 @@ TEST_CASE("bootstrap: erase removes a key, and a store past its limit refuses a 
   const bootstrap::blob model(1000, std::byte{5});
   client.put("epoch/1/1", model);
   server.put("epoch/1/0", model);
-  const std::string full = fmt::format("rank 1: rank 0's rendezvous at 127.0.0.1:{} refused key 'epoch/2/1' (1000 bytes): it holds 2146 bytes "
-                                       "of keys and values and takes at most 2500; erase the keys that were read",
+  const std::string full = fmt::format("rank 1: rank 0's rendezvous at 127.0.0.1:{} refused key 'epoch/2/1' (1000 bytes): it holds or is "
+                                       "receiving 2146 bytes of keys and values and takes at most 2500; erase the keys that were read",
                                        port);
   CHECK_THROWS_WITH_AS(client.put("epoch/2/1", model), doctest::Contains(full.c_str()), config_error);
   CHECK_THROWS_WITH_AS(server.put("epoch/2/0", model), doctest::Contains("rank 0: rank 0's rendezvous at 127.0.0.1:"), config_error);
@@ -573,6 +573,69 @@ TEST_CASE("bootstrap: erase removes a key, and a store past its limit refuses a 
   server.put("epoch/2/0", model);
   CHECK(client.try_get("epoch/2/0") == std::optional<bootstrap::blob>(model));
   CHECK_THROWS_WITH_AS(client.set_store_limit(1), doctest::Contains("rank 1 holds no store"), config_error);
+}
+
+TEST_CASE("bootstrap: a value that would pass the store's limit is refused before it is received, and values under way count") {
+  const std::uint16_t port = free_port();
+  const auto timeout = std::chrono::duration<double>(10.0);
+  bootstrap server(0, 2, "127.0.0.1", port, timeout);
+  bootstrap client(1, 2, "127.0.0.1", port, timeout);
+  server.set_store_limit(1'000'000);
+  // A put of 600 000 bytes under "big", announced and sent halfway.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const auto send_all = [&](const void* p, std::size_t n) {
+    for (std::size_t at = 0; at < n;) {
+      const ssize_t k = ::write(fd, static_cast<const char*>(p) + at, n - at);
+      REQUIRE(k > 0);
+      at += static_cast<std::size_t>(k);
+    }
+  };
+  std::vector<char> head = {'G', 'R', 'V', '5', 'P', 0, 0, 0, 0, 0, 0, 0, 0};
+  const std::uint32_t klen = 3;
+  const std::uint64_t vlen = 600'000;
+  head.insert(head.end(), reinterpret_cast<const char*>(&klen), reinterpret_cast<const char*>(&klen) + 4);
+  head.insert(head.end(), {'b', 'i', 'g'});
+  head.insert(head.end(), reinterpret_cast<const char*>(&vlen), reinterpret_cast<const char*>(&vlen) + 8);
+  send_all(head.data(), head.size());
+  const std::vector<char> half(vlen / 2, 'v');
+  send_all(half.data(), half.size());
+  // Once rank 0 has admitted it, a refusal counts it (a value past the whole
+  // limit is refused whatever the store holds; it is read past, not kept).
+  const auto refusal = [&](const std::string& key, std::size_t bytes) {
+    try {
+      client.put(key, bootstrap::blob(bytes, std::byte{1}));
+    } catch (const config_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  const auto t0 = clock_type::now();
+  std::string said;
+  while ((said = refusal("probe", 1'000'001)).find("it holds or is receiving 600000 bytes") == std::string::npos &&
+         clock_type::now() - t0 < 10s)
+    std::this_thread::sleep_for(20ms);
+  CHECK_MESSAGE(said.find("refused key 'probe' (1000001 bytes): it holds or is receiving 600000 bytes") != std::string::npos, said);
+  // 500 000 bytes would fit the empty store, not beside the value under way.
+  CHECK(refusal("b", 500'000).find("refused key 'b' (500000 bytes): it holds or is receiving 600000 bytes") != std::string::npos);
+  // The admitted put completes and is stored.
+  send_all(half.data(), half.size());
+  char reply[21] = {};
+  std::size_t got = 0;
+  for (ssize_t n; got < sizeof reply && (n = ::read(fd, reply + got, sizeof reply - got)) > 0;) got += static_cast<std::size_t>(n);
+  ::close(fd);
+  CHECK(std::string(reply, 5) == "GRV5Y");
+  CHECK(server.try_get("big").value_or(bootstrap::blob{}).size() == vlen);
+  // Room is counted from what is held once nothing is under way:
+  // "big" 600 067 bytes with its key and 64, "b" 300 065.
+  client.put("b", bootstrap::blob(300'000, std::byte{2}));
+  CHECK(refusal("c", 200'000).find("it holds or is receiving 900132 bytes of keys and values and takes at most 1000000") != std::string::npos);
+  CHECK(server.erase("big"));
+  client.put("c", bootstrap::blob(200'000, std::byte{3}));
 }
 
 TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") {
