@@ -86,7 +86,8 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
   rv::request req;
   largest = 0;
   tracking = true;
-  // As rank 0's server admits a put's value (one connection at a time here).
+  // As rank 0's server refuses a put's value at once (one connection at a
+  // time here, so none waits for values under way).
   const auto st = rv::read_request(read, req, [&](const rv::request& r, std::uint64_t length) {
     return (r.joined == 0 || r.joined == store_id) && rv::admit(store, 0, r.op == 'O', r.key, length);
   });
@@ -135,7 +136,8 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
       if (!stranger || after != before || store.map.size() != entries || !reply_value.empty()) fail();
       break;
     case 'X':
-      if (stranger || req.op != 'O' || !before || *before == value || after != before) fail();
+      if (stranger || req.op != 'O' || !before || after != before) fail();
+      if (req.refused ? before->size() == req.refused_bytes : *before == value) fail();
       break;
     case 'F': {
       // Nothing changed, and storing it would have passed the limit (or,
@@ -162,7 +164,7 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
     default:
       fail();
   }
-  if (req.refused && status != 'F' && status != 'S') fail();
+  if (req.refused ? status == 'Y' || status == 'N' : status == 'F') fail();  // a put admitted is never refused when it is answered
   check_reply(rv::encode_reply(status, store_id, reply_value), status, store_id, reply_value);
   // A barrier reads an arrival value as the ranks its sender found dead.
   if (put) check_ranks(value);

@@ -260,6 +260,7 @@ struct bootstrap::server {
   std::mutex mutex;
   rendezvous::store store;
   std::uint64_t receiving = 0;  // bytes of the values that connections were admitted to receive (under `mutex`)
+  std::condition_variable room;  // notified, under `mutex`, when values under way end or the store may have room
   // Stores `value` under `key` (the caller holds `mutex`); see rendezvous::put.
   rendezvous::put_result put_locked(bool once, const std::string& key, blob value) {
     return rendezvous::put(store, once, key, std::move(value));
@@ -335,11 +336,23 @@ struct bootstrap::server {
     // A put's value is received only when it fits beside what the store
     // holds and what other connections are receiving (rendezvous::admit), so
     // that clients announcing large values cannot make rank 0 hold more
-    // than its limit; a stranger's (answered 'S') is never held.
+    // than its limit. One that could not be stored even with nothing else
+    // under way is refused at once (read past, answered 'F'); any other
+    // waits for the values under way, until its client gives up (a client
+    // that rank 0 answered before asks again after a few seconds), the
+    // rendezvous stops, or `idle` passes. A stranger's (answered 'S') is never held.
     std::uint64_t admitted = 0;
     const auto admit = [&](const rendezvous::request& r, std::uint64_t length) {
-      std::lock_guard lock(mutex);
-      if ((r.joined != 0 && r.joined != id) || !rendezvous::admit(store, receiving, r.op == 'O', r.key, length)) return false;
+      std::unique_lock lock(mutex);
+      if (r.joined != 0 && r.joined != id) return false;
+      const bool once = r.op == 'O';
+      const auto until = clock::now() + idle;
+      while (!rendezvous::admit(store, receiving, once, r.key, length)) {
+        if (!rendezvous::admit(store, 0, once, r.key, length) || clock::now() >= until) return false;
+        pollfd pfd[2] = {{c, POLLRDHUP, 0}, {stop, POLLIN, 0}};
+        if (::poll(pfd, 2, 0) > 0 && ((pfd[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) || pfd[1].revents)) return false;
+        room.wait_for(lock, std::chrono::milliseconds(50));
+      }
       receiving += length;
       admitted = length;
       return true;
@@ -351,6 +364,7 @@ struct bootstrap::server {
         if (n == 0) return;
         std::lock_guard lock(s.mutex);
         s.receiving -= n;
+        s.room.notify_all();
       }
     } release{*this, admitted};
     switch (rendezvous::read_request(read, req, admit)) {
@@ -382,6 +396,7 @@ struct bootstrap::server {
       receiving -= admitted;
       admitted = 0;
       status = rendezvous::answer(store, id, req, reply_value, receiving);
+      room.notify_all();  // a value no longer under way, or a key erased
     }
     const blob out = rendezvous::encode_reply(status, id, reply_value);
     send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
@@ -653,6 +668,7 @@ void bootstrap::set_store_limit(std::uint64_t bytes) {
   if (!m_server) throw config_error(fmt::format("bootstrap: rank {} holds no store (rank 0 serves it): set_store_limit is for rank 0", m_rank));
   std::lock_guard lock(m_server->mutex);
   m_server->store.limit = bytes;
+  m_server->room.notify_all();
 }
 
 void bootstrap::put(const std::string& key, const blob& value) { (void)put_status('P', key, value); }
@@ -661,6 +677,7 @@ bool bootstrap::erase(const std::string& key) {
   check_key_size(key);
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
+    m_server->room.notify_all();
     return rendezvous::erase(m_server->store, key);
   }
   char status = 0;

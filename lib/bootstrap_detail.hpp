@@ -11,7 +11,7 @@
 // value length and value.
 // Reply: magic, status ('Y' found, stored or erased, 'N' not found, 'X'
 // another value is there, 'F' the store is full — the value is then two u64,
-// the bytes it holds and its limit —, 'S' the client joined another store, 'V' a request of
+// the bytes it holds or is receiving and its limit —, 'S' the client joined another store, 'V' a request of
 // another version), u64 identity of the store, u64 value length, value.
 // Integers are in host byte order.
 //
@@ -122,12 +122,6 @@ read_status read_request(Read&& read, request& req, Admit&& admit) {
   return read_status::ok;
 }
 
-/// read_request() that holds every value.
-template <class Read>
-read_status read_request(Read&& read, request& req) {
-  return read_request(read, req, [](const request&, std::uint64_t) { return true; });
-}
-
 using store_map = std::map<std::string, blob, std::less<>>;
 
 /// Rank 0's key-value store and the bytes it holds (keys, values and
@@ -157,9 +151,10 @@ inline bool fits(const store& s, std::uint64_t receiving, std::uint64_t growth) 
 /// Whether a put of a `length`-byte value under `key` may be received while
 /// other puts' values of `receiving` bytes are: its value must fit the limit
 /// beside theirs, and the store must have room for it beside them (counted
-/// as the values, so that this errs towards refusing only while other puts
-/// are under way). A value refused here is never held: the most a store's
-/// connections hold of values at once is its limit.
+/// as the values, erring towards waiting only while other puts are under
+/// way). rank 0's server refuses at once what is not admitted with
+/// `receiving` 0, and makes any other put wait until it is: the most a
+/// store's connections hold of values at once is its limit.
 inline bool admit(const store& s, std::uint64_t receiving, bool once, std::string_view key, std::uint64_t length) {
   return length <= s.limit && receiving <= s.limit - length && fits(s, receiving, put_growth(s, once, key, length));
 }
@@ -206,7 +201,12 @@ inline char answer(store& s, std::uint64_t id, request& req, blob& value, std::u
     std::memcpy(value.data() + sizeof held, &s.limit, sizeof s.limit);
     return 'F';
   };
-  if (req.refused) return full();
+  if (req.refused) {
+    // A put once of a key whose value has another length: another value is
+    // there, whatever the limit says of this one.
+    if (const auto it = s.map.find(req.key); req.op == 'O' && it != s.map.end() && it->second.size() != req.refused_bytes) return 'X';
+    return full();
+  }
   if (req.op == 'G') {
     const auto it = s.map.find(req.key);
     if (it == s.map.end()) return 'N';

@@ -19,11 +19,13 @@
 ///     not_for_us); UDP (else not_udp);
 ///   - UDP: an 8-byte header and a length from 8 up to the IP datagram's
 ///     payload (else bad_ip); to the switch's port (else wrong_port).
-/// The IPv4 header checksum is verified, so that a header damaged on the way
-/// does not teach the switch a wrong address for a member (dpdk_switch.hpp
-/// learns a member's address from its last datagram). The UDP checksum is
-/// not (kernel senders on a veth hand af_packet a partial one): a damaged
-/// payload is the aggregator's to refuse. The payload is the UDP length's
+/// The IPv4 header checksum is verified, so that an IP header damaged on the
+/// way does not teach the switch a wrong IP address for a member
+/// (dpdk_switch.hpp learns a member's address from its last datagram). The
+/// UDP checksum is not (kernel senders on a veth hand af_packet a partial
+/// one), so nothing here catches damage to the UDP ports or the payload
+/// (the aggregator refuses a payload at odds with its group); the Ethernet
+/// frame's own check is the NIC's. The payload is the UDP length's
 /// bytes after the UDP header, inside the frame.
 ///
 /// ARP (ethertype 0x0806): at least 14 + 28 bytes, Ethernet/IPv4 (hardware
