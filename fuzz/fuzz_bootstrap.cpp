@@ -71,7 +71,7 @@ void check_ranks(const rv::blob& b) {
 // The bytes a store holds by its own count (rv::put).
 std::uint64_t held(const rv::store& s) {
   std::uint64_t n = 0;
-  for (const auto& [k, v] : s.map) n += k.size() + v.size() + rv::entry_overhead;
+  for (const auto& [k, v] : s.map) n += k.size() + v->size() + rv::entry_overhead;
   return n;
 }
 
@@ -121,13 +121,20 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
     if (std::memcmp(head.data(), p, key_end) != 0 || length != req.refused_bytes || at != key_end + 8 + length) fail();
   }
 
-  const auto look = [&] { return store.map.contains(req.key) ? std::optional<rv::blob>(store.map.find(req.key)->second) : std::nullopt; };
+  const auto look = [&] { return store.map.contains(req.key) ? std::optional<rv::blob>(*store.map.find(req.key)->second) : std::nullopt; };
   const auto before = look();
   const std::size_t entries = store.map.size();
   const std::uint64_t bytes = store.bytes;
   const rv::blob value = req.value;
-  rv::blob reply_value;
-  const char status = rv::answer(store, store_id, req, reply_value);
+  rv::value_ptr shared;
+  const char status = rv::answer(store, store_id, req, shared);
+  const rv::blob reply_value = shared ? *shared : rv::blob{};
+  // A get hands over the stored value itself, not a copy; a reply's head and value are encode_reply's bytes.
+  if (status == 'Y' && req.op == 'G' && shared != store.map.find(req.key)->second) fail();
+  const auto head = rv::encode_reply_head(status, store_id, reply_value.size());
+  const auto whole = rv::encode_reply(status, store_id, reply_value);
+  if (!std::equal(head.begin(), head.end(), whole.begin()) || !std::equal(reply_value.begin(), reply_value.end(), whole.begin() + head.size()))
+    fail();
   const auto after = look();
   const bool stranger = req.joined != 0 && req.joined != store_id;
   if (store.bytes != held(store) || store.bytes > store.limit) fail();
@@ -150,6 +157,7 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
           told[1] != store.limit)
         fail();
       if (req.refused ? length <= store.limit && would <= store.limit : would <= store.limit || (req.op == 'O' && before)) fail();
+      if (req.op == 'O' && before && before->size() != length) fail();  // another value is there, whatever the limit
       break;
     }
     case 'N':

@@ -83,11 +83,12 @@ enum class io { ok, timeout, closed, failed };
 // With `idle` > 0 the deadline moves to now + idle whenever bytes move (never
 // past `cap`): a slow but live peer (a lossy link) is not cut off, a silent
 // one is. A `stop_fd` that becomes readable ends the wait (io::failed).
+// `flags` go to send() besides MSG_NOSIGNAL and MSG_DONTWAIT (MSG_MORE).
 io send_all(int fd, const void* data, std::size_t n, clock::time_point deadline, clock::duration idle = {}, int stop_fd = -1,
-            clock::time_point cap = clock::time_point::max()) {
+            clock::time_point cap = clock::time_point::max(), int flags = 0) {
   const auto* p = static_cast<const char*>(data);
   while (n > 0) {
-    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT | flags);
     if (k > 0) {
       p += k;
       n -= static_cast<std::size_t>(k);
@@ -261,6 +262,12 @@ struct bootstrap::server {
   rendezvous::store store;
   std::uint64_t receiving = 0;  // bytes of the values that connections were admitted to receive (under `mutex`)
   std::condition_variable room;  // notified, under `mutex`, when values under way end or the store may have room
+  // The value stored under `key`, or null; copied by the caller outside the lock.
+  rendezvous::value_ptr find(std::string_view key) {
+    std::lock_guard lock(mutex);
+    const auto it = store.map.find(key);
+    return it == store.map.end() ? nullptr : it->second;
+  }
   // Stores `value` under `key` (the caller holds `mutex`); see rendezvous::put.
   rendezvous::put_result put_locked(bool once, const std::string& key, blob value) {
     return rendezvous::put(store, once, key, std::move(value));
@@ -331,16 +338,21 @@ struct bootstrap::server {
   // `idle` of silence. A slow one that keeps sending is served to the end.
   void handle(int c) {
     const int stop = stop_pipe[0];
-    const auto read = [&](void* p, std::size_t n) { return recv_all(c, p, n, clock::now() + idle, idle, stop) == io::ok; };
+    bool abandoned = false;  // the client hung up, or the rendezvous stops: read nothing more, answer nothing
+    const auto read = [&](void* p, std::size_t n) { return !abandoned && recv_all(c, p, n, clock::now() + idle, idle, stop) == io::ok; };
     rendezvous::request req;
     // A put's value is received only when it fits beside what the store
     // holds and what other connections are receiving (rendezvous::admit), so
     // that clients announcing large values cannot make rank 0 hold more
     // than its limit. One that could not be stored even with nothing else
-    // under way is refused at once (read past, answered 'F'); any other
-    // waits for the values under way, until its client gives up (a client
-    // that rank 0 answered before asks again after a few seconds), the
-    // rendezvous stops, or `idle` passes. A stranger's (answered 'S') is never held.
+    // under way is refused at once (read past, answered 'F', or 'X' for a
+    // put once of a key that holds a value of another length); any other
+    // waits for the values under way: until it fits, its client gives up
+    // (a client that rank 0 answered before asks again when no byte moved
+    // for a few seconds, and its new connection waits in turn), the
+    // rendezvous stops (both: dropped unanswered), or `idle` passes
+    // (answered 'F'). Waiting puts take no turns: small ones may pass a
+    // large one. A stranger's value (answered 'S') is never held.
     std::uint64_t admitted = 0;
     const auto admit = [&](const rendezvous::request& r, std::uint64_t length) {
       std::unique_lock lock(mutex);
@@ -350,7 +362,10 @@ struct bootstrap::server {
       while (!rendezvous::admit(store, receiving, once, r.key, length)) {
         if (!rendezvous::admit(store, 0, once, r.key, length) || clock::now() >= until) return false;
         pollfd pfd[2] = {{c, POLLRDHUP, 0}, {stop, POLLIN, 0}};
-        if (::poll(pfd, 2, 0) > 0 && ((pfd[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) || pfd[1].revents)) return false;
+        if (::poll(pfd, 2, 0) > 0 && ((pfd[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) || pfd[1].revents)) {
+          abandoned = true;
+          return false;
+        }
         room.wait_for(lock, std::chrono::milliseconds(50));
       }
       receiving += length;
@@ -389,17 +404,22 @@ struct bootstrap::server {
       case rendezvous::read_status::foreign:
         return;
     }
-    blob reply_value;
+    rendezvous::value_ptr reply_value;  // a found value is the stored one, sent without a copy
     char status;
     {
       std::lock_guard lock(mutex);
+      const bool freed = admitted > 0 || req.op == 'D';
       receiving -= admitted;
       admitted = 0;
       status = rendezvous::answer(store, id, req, reply_value, receiving);
-      room.notify_all();  // a value no longer under way, or a key erased
+      if (freed || req.op == 'P') room.notify_all();  // a value no longer under way, a key erased or a value made smaller
     }
-    const blob out = rendezvous::encode_reply(status, id, reply_value);
-    send_all(c, out.data(), out.size(), clock::now() + idle, idle, stop);
+    const std::uint64_t length = reply_value ? reply_value->size() : 0;
+    const auto head = rendezvous::encode_reply_head(status, id, length);
+    // MSG_MORE: the head goes out with the value's first bytes, not alone.
+    if (send_all(c, head.data(), head.size(), clock::now() + idle, idle, stop, clock::time_point::max(), length ? MSG_MORE : 0) == io::ok &&
+        length)
+      send_all(c, reply_value->data(), reply_value->size(), clock::now() + idle, idle, stop);
   }
 };
 
@@ -523,8 +543,10 @@ bootstrap::blob bootstrap::request(char op, const std::string& key, const blob* 
   const auto stalled = [&] {
     if (!m_contacted || clock::now() >= deadline) return false;
     ++stalls;
-    last = fmt::format("{} exchange{} stalled, each asked again after {:.0f} s without a byte moving (a lossy link?)", stalls,
-                       stalls == 1 ? "" : "s", std::chrono::duration<double>(stall).count());
+    last = fmt::format("{} exchange{} stalled, each asked again after {:.0f} s without a byte moving ({})", stalls,
+                       stalls == 1 ? "" : "s", std::chrono::duration<double>(stall).count(),
+                       op == 'P' || op == 'O' ? "a lossy link, or rank 0's store waiting for room for this value while other ranks' values arrive?"
+                                              : "a lossy link?");
     return true;
   };
   for (unsigned attempt = 0;; ++attempt) {
@@ -707,8 +729,7 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
   for (unsigned i = 0;; ++i) {
     const bool last = clock::now() >= deadline;
     if (m_server) {
-      std::lock_guard lock(m_server->mutex);
-      if (auto it = m_server->store.map.find(key); it != m_server->store.map.end()) return it->second;
+      if (const auto v = m_server->find(key)) return *v;
     } else {
       char status = 0;
       blob b;
@@ -736,8 +757,7 @@ bootstrap::blob bootstrap::get(const std::string& key, const std::string& waitin
 std::optional<bootstrap::blob> bootstrap::try_get(const std::string& key) {
   check_key_size(key);
   if (m_server) {
-    std::lock_guard lock(m_server->mutex);
-    if (auto it = m_server->store.map.find(key); it != m_server->store.map.end()) return it->second;
+    if (const auto v = m_server->find(key)) return *v;
     return std::nullopt;
   }
   char status = 0;

@@ -19,11 +19,13 @@
 //     if (rendezvous::read_request(read, req, admit) == rendezvous::read_status::ok)   // read(p, n): n bytes or false
 //       status = rendezvous::answer(store, id, req, value);
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -61,7 +63,8 @@ struct request {
   blob value;  ///< 'P' and 'O'
   /// 'P' and 'O': the value was refused before it was received (read_request's
   /// admit) and read past without being kept; `value` is then empty and
-  /// `refused_bytes` its length. answer() says 'F' (or 'S' to a stranger).
+  /// `refused_bytes` its length. answer() says 'F', 'X' (a put once of a key
+  /// holding a value of another length) or 'S' (to a stranger).
   bool refused = false;
   std::uint64_t refused_bytes = 0;
 };
@@ -122,7 +125,11 @@ read_status read_request(Read&& read, request& req, Admit&& admit) {
   return read_status::ok;
 }
 
-using store_map = std::map<std::string, blob, std::less<>>;
+/// A stored value: shared, so that a get hands it to the reply without a copy
+/// (and without holding the store's lock while it is sent); a put replaces
+/// the pointer, never the bytes a reply may still be sending.
+using value_ptr = std::shared_ptr<const blob>;
+using store_map = std::map<std::string, value_ptr, std::less<>>;
 
 /// Rank 0's key-value store and the bytes it holds (keys, values and
 /// entry_overhead per entry), bounded by `limit`.
@@ -138,7 +145,7 @@ enum class put_result { stored, other_value, full };
 /// store: 0 for a put `once` of a key that is there (it stores nothing new)
 /// and for a value no longer than the one it replaces.
 inline std::uint64_t put_growth(const store& s, bool once, std::string_view key, std::uint64_t length) {
-  if (const auto it = s.map.find(key); it != s.map.end()) return once || length <= it->second.size() ? 0 : length - it->second.size();
+  if (const auto it = s.map.find(key); it != s.map.end()) return once || length <= it->second->size() ? 0 : length - it->second->size();
   return key.size() + length + entry_overhead;
 }
 
@@ -150,12 +157,15 @@ inline bool fits(const store& s, std::uint64_t receiving, std::uint64_t growth) 
 
 /// Whether a put of a `length`-byte value under `key` may be received while
 /// other puts' values of `receiving` bytes are: its value must fit the limit
-/// beside theirs, and the store must have room for it beside them (counted
-/// as the values, erring towards waiting only while other puts are under
-/// way). rank 0's server refuses at once what is not admitted with
-/// `receiving` 0, and makes any other put wait until it is: the most a
-/// store's connections hold of values at once is its limit.
+/// beside theirs, and the store must have room for it beside them (theirs
+/// counted as their values only, so that two new keys admitted together may
+/// still find the store full when they are answered). A put once of a key
+/// that holds a value of another length is never admitted: its answer is
+/// 'X' whatever its value. rank 0's server refuses at once what is not
+/// admitted with `receiving` 0, and makes any other put wait until it is:
+/// the most a store's connections hold of values at once is its limit.
 inline bool admit(const store& s, std::uint64_t receiving, bool once, std::string_view key, std::uint64_t length) {
+  if (const auto it = s.map.find(key); once && it != s.map.end() && it->second->size() != length) return false;
   return length <= s.limit && receiving <= s.limit - length && fits(s, receiving, put_growth(s, once, key, length));
 }
 
@@ -165,14 +175,15 @@ inline bool admit(const store& s, std::uint64_t receiving, bool once, std::strin
 /// hold more than its limit.
 inline put_result put(store& s, bool once, const std::string& key, blob value) {
   const auto it = s.map.find(key);
-  if (it != s.map.end() && once) return it->second == value ? put_result::stored : put_result::other_value;
+  if (it != s.map.end() && once) return *it->second == value ? put_result::stored : put_result::other_value;
   if (!fits(s, 0, put_growth(s, once, key, value.size()))) return put_result::full;
   if (it != s.map.end()) {
-    s.bytes = s.bytes - it->second.size() + value.size();
-    it->second = std::move(value);
+    s.bytes = s.bytes - it->second->size() + value.size();
+    it->second = std::make_shared<const blob>(std::move(value));
   } else {
-    s.bytes += key.size() + value.size() + entry_overhead;
-    s.map.emplace(key, std::move(value));
+    const std::uint64_t need = key.size() + value.size() + entry_overhead;
+    s.map.emplace(key, std::make_shared<const blob>(std::move(value)));
+    s.bytes += need;
   }
   return put_result::stored;
 }
@@ -181,7 +192,7 @@ inline put_result put(store& s, bool once, const std::string& key, blob value) {
 inline bool erase(store& s, std::string_view key) {
   const auto it = s.map.find(key);
   if (it == s.map.end()) return false;
-  s.bytes -= it->first.size() + it->second.size() + entry_overhead;
+  s.bytes -= it->first.size() + it->second->size() + entry_overhead;
   s.map.erase(it);
   return true;
 }
@@ -189,22 +200,23 @@ inline bool erase(store& s, std::string_view key) {
 /// The status with which the store `id` answers `req` (read_status::ok),
 /// applying it: a client of an earlier store on this port (a run that has
 /// ended) is told so ('S') and changes nothing. A found value goes to
-/// `value`, and so do, for 'F', the bytes the store holds (plus `receiving`,
-/// what puts under way were admitted with) and its limit (two u64). Takes
-/// the request's value.
-inline char answer(store& s, std::uint64_t id, request& req, blob& value, std::uint64_t receiving = 0) {
+/// `value` (the stored one, shared), and so do, for 'F', the bytes the store
+/// holds (plus `receiving`, what puts under way were admitted with) and its
+/// limit (two u64); otherwise `value` is left empty. Takes the request's value.
+inline char answer(store& s, std::uint64_t id, request& req, value_ptr& value, std::uint64_t receiving = 0) {
   if (req.joined != 0 && req.joined != id) return 'S';
   const auto full = [&] {
     const std::uint64_t held = s.bytes + receiving;
-    value.resize(2 * sizeof(std::uint64_t));
-    std::memcpy(value.data(), &held, sizeof held);
-    std::memcpy(value.data() + sizeof held, &s.limit, sizeof s.limit);
+    blob v(2 * sizeof(std::uint64_t));
+    std::memcpy(v.data(), &held, sizeof held);
+    std::memcpy(v.data() + sizeof held, &s.limit, sizeof s.limit);
+    value = std::make_shared<const blob>(std::move(v));
     return 'F';
   };
   if (req.refused) {
     // A put once of a key whose value has another length: another value is
     // there, whatever the limit says of this one.
-    if (const auto it = s.map.find(req.key); req.op == 'O' && it != s.map.end() && it->second.size() != req.refused_bytes) return 'X';
+    if (const auto it = s.map.find(req.key); req.op == 'O' && it != s.map.end() && it->second->size() != req.refused_bytes) return 'X';
     return full();
   }
   if (req.op == 'G') {
@@ -242,15 +254,22 @@ inline blob encode_request(char op, std::uint64_t joined, const std::string& key
   return out;
 }
 
-/// A reply as the server sends it: magic, status, store id, length, value.
-inline blob encode_reply(char status, std::uint64_t id, const blob& value) {
-  blob out(reply_head_bytes + value.size());
-  const std::uint64_t n = value.size();
+/// A reply's head as the server sends it: magic, status, store id, and the
+/// length of the value that follows.
+inline std::array<std::byte, reply_head_bytes> encode_reply_head(char status, std::uint64_t id, std::uint64_t length) {
+  std::array<std::byte, reply_head_bytes> out{};
   std::memcpy(out.data(), magic, 4);
   out[4] = static_cast<std::byte>(status);
   std::memcpy(out.data() + 5, &id, 8);
-  std::memcpy(out.data() + 13, &n, 8);
-  if (n) std::memcpy(out.data() + reply_head_bytes, value.data(), value.size());
+  std::memcpy(out.data() + 13, &length, 8);
+  return out;
+}
+
+/// A reply as the server sends it: its head, then the value.
+inline blob encode_reply(char status, std::uint64_t id, const blob& value) {
+  const auto head = encode_reply_head(status, id, value.size());
+  blob out(head.begin(), head.end());
+  out.insert(out.end(), value.begin(), value.end());
   return out;
 }
 

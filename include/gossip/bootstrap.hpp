@@ -100,7 +100,8 @@ class bootstrap {
   /// key counted with 64 bytes more); default 4 GiB. Puts past it are
   /// refused; what is held stays. Values that other ranks' puts are sending
   /// count too while they arrive: a put that fits beside what is held but
-  /// not beside them waits for them before its value is taken in.
+  /// not beside them waits for them before its value is taken in (at most
+  /// the bootstrap timeout; the waiting rank asks again meanwhile).
   void set_store_limit(std::uint64_t bytes);
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.

@@ -25,11 +25,10 @@
 /// set v while set 1 − v still waits with this worker's share in it comes
 /// from no client while the switch keeps its state — after a restart, a late
 /// copy of a share whose result the worker had may — and is dropped as
-/// slot_conflict.) A late copy of a
-/// share of a completed set's chunk (or of an older one) from a worker that
-/// moved on is answered with the stored result (if the chunk is the set's)
-/// and changes nothing: it neither starts the set again nor touches the other
-/// set.
+/// slot_conflict.) A late copy of a share of a completed set's chunk (or of
+/// an older one) from a worker that moved on is answered with the stored
+/// result (if the chunk is the set's) and changes nothing: it neither starts
+/// the set again nor touches the other set.
 ///
 /// Async groups (shared aggregate): S holds, per chunk, the sum of every
 /// member's last-sent model, and the switch keeps each member's part of it
