@@ -14,7 +14,7 @@
 // reply agree with what it asked ('S' changes nothing, 'X' only when another
 // value is there, 'F' changes nothing and only past the limit, a value
 // refused before it arrived (as the server admits one) is read past and
-// never held and is answered 'F' or 'S', 'D' removes
+// never held and is answered 'F', 'X' or 'S', 'D' removes
 // exactly the key asked); the bytes the store counts are those it holds; every reply the server sends reads back as what was
 // meant; a rank list decodes to the ints it holds and encodes back.
 #include <sanitizer/allocator_interface.h>
@@ -88,8 +88,10 @@ void serve(rv::store& store, const std::byte* p, std::size_t size) {
   tracking = true;
   // As rank 0's server refuses a put's value at once (one connection at a
   // time here, so none waits for values under way).
-  const auto st = rv::read_request(read, req, [&](const rv::request& r, std::uint64_t length) {
-    return (r.joined == 0 || r.joined == store_id) && rv::admit(store, 0, r.op == 'O', r.key, length);
+  const auto st = rv::read_request(read, req, [&](rv::request& r, std::uint64_t length) {
+    if (r.joined != 0 && r.joined != store_id) return false;
+    r.other_value = rv::holds_other_length(store, r.op == 'O', r.key, length);
+    return rv::admit(store, 0, r.op == 'O', r.key, length);
   });
   tracking = false;
   if (largest > 2 * size + rv::value_chunk + 64) fail();

@@ -349,15 +349,16 @@ struct bootstrap::server {
     // put once of a key that holds a value of another length); any other
     // waits for the values under way: until it fits, its client gives up
     // (a client that rank 0 answered before asks again when no byte moved
-    // for a few seconds, and its new connection waits in turn), the
+    // for a few seconds, and its new connection waits again), the
     // rendezvous stops (both: dropped unanswered), or `idle` passes
     // (answered 'F'). Waiting puts take no turns: small ones may pass a
     // large one. A stranger's value (answered 'S') is never held.
     std::uint64_t admitted = 0;
-    const auto admit = [&](const rendezvous::request& r, std::uint64_t length) {
+    const auto admit = [&](rendezvous::request& r, std::uint64_t length) {
       std::unique_lock lock(mutex);
       if (r.joined != 0 && r.joined != id) return false;
       const bool once = r.op == 'O';
+      r.other_value = rendezvous::holds_other_length(store, once, r.key, length);
       const auto until = clock::now() + idle;
       while (!rendezvous::admit(store, receiving, once, r.key, length)) {
         if (!rendezvous::admit(store, 0, once, r.key, length) || clock::now() >= until) return false;
@@ -404,6 +405,7 @@ struct bootstrap::server {
       case rendezvous::read_status::foreign:
         return;
     }
+    if (abandoned) return;  // a put of no bytes read nothing after it was given up on
     rendezvous::value_ptr reply_value;  // a found value is the stored one, sent without a copy
     char status;
     {
@@ -664,7 +666,9 @@ char bootstrap::put_status(char op, const std::string& key, const blob& value) {
   std::uint64_t held = 0, limit = 0;
   if (m_server) {
     std::lock_guard lock(m_server->mutex);
-    switch (m_server->put_locked(op == 'O', key, blob(value))) {
+    const auto result = m_server->put_locked(op == 'O', key, blob(value));
+    m_server->room.notify_all();  // a value made smaller frees room
+    switch (result) {
       case rendezvous::put_result::stored:
         return 'Y';
       case rendezvous::put_result::other_value:

@@ -63,9 +63,11 @@ struct request {
   blob value;  ///< 'P' and 'O'
   /// 'P' and 'O': the value was refused before it was received (read_request's
   /// admit) and read past without being kept; `value` is then empty and
-  /// `refused_bytes` its length. answer() says 'F', 'X' (a put once of a key
-  /// holding a value of another length) or 'S' (to a stranger).
+  /// `refused_bytes` its length. answer() says 'S' to a stranger, 'X' when
+  /// `other_value` (set by admit: a put once of a key that held a value of
+  /// another length when it was refused), else 'F'.
   bool refused = false;
+  bool other_value = false;
   std::uint64_t refused_bytes = 0;
 };
 
@@ -79,7 +81,7 @@ enum class read_status {
 /// Reads one request through `read(void* p, std::size_t n)`, which fills n
 /// bytes or returns false. Reads no byte past the request; holds at most
 /// max_key bytes of key, and of a value what arrived plus value_chunk.
-/// `admit(const request&, std::uint64_t length)` is asked, once a put's key
+/// `admit(request&, std::uint64_t length)` is asked, once a put's key
 /// and value length are read, whether its value may be held: when it says
 /// no, the value's bytes are read in small pieces and dropped (so that the
 /// connection stays in step and the answer reaches the client) and the
@@ -99,11 +101,12 @@ read_status read_request(Read&& read, request& req, Admit&& admit) {
   if (!read(req.key.data(), klen)) return read_status::dropped;
   req.value.clear();
   req.refused = false;
+  req.other_value = false;
   req.refused_bytes = 0;
   if (req.op == 'P' || req.op == 'O') {
     std::uint64_t vlen;
     if (!read(&vlen, 8) || vlen > max_blob) return read_status::dropped;
-    if (!admit(static_cast<const request&>(req), vlen)) {
+    if (!admit(req, vlen)) {
       char sink[4096];
       for (std::uint64_t left = vlen; left > 0;) {
         const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(left, sizeof sink));
@@ -160,12 +163,17 @@ inline bool fits(const store& s, std::uint64_t receiving, std::uint64_t growth) 
 /// beside theirs, and the store must have room for it beside them (theirs
 /// counted as their values only, so that two new keys admitted together may
 /// still find the store full when they are answered). A put once of a key
-/// that holds a value of another length is never admitted: its answer is
-/// 'X' whatever its value. rank 0's server refuses at once what is not
+/// that holds a value of another length (holds_other_length) is never
+/// admitted: its answer is 'X' whatever its value, as the store was when it
+/// was refused (request::other_value). rank 0's server refuses at once what is not
 /// admitted with `receiving` 0, and makes any other put wait until it is:
 /// the most a store's connections hold of values at once is its limit.
+inline bool holds_other_length(const store& s, bool once, std::string_view key, std::uint64_t length) {
+  const auto it = s.map.find(key);
+  return once && it != s.map.end() && it->second->size() != length;
+}
 inline bool admit(const store& s, std::uint64_t receiving, bool once, std::string_view key, std::uint64_t length) {
-  if (const auto it = s.map.find(key); once && it != s.map.end() && it->second->size() != length) return false;
+  if (holds_other_length(s, once, key, length)) return false;
   return length <= s.limit && receiving <= s.limit - length && fits(s, receiving, put_growth(s, once, key, length));
 }
 
@@ -178,8 +186,9 @@ inline put_result put(store& s, bool once, const std::string& key, blob value) {
   if (it != s.map.end() && once) return *it->second == value ? put_result::stored : put_result::other_value;
   if (!fits(s, 0, put_growth(s, once, key, value.size()))) return put_result::full;
   if (it != s.map.end()) {
-    s.bytes = s.bytes - it->second->size() + value.size();
-    it->second = std::make_shared<const blob>(std::move(value));
+    auto stored = std::make_shared<const blob>(std::move(value));  // may throw: nothing changed yet
+    s.bytes = s.bytes - it->second->size() + stored->size();
+    it->second = std::move(stored);
   } else {
     const std::uint64_t need = key.size() + value.size() + entry_overhead;
     s.map.emplace(key, std::make_shared<const blob>(std::move(value)));
@@ -202,7 +211,7 @@ inline bool erase(store& s, std::string_view key) {
 /// ended) is told so ('S') and changes nothing. A found value goes to
 /// `value` (the stored one, shared), and so do, for 'F', the bytes the store
 /// holds (plus `receiving`, what puts under way were admitted with) and its
-/// limit (two u64); otherwise `value` is left empty. Takes the request's value.
+/// limit (two u64); otherwise `value` is made empty. Takes the request's value.
 inline char answer(store& s, std::uint64_t id, request& req, value_ptr& value, std::uint64_t receiving = 0) {
   if (req.joined != 0 && req.joined != id) return 'S';
   const auto full = [&] {
@@ -213,12 +222,8 @@ inline char answer(store& s, std::uint64_t id, request& req, value_ptr& value, s
     value = std::make_shared<const blob>(std::move(v));
     return 'F';
   };
-  if (req.refused) {
-    // A put once of a key whose value has another length: another value is
-    // there, whatever the limit says of this one.
-    if (const auto it = s.map.find(req.key); req.op == 'O' && it != s.map.end() && it->second->size() != req.refused_bytes) return 'X';
-    return full();
-  }
+  value.reset();
+  if (req.refused) return req.other_value ? 'X' : full();
   if (req.op == 'G') {
     const auto it = s.map.find(req.key);
     if (it == s.map.end()) return 'N';
