@@ -313,16 +313,29 @@ TEST_CASE("bootstrap: rank and world size from the environment, in order of prec
   ::unsetenv("GOSSIP_MASTER_PORT");
 }
 
-// A listening TCP socket on 127.0.0.1:port: a stand-in for rank 0's rendezvous.
-int listen_loopback(std::uint16_t port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+sockaddr_in loopback_address(std::uint16_t port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(port);
+  return a;
+}
+
+// A TCP connection to 127.0.0.1:port, as a client of rank 0's rendezvous.
+int connect_loopback(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const auto a = loopback_address(port);
+  REQUIRE(::connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0);
+  return fd;
+}
+
+// A listening TCP socket on 127.0.0.1:port: a stand-in for rank 0's rendezvous.
+int listen_loopback(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  const auto a = loopback_address(port);
   const int one = 1;
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0);
   REQUIRE(::listen(fd, 8) == 0);
   return fd;
 }
@@ -464,12 +477,7 @@ TEST_CASE("bootstrap: a client that connects and stays silent delays neither oth
   std::optional<bootstrap> root(std::in_place, 0, 2, "127.0.0.1", port, timeout);
   std::vector<int> silent;
   for (int i = 0; i < 3; ++i) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(port);
-    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    const int fd = connect_loopback(port);
     const char part[] = "GRV5";  // the start of a request, then nothing
     REQUIRE(::write(fd, part, 4) == 4);
     silent.push_back(fd);
@@ -586,12 +594,7 @@ TEST_CASE("bootstrap: a value that cannot fit is refused before it is received; 
   // but its value is under way.
   const std::uint64_t vlen = 600'000;
   client.put("big", bootstrap::blob(vlen, std::byte{1}));
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const int fd = connect_loopback(port);
   const auto send_all = [&](const void* p, std::size_t n) {
     for (std::size_t at = 0; at < n;) {
       const ssize_t k = ::write(fd, static_cast<const char*>(p) + at, n - at);
@@ -673,12 +676,7 @@ TEST_CASE("bootstrap: ranks of two versions of the rendezvous protocol say so") 
   // A client of another version: this rank 0 answers with its own magic and 'V'.
   const std::uint16_t port2 = free_port();
   bootstrap b0(0, 2, "127.0.0.1", port2, std::chrono::duration<double>(5.0));
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port2);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const int fd = connect_loopback(port2);
   const char request[] = {'G', 'R', 'V', '1', 'G', 1, 0, 0, 0, 'k'};
   REQUIRE(::write(fd, request, sizeof request) == static_cast<ssize_t>(sizeof request));
   char reply[5] = {};
