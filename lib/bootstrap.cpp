@@ -358,10 +358,12 @@ struct bootstrap::server {
       std::unique_lock lock(mutex);
       if (r.joined != 0 && r.joined != id) return false;
       const bool once = r.op == 'O';
-      r.other_value = rendezvous::holds_other_length(store, once, r.key, length);
       const auto until = clock::now() + idle;
       while (!rendezvous::admit(store, receiving, once, r.key, length)) {
-        if (!rendezvous::admit(store, 0, once, r.key, length) || clock::now() >= until) return false;
+        if (!rendezvous::admit(store, 0, once, r.key, length) || clock::now() >= until) {
+          r.other_value = rendezvous::holds_other_length(store, once, r.key, length);  // as the store is now
+          return false;
+        }
         pollfd pfd[2] = {{c, POLLRDHUP, 0}, {stop, POLLIN, 0}};
         if (::poll(pfd, 2, 0) > 0 && ((pfd[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) || pfd[1].revents)) {
           abandoned = true;

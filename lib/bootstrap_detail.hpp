@@ -213,6 +213,7 @@ inline bool erase(store& s, std::string_view key) {
 /// holds (plus `receiving`, what puts under way were admitted with) and its
 /// limit (two u64); otherwise `value` is made empty. Takes the request's value.
 inline char answer(store& s, std::uint64_t id, request& req, value_ptr& value, std::uint64_t receiving = 0) {
+  value.reset();
   if (req.joined != 0 && req.joined != id) return 'S';
   const auto full = [&] {
     const std::uint64_t held = s.bytes + receiving;
@@ -222,7 +223,6 @@ inline char answer(store& s, std::uint64_t id, request& req, value_ptr& value, s
     value = std::make_shared<const blob>(std::move(v));
     return 'F';
   };
-  value.reset();
   if (req.refused) return req.other_value ? 'X' : full();
   if (req.op == 'G') {
     const auto it = s.map.find(req.key);

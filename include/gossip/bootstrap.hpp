@@ -100,9 +100,10 @@ class bootstrap {
   /// key counted with 64 bytes more); default 4 GiB. Puts past it are
   /// refused; what is held stays. Values that other ranks' puts are sending
   /// count too while they arrive: a put that fits beside what is held but
-  /// not beside them waits for them before its value is taken in (at most
-  /// the bootstrap timeout; a rank that rank 0 answered before asks again
-  /// meanwhile, each time no byte moved for timeout/12, 1–5 s).
+  /// not beside them waits for them before its value is taken in (for at
+  /// most the bootstrap timeout or 5 s, whichever is longer; a rank that
+  /// rank 0 answered before asks again meanwhile, each time no byte moved
+  /// for timeout/12, 1–5 s).
   void set_store_limit(std::uint64_t bytes);
   /// Every rank calls it with the same name; returns when all `world` have.
   /// Rank 0 returns last, so it may exit (and stop serving) right after.
